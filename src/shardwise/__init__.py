@@ -1,0 +1,52 @@
+"""shardwise: ZeRO-3 fully sharded data parallelism for plain PyTorch modules.
+
+Public API (every function that communicates is called by every rank, in the same order):
+
+Process group
+    init_distributed(backend=None, timeout=None)
+Sharding
+    shard(module, *, group, units, mixed_precision, buffers, src_rank, reshard_after_forward)
+    MixedPrecision(param_dtype, reduce_dtype)
+    is_sharded(module)
+    clip_grad_norm_(module, max_norm, norm_type=2.0)
+    no_sync(module)
+Consistency
+    sync_buffers(module, src_rank=0, group=None)
+    check_consistency(module, group=None)
+State
+    full_state_dict(module, rank0_only=True)
+Errors
+    ShardwiseError, DivergenceError, ReadOnlyGatherError
+
+Example::
+
+    import torch, shardwise as sw
+    sw.init_distributed()                       # torchrun --nproc_per_node N train.py
+    model = sw.shard(GPT(cfg))                  # each rank keeps 1/N of every parameter
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    loss = model(x, y); loss.backward(); opt.step()
+"""
+
+from .buffers import check_consistency, sync_buffers
+from .distributed import init_distributed
+from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
+from .grads import clip_grad_norm_, no_sync
+from .shard import MixedPrecision, is_sharded, shard
+from .state_dict import full_state_dict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DivergenceError",
+    "MixedPrecision",
+    "ReadOnlyGatherError",
+    "ShardwiseError",
+    "check_consistency",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "init_distributed",
+    "is_sharded",
+    "no_sync",
+    "shard",
+    "sync_buffers",
+]

@@ -1,0 +1,133 @@
+"""Per-model runtime state: the units, their order, and one iteration's bookkeeping.
+
+Lives on the root module (``module._shardwise``); nothing here is global, so any number of
+sharded models, on any groups, can live in one process.
+
+Note [collective order]
+Every rank must issue the same collectives in the same order. Gathers happen in the
+order units run (forward, then backward, which autograd executes deterministically), and
+prefetches follow the order recorded in the previous iteration, which is identical on
+every rank when every rank runs the same code (SPMD). Reductions left for the end of
+backward run in the fixed order of ``units``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ._comm import Comm
+from ._unit import Unit
+from .errors import ShardwiseError
+
+
+class ModelState:
+    """Everything shardwise knows about one sharded model."""
+
+    def __init__(self, root: nn.Module, comm: Comm, units: list[Unit], buffer_sync,
+                 src_rank: int) -> None:
+        self.root = root
+        self.comm = comm
+        self.units = units  # root first, then in module order
+        self.buffers = buffer_sync
+        self.src_rank = src_rank
+        self.requires_grad_sync = True
+        self.handles: list = []
+        self._prev_order: list[Unit] = []
+        self._order: list[Unit] = []
+        self._backward_pending = False  # a grad-requiring forward awaits its backward
+        self._pending_at_root_start = False
+        self._callback_queued = False
+        for u in units:
+            u.model = self
+
+    @property
+    def root_unit(self) -> Unit:
+        return self.units[0]
+
+    # -- forward ---------------------------------------------------------------------
+    def on_root_pre_forward(self) -> None:
+        self._pending_at_root_start = self._backward_pending
+        if not self._backward_pending:
+            # A new iteration. Units left gathered by an exception are released first.
+            if self._order:
+                self._prev_order = self._order
+            self._order = []
+            for u in self.units:
+                u.reshard()
+                u.reset_iteration()
+
+    def record_call(self, unit: Unit) -> None:
+        """Note the call and prefetch the unit that ran next last time."""
+        pos = len(self._order)
+        unit.call_index = pos
+        self._order.append(unit)
+        prev = self._prev_order
+        if pos + 1 < len(prev) and prev[pos] is unit:
+            prev[pos + 1].start_gather()
+
+    def on_root_post_forward(self, hooked: bool) -> None:
+        if self.root.training:
+            self.buffers.after_training_forward()
+        if hooked:
+            self._backward_pending = True
+        elif not self._pending_at_root_start:
+            # No backward will come: release everything now.
+            self._backward_pending = False
+            for u in self.units:
+                u.reshard()
+                u.reset_iteration()
+
+    # -- backward --------------------------------------------------------------------
+    def ensure_backward_callback(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._callback_queued = True
+
+    def on_pre_backward(self, unit: Unit, call_index: int) -> None:
+        self.ensure_backward_callback()
+        unit.finish_gather()
+        if call_index > 0:
+            prev = self._order[call_index - 1]
+            if prev.forward_calls > prev.backward_calls and not prev.reduced:
+                prev.start_gather()
+
+    def on_post_backward(self, unit: Unit) -> None:
+        unit.backward_calls += 1
+        if unit.backward_calls >= unit.forward_calls and not unit.reduced:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        unit.start_reduce(self.requires_grad_sync)
+        unit.reshard()
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: reduce what is left, then publish shard gradients."""
+        self._callback_queued = False
+        for u in reversed(self.units):
+            # A unit whose backward never ran here may have run on another rank, so it
+            # joins the reduction with zero gradients (see Note [collective order]).
+            if u.forward_calls > 0 and not u.reduced:
+                self._reduce(u)
+        reduced = [u for u in self.units if u.reduced]
+        if self.requires_grad_sync:
+            groups = [g for u in reduced for g in u.trainable_groups]
+            if groups:
+                # One small all-reduce says which parameters got a gradient anywhere.
+                used = torch.tensor([x for g in groups for x in g.used], dtype=torch.int32,
+                                    device=groups[0].local.device)
+                self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
+                used_list = used.bool().tolist()
+                offset = 0
+                for g in groups:
+                    g.finish_reduce(used_list[offset:offset + len(g.params)])
+                    offset += len(g.params)
+        for u in self.units:
+            for p in u.params:
+                if p.full.grad is not None and u.reduced:
+                    raise ShardwiseError(
+                        f"internal: a gradient for {p.fqns[0]} arrived after its unit "
+                        f"{u.name} was reduced; please report this with your model")
+            u.reshard()
+            u.reset_iteration()
+        self._backward_pending = False

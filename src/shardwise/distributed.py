@@ -1,0 +1,47 @@
+"""Process-group setup."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(backend: str | None = None,
+                     timeout: datetime.timedelta | float | None = None) -> None:
+    """Initialise ``torch.distributed`` from the environment ``torchrun`` sets.
+
+    Without that environment (a plain ``python script.py``) this makes a world of one
+    process, so the same script runs unchanged on one process. A no-op when
+    ``torch.distributed`` is already initialised.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default ``"nccl"`` when CUDA is available, else
+            ``"gloo"``.
+        timeout: collective timeout, a ``timedelta`` or seconds.
+
+    Raises:
+        ValueError: for a backend this build of torch lacks.
+
+    Example:
+        >>> import shardwise as sw
+        >>> sw.init_distributed()   # under `torchrun --nproc_per_node 2 train.py`
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise ValueError("backend 'nccl' is not available in this build of torch; use 'gloo'")
+    kwargs: dict = {}
+    if timeout is not None:
+        kwargs["timeout"] = (timeout if isinstance(timeout, datetime.timedelta)
+                             else datetime.timedelta(seconds=float(timeout)))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, **kwargs)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)

@@ -1,0 +1,98 @@
+"""Gradient utilities for sharded models: global norm clipping, gradient accumulation."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import ShardwiseError
+from .shard import _state_of
+
+
+def _require_state(module: nn.Module, what: str):
+    state = _state_of(module)
+    if state is None:
+        raise ShardwiseError(f"{what} needs the module passed to sw.shard(); "
+                             f"{type(module).__name__} is not a sharded root")
+    return state
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm over all ranks' shards, in place.
+
+    Args:
+        module: the root returned by :func:`shardwise.shard` (an unsharded module falls
+            back to ``torch.nn.utils.clip_grad_norm_``).
+        max_norm: largest allowed norm.
+        norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
+
+    Returns:
+        The total norm before clipping, identical on every rank.
+
+    Raises:
+        ShardwiseError: for a non-positive ``norm_type``.
+
+    Example:
+        >>> loss.backward()
+        >>> norm = sw.clip_grad_norm_(model, 1.0)
+        >>> opt.step()
+    """
+    state = _state_of(module)
+    if state is None:
+        return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
+    grads = [p.shard.grad for u in state.units for p in u.params if p.shard.grad is not None]
+    device = state.units[0].groups[0].local.device if state.units[0].groups else \
+        (grads[0].device if grads else torch.device("cpu"))
+    if grads:
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                             for g in grads]).to(device)
+    else:
+        norms = torch.zeros(1, device=device)
+    if math.isinf(norm_type):
+        local = norms.max()
+        state.comm.all_reduce(local, op=dist.ReduceOp.MAX)
+        total = local
+    else:
+        local = norms.pow(norm_type).sum()
+        state.comm.all_reduce(local)
+        total = local.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally, without communicating them, inside the block.
+
+    Backward passes inside keep each unit's *full* gradient (so a rank holds the whole
+    model's gradients until the next synchronised backward); the first backward outside
+    the block adds its gradients and reduce-scatters the sum. Parameters are still
+    gathered for every forward and backward.
+
+    Raises:
+        ShardwiseError: when ``module`` is not a sharded root.
+
+    Example:
+        >>> for micro in batches[:-1]:
+        ...     with sw.no_sync(model):
+        ...         model(micro).loss.backward()
+        >>> model(batches[-1]).loss.backward()   # reduces all micro-batches
+        >>> opt.step()
+    """
+    state = _require_state(module, "no_sync")
+    previous = state.requires_grad_sync
+    state.requires_grad_sync = False
+    try:
+        yield
+    finally:
+        state.requires_grad_sync = previous

@@ -1,0 +1,239 @@
+"""``shard()``: choose units, split parameters, sync initial state, install hooks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import _hooks
+from ._comm import Comm
+from ._state import ModelState
+from ._unit import FlatGroup, Unit
+from .buffers import BufferSync
+from .errors import ShardwiseError
+
+UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for compute and gradient reduction; master weights keep their dtype.
+
+    Args:
+        param_dtype: dtype full parameters are gathered in and computed with
+            (e.g. ``torch.bfloat16``); ``None`` keeps each parameter's dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in; ``None`` uses
+            ``param_dtype``.
+
+    Example:
+        >>> mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+def _state_of(module: nn.Module) -> ModelState | None:
+    return module.__dict__.get("_shardwise")
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded by :func:`shard` or holds parameters sharded by it.
+
+    Example:
+        >>> sw.is_sharded(model)      # False
+        >>> sw.is_sharded(sw.shard(model))   # True
+    """
+    if _state_of(module) is not None or "_shardwise_unit" in module.__dict__:
+        return True
+    return any("_shardwise_param" in p.__dict__ for p in module.parameters())
+
+
+def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module, nn.Module | None], bool]:
+    if units is None:
+        return lambda name, mod, parent: isinstance(parent, nn.ModuleList)
+    if isinstance(units, type) or (isinstance(units, tuple) and units
+                                   and all(isinstance(u, type) for u in units)):
+        return lambda name, mod, parent: isinstance(mod, units)
+    if callable(units):
+        return lambda name, mod, parent: bool(units(name, mod))
+    raise ShardwiseError(f"units={units!r} is not understood: pass a module class, a tuple of "
+                         f"classes, or a callable (qualified_name, module) -> bool")
+
+
+def _choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
+    pred = _unit_predicate(units)
+    by_name = dict(root.named_modules())
+    chosen: list[tuple[str, nn.Module]] = [("", root)]
+    for name, mod in by_name.items():
+        if mod is root:
+            continue
+        parent = by_name.get(name.rpartition(".")[0])
+        # The default takes the outermost ModuleList entries only.
+        nested = units is None and any(name.startswith(n + ".") for n, _ in chosen[1:])
+        if not nested and pred(name, mod, parent):
+            chosen.append((name, mod))
+    return chosen
+
+
+def _owner(path: str, unit_names: list[str]) -> int:
+    """Index of the innermost unit whose module contains ``path``."""
+    best, best_len = 0, -1
+    for i, n in enumerate(unit_names):
+        if (n == "" or path == n or path.startswith(n + ".")) and len(n) > best_len:
+            best, best_len = i, len(n)
+    return best
+
+
+def _common_unit(indices: set[int], unit_names: list[str]) -> int:
+    """The innermost unit containing all ``indices`` (for shared parameters)."""
+    if len(indices) == 1:
+        return next(iter(indices))
+    paths = [unit_names[i] for i in indices]
+    candidates = [i for i, n in enumerate(unit_names)
+                  if all(n == "" or p == n or p.startswith(n + ".") for p in paths)]
+    return max(candidates, key=lambda i: len(unit_names[i]))
+
+
+def _device_for(module: nn.Module, comm: Comm) -> torch.device:
+    if "nccl" in comm.backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: UnitSpec = None,
+          mixed_precision: MixedPrecision | None = None, buffers: str = "broadcast",
+          src_rank: int = 0, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``module`` in place (ZeRO-3) and return it.
+
+    Every parameter is split into ``world_size`` equal, padded pieces; each rank keeps
+    one. A unit's full parameters exist only while it computes. After the call every rank
+    holds ``src_rank``'s parameters and buffers. The module keeps its class and methods;
+    ``named_parameters()`` yields the original names, each a 1-D ``nn.Parameter`` holding
+    this rank's piece, so build the optimizer *after* sharding.
+
+    Args:
+        module: the model; its parameters must be real tensors on ``src_rank``.
+        group: process group (default: the world).
+        units: submodules gathered together: a class, tuple of classes, or a callable
+            ``(qualified_name, module) -> bool``. Default: each entry of an
+            ``nn.ModuleList``. The root owns every other parameter.
+        mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
+        buffers: ``"broadcast"``, ``"average"`` or ``"local"``, see :mod:`shardwise.buffers`.
+        src_rank: rank (in ``group``) whose initial state everyone takes.
+        reshard_after_forward: free non-root units after forward (ZeRO-3) or keep them
+            until their backward (less communication, more memory).
+
+    Raises:
+        ShardwiseError: when torch.distributed is not initialised, the module or one of
+            its submodules is already sharded, ``src_rank`` is out of range, a policy or
+            ``units`` is invalid, or ``src_rank`` holds meta tensors.
+
+    Example:
+        >>> sw.init_distributed()
+        >>> model = sw.shard(GPT(cfg))
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardwiseError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if not dist.is_initialized():
+        raise ShardwiseError("torch.distributed is not initialised: call sw.init_distributed() "
+                             "first (under torchrun, or as a world of one process)")
+    for name, sub in module.named_modules():
+        if is_sharded(sub):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ShardwiseError(f"cannot shard {type(module).__name__}: {where} is already "
+                                 f"sharded. Shard the outermost model once and pick units "
+                                 f"with units=...")
+    comm = Comm(group)
+    if not 0 <= src_rank < comm.world_size:
+        raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
+                             f"{comm.world_size}")
+    mp = mixed_precision or MixedPrecision()
+    buffer_sync = BufferSync(module, comm, buffers, src_rank)
+    device = _device_for(module, comm)
+    chosen = _choose_units(module, units)
+    unit_names = [n for n, _ in chosen]
+
+    # Every place each parameter is registered, and the units that use it.
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    fqns: dict[int, list[str]] = {}
+    owners: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for mod_path, mod in module.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
+            key = id(p)
+            params.setdefault(key, p)
+            if (mod, pname) not in slots.setdefault(key, []):
+                slots[key].append((mod, pname))
+            fqn = f"{mod_path}.{pname}" if mod_path else pname
+            if fqn not in fqns.setdefault(key, []):
+                fqns[key].append(fqn)
+            owners.setdefault(key, set()).add(_owner(mod_path, unit_names))
+    if comm.rank == src_rank:
+        meta = [fqns[k][0] for k, p in params.items() if p.is_meta]
+        if meta:
+            raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
+                                 f"{meta[:5]}: materialise them first, or build the model "
+                                 f"under sw.sharded_init()")
+
+    per_unit: list[list[int]] = [[] for _ in chosen]
+    for key in params:
+        per_unit[_common_unit(owners[key], unit_names)].append(key)
+
+    built: list[Unit] = []
+    for i, (name, mod) in enumerate(chosen):
+        groups = []
+        by_kind: dict[tuple, list[int]] = {}
+        for key in per_unit[i]:
+            p = params[key]
+            by_kind.setdefault((p.dtype, p.requires_grad), []).append(key)
+        for (dtype, _), keys in by_kind.items():
+            floating = dtype.is_floating_point
+            compute = (mp.param_dtype or dtype) if floating else dtype
+            reduce = (mp.reduce_dtype or compute) if floating else dtype
+            originals = [params[k] for k in keys]
+            g = FlatGroup([fqns[k] for k in keys], [slots[k] for k in keys], originals, comm,
+                          device, compute, reduce)
+            flat = g.flat_from([p.data.to(device) for p in originals]) \
+                if comm.rank == src_rank else None
+            g.fill_local(flat, src_rank)
+            del flat, originals
+            for sp in g.params:
+                sp.shard.__dict__["_shardwise_param"] = sp
+                sp.full.__dict__["_shardwise_param"] = sp
+                for m, attr in sp.slots:
+                    m._parameters[attr] = sp.shard
+            groups.append(g)
+        built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0)))
+    params.clear()
+
+    for mod in module.modules():
+        for bname, b in mod._buffers.items():
+            if b is not None and b.device != device and not b.is_meta:
+                mod._buffers[bname] = b.to(device)
+    buffer_sync.broadcast_all()
+
+    state = ModelState(module, comm, built, buffer_sync, src_rank)
+    for unit in built:
+        unit.module.__dict__["_shardwise_unit"] = unit
+        state.handles.append(unit.module.register_forward_pre_hook(
+            functools.partial(_hooks.pre_forward, unit), prepend=True, with_kwargs=True))
+        state.handles.append(unit.module.register_forward_hook(
+            functools.partial(_hooks.post_forward, unit), with_kwargs=True))
+        for sp in unit.params:
+            if sp.requires_grad:
+                state.handles.append(sp.full.register_post_accumulate_grad_hook(
+                    lambda _p, s=state: s.ensure_backward_callback()))
+    module.__dict__["_shardwise"] = state
+    return module

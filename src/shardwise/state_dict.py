@@ -1,0 +1,51 @@
+"""Consolidated (full) state dicts of sharded models."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .shard import _state_of
+
+
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded module's ``state_dict()``, consolidated on CPU.
+
+    Same keys as the unsharded module (original names; a tied weight under each name),
+    shapes and dtypes; parameters and persistent buffers. One unit is gathered at a time,
+    so memory stays near one unit plus the CPU result. Every rank must call it.
+
+    Args:
+        module: a sharded root (an unsharded module is simply copied to CPU).
+        rank0_only: return an empty dict on ranks other than 0 of the model's group.
+
+    Example:
+        >>> sd = sw.full_state_dict(model)
+        >>> if dist.get_rank() == 0:
+        ...     safetensors.torch.save_file(sd, "model.safetensors")
+    """
+    state = _state_of(module)
+    keep = state is None or not rank0_only or state.comm.rank == 0
+    sd = module.state_dict(keep_vars=True)
+    full: dict[int, torch.Tensor] = {}
+    if state is not None:
+        for unit in state.units:
+            for g in unit.groups:
+                flat = torch.empty(g.layout.total_numel, dtype=g.dtype, device=g.local.device)
+                state.comm.all_gather(flat, g.local)
+                if keep:
+                    for p in g.params:
+                        value = flat[p.span.offset:p.span.offset + p.numel].view(p.shape)
+                        full[id(p)] = value.to("cpu", copy=True)
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        sp = value.__dict__.get("_shardwise_param") if isinstance(value, torch.Tensor) else None
+        if sp is not None:
+            out[key] = full[id(sp)]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().to("cpu", copy=True)
+        else:
+            out[key] = value
+    return out
