@@ -5,8 +5,8 @@ torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in fa
 is used where it exists, so no deprecation warning is raised on any release.
 
 Note [version counters]
-Collectives writing into a tensor bump its autograd version counter, both when issued and
-when waited on. Full parameters are
+Collectives writing into a tensor bump its autograd version counter, and gloo does so on
+its own worker thread at some point before the work completes. Full parameters are
 views of the all-gather output and autograd saves them for backward; re-gathering them
 before backward would make autograd believe they were modified in place. The values
 written are exactly those saved, so the counter is restored around every gather.
@@ -58,9 +58,13 @@ class Comm:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Concatenate every rank's ``inp`` into ``out``; see Note [version counters]."""
         self.stats.add("all_gather", inp)
-        with torch.autograd._unsafe_preserve_version_counter(out):
-            work = _all_gather_flat(out, inp, group=self.group, async_op=async_op)
-        return _PreservingWork(work, out) if async_op else None
+        version = out._version
+        work = _PreservingWork(_all_gather_flat(out, inp, group=self.group, async_op=True),
+                               out, version)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
@@ -110,10 +114,10 @@ class Comm:
 class _PreservingWork:
     """An async all-gather whose ``wait`` leaves the output's version counter alone."""
 
-    def __init__(self, work, out: torch.Tensor) -> None:
+    def __init__(self, work, out: torch.Tensor, version: int) -> None:
         self._work = work
         self._out = out
-        self._version = out._version
+        self._version = version  # read before issuing: the bump happens on gloo's thread
 
     def wait(self) -> None:
         self._work.wait()
