@@ -52,6 +52,7 @@ def _compare(rank, world, build, batches, loss_fn):
     opt_sw = torch.optim.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1)
     l_ddp = _train(ddp, opt_ddp, batches(), loss_fn)
     l_sw = _train(ours, opt_sw, batches(), loss_fn)
+    sw.check_consistency(ours)  # buffers identical on every rank, not only on rank 0
     sd_sw = sw.full_state_dict(ours)
     # Under DDP each rank's buffers evolve with its own batches after the pre-forward
     # broadcast; rank 0's are the model's state, and full_state_dict returns them there.

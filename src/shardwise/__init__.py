@@ -11,6 +11,7 @@ Sharding
     clip_grad_norm_(module, max_norm, norm_type=2.0)
     no_sync(module)
 Consistency
+    gathered(module_or_params, modifier_rank=None)
     sync_buffers(module, src_rank=0, group=None)
     check_consistency(module, group=None)
 State
@@ -30,6 +31,7 @@ Example::
 from .buffers import check_consistency, sync_buffers
 from .distributed import init_distributed
 from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
+from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
@@ -44,6 +46,7 @@ __all__ = [
     "check_consistency",
     "clip_grad_norm_",
     "full_state_dict",
+    "gathered",
     "init_distributed",
     "is_sharded",
     "no_sync",

@@ -38,6 +38,7 @@ class ModelState:
         self._backward_pending = False  # a grad-requiring forward awaits its backward
         self._pending_at_root_start = False
         self._callback_queued = False
+        self._buffers_due = False  # a training forward's buffer sync waits for its backward
         for u in units:
             u.model = self
 
@@ -67,8 +68,12 @@ class ModelState:
             prev[pos + 1].start_gather()
 
     def on_root_post_forward(self, hooked: bool) -> None:
-        if self.root.training:
-            self.buffers.after_training_forward()
+        # Note [buffer sync point]
+        # BatchNorm saves its running statistics for backward, so overwriting buffers
+        # between a forward and its backward would break autograd's version check (and
+        # would change what backward reads). Buffers are synchronised when the backward
+        # finishes, or right away when no backward will come.
+        self._buffers_due |= self.root.training
         if hooked:
             self._backward_pending = True
         elif not self._pending_at_root_start:
@@ -77,6 +82,12 @@ class ModelState:
             for u in self.units:
                 u.reshard()
                 u.reset_iteration()
+            self._sync_buffers_if_due()
+
+    def _sync_buffers_if_due(self) -> None:
+        if self._buffers_due:
+            self._buffers_due = False
+            self.buffers.after_training_forward()
 
     # -- backward --------------------------------------------------------------------
     def ensure_backward_callback(self) -> None:
@@ -131,3 +142,4 @@ class ModelState:
             u.reshard()
             u.reset_iteration()
         self._backward_pending = False
+        self._sync_buffers_if_due()  # Note [buffer sync point]

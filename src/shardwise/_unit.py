@@ -59,6 +59,7 @@ class ShardedParam:
     piece: Piece
     shard: nn.Parameter
     full: nn.Parameter
+    unit: "Unit | None" = None
 
     @property
     def numel(self) -> int:
@@ -249,6 +250,9 @@ class Unit:
         self.module = module
         self.name = name or "<root>"
         self.groups = groups
+        for g in groups:
+            for p in g.params:
+                p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
         self.state = UnitState.SHARDED

@@ -1,7 +1,9 @@
 """Buffers: replicated state kept identical across ranks by a stated policy.
 
 Buffers are never sharded. They are synchronised from ``src_rank`` when a model is
-sharded, and after every training-mode forward by the model's policy:
+sharded, and after every training-mode step by the model's policy: when the backward of a
+training-mode forward finishes, or right after a training-mode forward that has no backward
+(see Note [buffer sync point] in _state.py):
 
 - ``"broadcast"``: every rank takes ``src_rank``'s buffers. ``src_rank``'s values evolve
   exactly as under DistributedDataParallel with ``broadcast_buffers=True``.
@@ -9,13 +11,15 @@ sharded, and after every training-mode forward by the model's policy:
   then reflect every rank's data); integer buffers are taken from ``src_rank``.
 - ``"local"``: nothing is synchronised; :func:`check_consistency` reports the divergence.
 
-Only buffers that some rank modified since the last synchronisation travel (autograd
-version counters tell), after one small all-reduce that makes every rank agree on which.
+Every buffer travels at every such point, one message per dtype. Change
+detection by autograd version counters is not an option: BatchNorm's kernel updates its
+running statistics in place without bumping them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -42,39 +46,24 @@ class BufferSync:
         self.comm = comm
         self.policy = policy
         self.src_rank = src_rank
-        self._versions: dict[str, tuple[int, int]] = {}
-
-    def _remember(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        self._versions = {n: (id(b), b._version) for n, b in named}
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
-        named = _named_buffers(self.root)
-        self.comm.broadcast_tensors([b for _, b in named], self.src_rank)
-        self._remember(named)
+        self.comm.broadcast_tensors([b for _, b in _named_buffers(self.root)], self.src_rank)
 
     def after_training_forward(self) -> None:
         if self.policy == "local":
             return
-        named = _named_buffers(self.root)
-        if not named:
+        buffers = [b for _, b in _named_buffers(self.root)]
+        if not buffers:
             return
-        changed = [self._versions.get(n) != (id(b), b._version) for n, b in named]
-        flags = torch.tensor(changed, dtype=torch.uint8)
-        if named[0][1].device.type != "cpu" and self.comm.backend != "gloo":
-            flags = flags.to(named[0][1].device)
-        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
-        todo = [b for (_, b), f in zip(named, flags.tolist()) if f]
-        if todo:
-            if self.policy == "broadcast":
-                self.comm.broadcast_tensors(todo, self.src_rank)
-            else:
-                floating = [b for b in todo if b.is_floating_point() or b.is_complex()]
-                self.comm.broadcast_tensors([b for b in todo if not (b.is_floating_point()
-                                                                     or b.is_complex())],
-                                            self.src_rank)
-                self.comm.average_tensors(floating)
-        self._remember(named)
+        if self.policy == "broadcast":
+            self.comm.broadcast_tensors(buffers, self.src_rank)
+            return
+        floating = [b for b in buffers if b.is_floating_point() or b.is_complex()]
+        exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
+        self.comm.average_tensors(floating)
+        self.comm.broadcast_tensors(exact, self.src_rank)
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -113,9 +102,6 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     comm.broadcast_tensors([b for _, b in _named_buffers(module)], src_rank)
-    state = module.__dict__.get("_shardwise")
-    if state is not None:
-        state.buffers._remember(_named_buffers(module))
 
 
 def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -155,3 +141,14 @@ def check_consistency(module: nn.Module, group=None) -> None:
     if problems:
         raise DivergenceError(f"{len(problems)} replicated tensor(s) differ across the "
                               f"{comm.world_size} ranks:\n" + "\n".join(problems))
+
+
+def maybe_check(module: nn.Module) -> None:
+    """Run :func:`check_consistency` when the environment sets ``SHARDWISE_CHECK=1``.
+
+    Called after ``shard``, after ``load_pretrained``, after a ``gathered`` block with a
+    modifier exits, and before a checkpoint is saved. Read at each call, so it is no
+    process-wide switch that a model could set for another.
+    """
+    if os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0"):
+        check_consistency(module)

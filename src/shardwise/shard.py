@@ -14,7 +14,7 @@ from . import _hooks
 from ._comm import Comm
 from ._state import ModelState
 from ._unit import FlatGroup, Unit
-from .buffers import BufferSync
+from .buffers import BufferSync, maybe_check
 from .errors import ShardwiseError
 
 UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
@@ -236,4 +236,5 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
                 state.handles.append(sp.full.register_post_accumulate_grad_hook(
                     lambda _p, s=state: s.ensure_backward_callback()))
     module.__dict__["_shardwise"] = state
+    maybe_check(module)
     return module

@@ -1,0 +1,204 @@
+"""``gathered()``: full parameters on demand, read-only unless one rank is named to modify.
+
+Note [read-only detection]
+A write to a parameter is detected through autograd version counters, which in-place
+operations bump: one integer comparison per flat buffer on exit, never a checksum. Full
+parameters of one flat group share their buffer's counter, so the counter says *that*
+a group was written; only then (the error path) are its parameters compared against a
+fresh gather of the untouched shards to name *which*. Writes through ``.data`` bypass
+version counters and are not seen. Buffers are small, and some kernels update them without
+bumping their counter (BatchNorm's running statistics), so they are compared by value
+against a snapshot taken on entry. Ranks agree on the outcome with one small all-reduce,
+so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._comm import Comm
+from ._unit import FlatGroup, ShardedParam, Unit, UnitState
+from .buffers import _named_buffers, maybe_check
+from .errors import ReadOnlyGatherError, ShardwiseError
+
+
+def _sharded_info(t: torch.Tensor) -> ShardedParam | None:
+    return t.__dict__.get("_shardwise_param")
+
+
+def _agree(comm: Comm, local: bool) -> bool:
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=_comm_device(comm))
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _comm_device(comm: Comm) -> torch.device:
+    if "nccl" in comm.backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -> list[str]:
+    """Names of parameters whose full values no longer match the shards (error path)."""
+    anywhere = comm.all_gather_object([i for i, s in enumerate(suspects) if s])
+    union = sorted(set().union(*map(set, anywhere)))
+    names = []
+    for i in union:
+        g = groups[i]
+        fresh = torch.empty_like(g.full)
+        comm.all_gather(fresh, g.local.to(g.compute_dtype))
+        for p in g.params:
+            span = slice(p.span.offset, p.span.offset + p.numel)
+            if not torch.equal(fresh[span], g.full[span]):
+                names.append(p.fqns[0])
+        g.full.copy_(fresh)  # an enclosing gathered() block sees the original values again
+    return names
+
+
+@contextlib.contextmanager
+def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
+             modifier_rank: int | None = None) -> Iterator[object]:
+    """Make full parameters available inside the block.
+
+    Every unit that holds one of the given parameters is gathered (nested blocks reuse an
+    enclosing gather). Inside, the module's attributes are the full parameters.
+
+    With ``modifier_rank=None`` the block is read-only: an in-place write, on any rank, to
+    a gathered parameter or to a buffer of the module (or replacing one) raises
+    :class:`ReadOnlyGatherError` on exit on every rank, naming the tensor; the shards stay
+    as they were. With ``modifier_rank=r``, rank r's parameters *and buffers* are what
+    every rank holds after the block. Unsharded modules and tensors pass through
+    unchanged (with ``modifier_rank`` they are broadcast from rank r).
+
+    If an exception leaves the block, the units it gathered are resharded without any
+    communication and the exception propagates.
+
+    Args:
+        module_or_params: a module, or an iterable of parameters.
+        modifier_rank: the rank whose edits are kept, or ``None`` for read-only.
+
+    Yields:
+        The module, or for an iterable the list of full tensors in the same order.
+
+    Raises:
+        ReadOnlyGatherError: a read-only block was written to.
+        ShardwiseError: ``modifier_rank`` out of range, used with mixed precision, or the
+            block was entered while the model awaits its backward.
+
+    Example:
+        >>> with sw.gathered(model.lm_head, modifier_rank=0):
+        ...     if dist.get_rank() == 0:
+        ...         model.lm_head.weight.zero_()
+    """
+    is_module = isinstance(module_or_params, nn.Module)
+    if is_module:
+        params = list(module_or_params.parameters())
+        named_params = dict((id(p), n) for n, p in module_or_params.named_parameters())
+        buffers = _named_buffers(module_or_params)
+    else:
+        params = list(module_or_params)
+        named_params = {id(p): f"tensor {i}" for i, p in enumerate(params)}
+        buffers = []
+    infos: list[ShardedParam] = []
+    for p in params:
+        sp = _sharded_info(p)
+        if sp is not None and all(sp is not q for q in infos):
+            infos.append(sp)
+    units: list[Unit] = []
+    for sp in infos:
+        if all(sp.unit is not u for u in units):
+            units.append(sp.unit)
+    plain = [(named_params.get(id(p), "?"), p) for p in params if _sharded_info(p) is None]
+    if not units and not dist.is_initialized():
+        yield module_or_params if is_module else params
+        return
+    comm = units[0].model.comm if units else Comm(None)
+    if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
+        raise ShardwiseError(f"modifier_rank={modifier_rank} is not a rank of a group of "
+                             f"{comm.world_size}")
+    for u in units:
+        if u.model._backward_pending:
+            raise ShardwiseError("gathered() was entered between a forward and its backward; "
+                                 "use it outside training steps")
+        if modifier_rank is not None and any(g.compute_dtype != g.dtype for g in u.groups):
+            raise ShardwiseError("gathered(..., modifier_rank=...) is not supported with "
+                                 "mixed_precision: full parameters are in param_dtype")
+    # Deterministic order on every rank: per model, in the model's unit order.
+    units.sort(key=lambda u: (id(u.model), u.model.units.index(u)))
+    newly = [u for u in units if u.state is not UnitState.GATHERED]
+    for u in newly:
+        u.finish_gather()
+    groups = [g for u in units for g in u.groups]
+    group_versions = [g.full._version for g in groups]
+    buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
+                       if modifier_rank is None else [])
+    plain_versions = [(n, p, p._version) for n, p in plain]
+    try:
+        yield module_or_params if is_module else [
+            sp.full if (sp := _sharded_info(p)) is not None else p for p in params]
+    except BaseException:
+        for u in newly:
+            u.reshard()
+        raise
+
+    replaced = [(sp, m, a) for g in groups for sp in g.params for m, a in sp.slots
+                if m._parameters.get(a) is not sp.full]
+    try:
+        if modifier_rank is None:
+            suspects = [g.full._version != v for g, v in zip(groups, group_versions)]
+            now_buffers = dict(_named_buffers(module_or_params)) if is_module else {}
+            local = [f"buffer {n}" for n, b, old in buffer_snapshot
+                     if now_buffers.get(n) is not b or not torch.equal(b, old)]
+            local += [f"parameter {n}" for n, p, v in plain_versions if p._version != v]
+            local += [f"parameter {sp.fqns[0]} (replaced)" for sp, _, _ in replaced]
+            if _agree(comm, bool(local) or any(suspects)):
+                local += [f"parameter {n}" for n in _written_params(comm, groups, suspects)]
+                everyone = comm.all_gather_object(local)
+                msgs = sorted(set().union(*map(set, everyone)))
+                raise ReadOnlyGatherError(
+                    "written inside a read-only sw.gathered() block: " + ", ".join(msgs) +
+                    ". Pass modifier_rank=<rank> to keep one rank's edits; parameter shards "
+                    "were left unchanged")
+        else:
+            _apply_modifications(comm, groups, replaced, module_or_params if is_module else None,
+                                 plain, modifier_rank)
+    finally:
+        for sp, m, a in replaced:
+            m._parameters[a] = sp.full
+        for u in newly:
+            u.reshard()
+    if modifier_rank is not None and is_module:
+        maybe_check(module_or_params)
+
+
+def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced, module, plain,
+                         src: int) -> None:
+    """Make rank ``src``'s full parameters and buffers everyone's, and reshard them."""
+    problems = []
+    if comm.rank == src:
+        for sp, m, a in replaced:
+            new = m._parameters.get(a)
+            if new is None or tuple(new.shape) != tuple(sp.shape):
+                problems.append(f"{sp.fqns[0]} was replaced by a tensor of shape "
+                                f"{None if new is None else tuple(new.shape)}, expected "
+                                f"{tuple(sp.shape)}")
+            else:
+                with torch.no_grad():
+                    sp.full.copy_(new)
+    if _agree(comm, bool(problems)):
+        detail = "; ".join(problems) if problems else f"see the error on rank {src}"
+        raise ShardwiseError(f"gathered(modifier_rank={src}) cannot keep the edits: {detail}")
+    with torch.no_grad():
+        for g in groups:
+            comm.broadcast(g.full, src)
+            lo = comm.rank * g.layout.shard_numel
+            g.local.copy_(g.full[lo:lo + g.layout.shard_numel])
+        if module is not None:
+            comm.broadcast_tensors([b for _, b in _named_buffers(module)], src)
+        if plain:
+            comm.broadcast_tensors([p.data for _, p in plain], src)
