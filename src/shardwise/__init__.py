@@ -14,8 +14,12 @@ Consistency
     gathered(module_or_params, modifier_rank=None)
     sync_buffers(module, src_rank=0, group=None)
     check_consistency(module, group=None)
-State
+State and checkpoints
     full_state_dict(module, rank0_only=True)
+    load_pretrained(module, source, strict=True, rename=None)
+    save_checkpoint(path, module, optimizer=None, extra=None)
+    load_checkpoint(path, module, optimizer=None) -> extra
+    command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
 Errors
     ShardwiseError, DivergenceError, ReadOnlyGatherError
 
@@ -29,6 +33,7 @@ Example::
 """
 
 from .buffers import check_consistency, sync_buffers
+from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from .distributed import init_distributed
 from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
@@ -49,7 +54,10 @@ __all__ = [
     "gathered",
     "init_distributed",
     "is_sharded",
+    "load_checkpoint",
+    "load_pretrained",
     "no_sync",
+    "save_checkpoint",
     "shard",
     "sync_buffers",
 ]

@@ -16,6 +16,7 @@ so both hooks only make sure the unit is gathered when autograd is executing.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,20 +66,52 @@ def pre_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict
     return tree_unflatten(flat, spec)
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size)
+
+
+def _output_tensors(output: Any) -> tuple[list[torch.Tensor], bool]:
+    """Every tensor in a forward's output, and whether some part could not be searched.
+
+    Tuples, lists and mappings (a Hugging Face ``ModelOutput`` is one) are walked
+    directly; anything else goes through torch's pytree, and what that cannot open
+    either makes the output opaque.
+    """
+    found: list[torch.Tensor] = []
+    opaque = False
+    stack = [output]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif not isinstance(x, _PLAIN):
+            leaves = tree_flatten(x)[0]
+            if len(leaves) == 1 and leaves[0] is x:
+                opaque = True
+            else:
+                stack.extend(leaves)
+    return found, opaque
+
+
 def post_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict,
                  output: Any) -> None:
     if _in_backward():  # Note [recompute]
         return None
     model = unit.model
-    hooked = False
+    hooked = opaque = False
     if torch.is_grad_enabled():
         index = unit.call_index
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        tensors, opaque = _output_tensors(output)
+        for t in tensors:
+            if t.requires_grad:
                 t.register_hook(lambda grad, index=index: model.on_pre_backward(unit, index))
                 hooked = True
     if unit.is_root:
-        model.on_root_post_forward(hooked)
+        model.on_root_post_forward(hooked, opaque)
     elif not torch.is_grad_enabled():
         unit.reshard()
     elif unit.reshard_after_forward and (hooked or not any(p.requires_grad for p in unit.params)):

@@ -67,14 +67,16 @@ class ModelState:
         if pos + 1 < len(prev) and prev[pos] is unit:
             prev[pos + 1].start_gather()
 
-    def on_root_post_forward(self, hooked: bool) -> None:
+    def on_root_post_forward(self, hooked: bool, opaque: bool = False) -> None:
         # Note [buffer sync point]
         # BatchNorm saves its running statistics for backward, so overwriting buffers
         # between a forward and its backward would break autograd's version check (and
         # would change what backward reads). Buffers are synchronised when the backward
         # finishes, or right away when no backward will come.
         self._buffers_due |= self.root.training
-        if hooked:
+        if hooked or opaque:
+            # An output we cannot search may still lead to a backward: keep what it may
+            # need gathered rather than free parameters autograd saved.
             self._backward_pending = True
         elif not self._pending_at_root_start:
             # No backward will come: release everything now.

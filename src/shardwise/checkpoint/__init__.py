@@ -1,0 +1,7 @@
+"""Checkpoints and pretrained weights: safetensors data, JSON metadata, nothing pickled."""
+
+from .consolidate import consolidate, describe
+from .io import load_checkpoint, save_checkpoint
+from .pretrained import load_pretrained
+
+__all__ = ["consolidate", "describe", "load_checkpoint", "load_pretrained", "save_checkpoint"]

@@ -1,0 +1,222 @@
+"""The on-disk format: safetensors data, JSON metadata, atomic writes.
+
+A checkpoint is a folder::
+
+    CKPT/
+      checkpoint.json          metadata; replacing it is the commit point
+      data-<id>/
+        rank-00000-of-00002.safetensors   rank 0's parameter and optimizer pieces, RNG
+        rank-00001-of-00002.safetensors
+        buffers.safetensors               every buffer, checked identical across ranks
+
+Note [atomic save]
+Data files go into a fresh ``data-<id>`` folder that no metadata refers to yet; each is
+written to a temporary name, fsynced and renamed. Only then is ``checkpoint.json`` written
+to a temporary name, fsynced and moved over the old one with ``os.replace`` (atomic on
+POSIX), and the folder is fsynced. A crash before that leaves the old ``checkpoint.json``
+pointing at the old, untouched data; a crash after it leaves the new one complete. Stale
+``data-*`` folders are removed by the next successful save. Every data file's size and
+SHA-256 are in the metadata, so truncation and corruption are reported, by file name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+FORMAT = "shardwise-checkpoint"
+FORMAT_VERSION = 1
+META = "checkpoint.json"
+BUFFERS_FILE = "buffers.safetensors"
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+_FP8 = {getattr(torch, n): s for n, s in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"))
+        if hasattr(torch, n)}
+_ST_DTYPES.update(_FP8)
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def sha256_file(path: str, chunk: int = 1 << 24) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def verify_file(path: str, expected: dict[str, Any]) -> str | None:
+    """A description of what is wrong with ``path``, or None when it is intact."""
+    if not os.path.isfile(path):
+        return f"{path}: missing"
+    size, digest = sha256_file(path)
+    if size != expected["bytes"]:
+        return f"{path}: truncated or resized ({size} bytes, expected {expected['bytes']})"
+    if digest != expected["sha256"]:
+        return f"{path}: corrupt (SHA-256 does not match the checkpoint metadata)"
+    return None
+
+
+class SafetensorsStreamWriter:
+    """Writes a safetensors file one tensor at a time, so memory stays at one tensor.
+
+    The header (names, dtypes, shapes, offsets) is known up front from metadata; tensors
+    must then be written in the order given.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = metadata
+        offset = 0
+        self._order = []
+        for name, dtype, shape in entries:
+            if dtype not in _ST_DTYPES:
+                raise ValueError(f"safetensors cannot store dtype {dtype} ({name})")
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self.path = path
+        self.total_bytes = offset
+        self._tmp = f"{path}.tmp-{os.getpid()}"
+        self._f = open(self._tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, nbytes = self._order[self._next]
+        if name != expected:
+            raise ValueError(f"expected tensor {expected!r} next, got {name!r}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        if data.numel() != nbytes:
+            raise ValueError(f"{name}: {data.numel()} bytes, expected {nbytes}")
+        if sys.byteorder != "little":
+            raise RuntimeError("writing safetensors needs a little-endian machine")
+        self._f.write(data.numpy().tobytes())
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            self.abort()
+            raise ValueError(f"only {self._next} of {len(self._order)} tensors were written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        fsync_dir(os.path.dirname(self.path) or ".")
+
+    def abort(self) -> None:
+        self._f.close()
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+
+class Progress:
+    """A one-line progress bar on stderr, shown only for long work on a terminal or when
+    forced; never more than one redraw per percent."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.done = 0
+        self.enabled = (sys.stderr.isatty() if enabled is None else enabled)
+        self._last = -1
+
+    def advance(self, amount: int) -> None:
+        self.done += amount
+        pct = int(100 * self.done / self.total)
+        if self.enabled and pct != self._last:
+            self._last = pct
+            bar = "#" * (pct // 4)
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% "
+                             f"({self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB)")
+            sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def flat_range(reader_slice, shape: Iterable[int], lo: int, hi: int) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a row-major tensor, reading only the rows that hold them.
+
+    ``reader_slice`` is a safetensors slice (indexable along dim 0) or a tensor.
+    """
+    shape = tuple(shape)
+    if hi <= lo:
+        return torch.empty(0)
+    if len(shape) == 0:
+        return torch.as_tensor(reader_slice[...]).reshape(-1)[lo:hi]
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    r0, r1 = lo // row, -(-hi // row)
+    rows = reader_slice[r0:r1]
+    return rows.reshape(-1)[lo - r0 * row:hi - r0 * row]

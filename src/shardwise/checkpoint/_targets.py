@@ -1,0 +1,101 @@
+"""What a module's state is made of: its parameters (sharded or not) and persistent buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._comm import Comm
+from .._unit import ShardedParam
+from ..errors import ShardwiseError
+
+
+@dataclass
+class ParamTarget:
+    """One parameter of the module, under every name it has in ``state_dict()``."""
+
+    names: list[str]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sharded: ShardedParam | None
+    plain: torch.Tensor | None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def local_range(self) -> tuple[int, int]:
+        """(offset into the flattened parameter, element count) this rank stores."""
+        if self.sharded is not None:
+            return self.sharded.piece.param_offset, self.sharded.piece.numel
+        return 0, self.numel
+
+    def local_values(self) -> torch.Tensor:
+        """This rank's elements, flattened."""
+        if self.sharded is not None:
+            return self.sharded.shard.detach()
+        return self.plain.detach().reshape(-1)
+
+    def write_local(self, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            if self.sharded is not None:
+                self.sharded.shard.copy_(values.reshape(-1))
+            else:
+                self.plain.copy_(values.reshape(self.shape))
+
+
+def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:
+    """The parameters (each once, with all its names) and persistent buffers of ``module``."""
+    params: dict[int, ParamTarget] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    param_ids = {id(p) for p in module.parameters()}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        sp = value.__dict__.get("_shardwise_param")
+        if sp is not None:
+            key = id(sp)
+            if key not in params:
+                params[key] = ParamTarget([], tuple(sp.shape), sp.dtype, sp, None)
+        elif id(value) in param_ids:
+            key = id(value)
+            if key not in params:
+                params[key] = ParamTarget([], tuple(value.shape), value.dtype, None, value)
+        else:
+            buffers[name] = value
+            continue
+        params[key].names.append(name)
+    for t in params.values():
+        if t.sharded is not None and t.sharded.unit.state.value != "sharded":
+            raise ShardwiseError("cannot load or save state while the model is inside its "
+                                 "forward/backward or a gathered() block")
+    return list(params.values()), buffers
+
+
+def comm_of(module: nn.Module) -> Comm | None:
+    state = module.__dict__.get("_shardwise")
+    if state is not None:
+        return state.comm
+    return Comm(None) if dist.is_initialized() else None
+
+
+def agree(comm: Comm | None, error: str | None, what: str) -> None:
+    """Raise on every rank if any rank hit an error (each rank's message is included)."""
+    if comm is None or comm.world_size == 1:
+        if error:
+            raise ShardwiseError(f"{what}: {error}")
+        return
+    errors = comm.all_gather_object(error)
+    if any(errors):
+        distinct: dict[str, list[int]] = {}
+        for r, e in enumerate(errors):
+            if e:
+                distinct.setdefault(e, []).append(r)
+        lines = [f"  rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
+        raise ShardwiseError(f"{what}; nothing was changed:\n" + "\n".join(lines))

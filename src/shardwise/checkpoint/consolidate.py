@@ -1,0 +1,144 @@
+"""Consolidate a sharded checkpoint into full safetensors, one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ._format import (BUFFERS_FILE, Progress, SafetensorsStreamWriter, dtype_from_name,
+                      write_json_atomic)
+from .io import _Checkpoint
+
+
+def _entries(ck: _Checkpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], str, str]]:
+    """(output name, dtype, shape, kind, source key) for every tensor, tied names included."""
+    out = []
+    for main, e in ck.meta["params"].items():
+        for name in e["names"]:
+            out.append((name, dtype_from_name(e["dtype"]), tuple(e["shape"]), "param", main))
+    for name, e in ck.meta.get("buffers", {}).items():
+        out.append((name, dtype_from_name(e["dtype"]), tuple(e["shape"]), "buffer", name))
+    return out
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
+                progress: bool | None = None) -> list[str]:
+    """Write a checkpoint's full parameters and buffers as safetensors.
+
+    Memory stays at one tensor: each is assembled from its pieces and streamed out.
+    Integer buffers keep their dtype; a tied weight is written under each of its names.
+
+    Args:
+        checkpoint: a folder written by ``sw.save_checkpoint``.
+        output: a ``.safetensors`` file, or a folder (existing, or named with a trailing
+            ``/``, or without the ``.safetensors`` suffix) to get the Hugging Face layout:
+            ``model.safetensors`` (or numbered shards and ``model.safetensors.index.json``
+            beyond ``max_shard_bytes``), plus ``config.json`` if the model had a
+            Hugging Face config.
+        max_shard_bytes: largest shard in folder output.
+        progress: show a progress bar (default: when stderr is a terminal).
+
+    Returns:
+        The files written.
+
+    Raises:
+        ShardwiseError: for a missing, truncated or corrupt checkpoint file.
+
+    Example:
+        >>> consolidate("ckpt/latest", "export/")   # then AutoModel.from_pretrained("export/")
+    """
+    ck = _Checkpoint(checkpoint)
+    entries = _entries(ck)
+    as_folder = (os.path.isdir(output) or output.endswith(os.sep)
+                 or not output.endswith(".safetensors"))
+    bar = Progress(sum(_nbytes(d, s) for _, d, s, _, _ in entries), "consolidating",
+                   enabled=progress)
+    if not as_folder:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        _write(ck, output, entries, bar)
+        bar.finish()
+        return [output]
+    os.makedirs(output, exist_ok=True)
+    shards: list[list] = [[]]
+    size = 0
+    for entry in entries:
+        n = _nbytes(entry[1], entry[2])
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += n
+    written = []
+    if len(shards) == 1:
+        written.append(os.path.join(output, "model.safetensors"))
+        _write(ck, written[0], shards[0], bar)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            written.append(os.path.join(output, name))
+            _write(ck, written[-1], shard, bar)
+            weight_map.update({e[0]: name for e in shard})
+        total = sum(_nbytes(e[1], e[2]) for e in entries)
+        index = os.path.join(output, "model.safetensors.index.json")
+        write_json_atomic(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(index)
+    if "hf_config" in ck.meta:
+        config = os.path.join(output, "config.json")
+        write_json_atomic(config, ck.meta["hf_config"])
+        written.append(config)
+    bar.finish()
+    return written
+
+
+def _write(ck: _Checkpoint, path: str, entries, bar: Progress) -> None:
+    writer = SafetensorsStreamWriter(path, [(n, d, s) for n, d, s, _, _ in entries],
+                                     metadata={"format": "pt"})
+    try:
+        for name, dtype, shape, kind, key in entries:
+            if kind == "param":
+                e = ck.meta["params"][key]
+                numel = torch.Size(shape).numel()
+                t = ck.assemble(f"param/{key}", e["pieces"], 0, numel, dtype).view(shape)
+            else:
+                t = ck.file(BUFFERS_FILE).get_tensor(key)
+            writer.write(name, t)
+            bar.advance(_nbytes(dtype, shape))
+            del t
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close()
+
+
+def describe(checkpoint: str) -> str:
+    """A human-readable summary of a checkpoint (what ``shardwise inspect`` prints)."""
+    ck = _Checkpoint(checkpoint)
+    m = ck.meta
+    entries = _entries(ck)
+    total = sum(_nbytes(d, s) for _, d, s, _, _ in entries)
+    files = sum(f["bytes"] for f in m["files"].values())
+    lines = [
+        f"checkpoint     {os.path.abspath(checkpoint)}",
+        f"format         {m['format']} v{m['format_version']}",
+        f"world size     {m['world_size']}",
+        f"step           {m.get('step')}",
+        f"module         {m.get('module_class')}",
+        f"optimizer      {m['optimizer']['class'] if m.get('optimizer') else None}",
+        f"tensors        {len(m['params'])} parameters, {len(m.get('buffers', {}))} buffers, "
+        f"{total / 2**20:.2f} MiB consolidated",
+        f"files          {len(m['files'])} in {m['data']}/, {files / 2**20:.2f} MiB",
+        f"extra          {json.dumps(m.get('extra'))[:200]}",
+        "",
+        f"{'name':50s} {'dtype':10s} shape",
+    ]
+    for name, dtype, shape, kind, _ in entries:
+        lines.append(f"{name:50s} {str(dtype).removeprefix('torch.'):10s} {list(shape)}"
+                     + ("  (buffer)" if kind == "buffer" else ""))
+    return "\n".join(lines)

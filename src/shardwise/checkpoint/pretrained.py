@@ -1,0 +1,111 @@
+"""``load_pretrained``: full weights into a sharded or unsharded module, every rank right."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..buffers import maybe_check
+from ..errors import ShardwiseError
+from ._targets import agree, comm_of, module_targets
+from .sources import Rename, open_source, renamer
+
+
+def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
+    src = open_source(source)
+    to_module = renamer(rename)
+    key_of: dict[str, str] = {}
+    for k in src.keys():
+        name = to_module(k)
+        if name in key_of:
+            raise ShardwiseError(f"{src.description}: keys {key_of[name]!r} and {k!r} both "
+                                 f"become {name!r} after renaming")
+        key_of[name] = k
+    params, buffers = module_targets(module)
+    missing, mismatched = [], []
+    loads = []
+    for t in params:
+        present = [n for n in t.names if n in key_of]
+        if not present:
+            missing.append(t.names[0])
+            continue
+        key = key_of[present[0]]  # a tied weight needs only one of its names
+        if src.shape(key) != t.shape:
+            mismatched.append(f"{present[0]}: source {list(src.shape(key))}, "
+                              f"model {list(t.shape)}")
+            continue
+        loads.append((t, key))
+    buffer_loads = []
+    for name, b in buffers.items():
+        if name not in key_of:
+            missing.append(name)
+        elif src.shape(key_of[name]) != tuple(b.shape):
+            mismatched.append(f"{name}: source {list(src.shape(key_of[name]))}, "
+                              f"model {list(b.shape)}")
+        else:
+            buffer_loads.append((b, key_of[name]))
+    known = {n for t in params for n in t.names} | set(buffers)
+    unexpected = [k for k in key_of if k not in known]
+    problems = []
+    if mismatched:
+        problems.append("wrong shapes: " + "; ".join(mismatched))
+    if strict and missing:
+        problems.append(f"missing from the source: {missing}")
+    if strict and unexpected:
+        problems.append(f"not in the model: {[key_of[k] for k in unexpected]}")
+    if problems:
+        hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
+                "prefix, or strict=False to ignore missing and unexpected keys)")
+        raise ShardwiseError(f"{src.description}: " + "; ".join(problems) + hint)
+    # Read everything this rank needs before changing anything.
+    values = []
+    for t, key in loads:
+        lo, n = t.local_range()
+        values.append((t, src.read_flat(key, lo, lo + n).to(t.dtype)))
+    buffer_values = [(b, src.read(key).to(b.dtype)) for b, key in buffer_loads]
+    return values, buffer_values
+
+
+def load_pretrained(module: nn.Module, source: object, strict: bool = True,
+                    rename: Rename = None) -> None:
+    """Load full (unsharded) weights into ``module``, sharded or not, on every rank.
+
+    Each rank reads only the slices of each parameter it stores (safetensors' slice API),
+    so no rank ever holds the whole model. Every rank loads every persistent buffer;
+    non-persistent buffers keep their constructed values. A tied weight needs to appear
+    under one of its names only. Values are cast to each parameter's dtype.
+
+    Args:
+        module: the model (call on every rank of its group).
+        source: a state dict, a ``.safetensors`` file, or a folder with ``model.safetensors``
+            or ``model.safetensors.index.json`` and its shards (Hugging Face layout). A
+            ``.bin``/``.pt`` file is accepted only if ``torch.load(weights_only=True)``
+            loads it: nothing is ever unpickled.
+        strict: raise on keys missing from the source or unknown to the model.
+        rename: how source keys map to module keys, never guessed: a prefix mapping such
+            as ``{"model.": ""}`` (strip) or ``{"": "model."}`` (add), or a callable.
+
+    Raises:
+        ShardwiseError: on every rank, before anything is modified, listing missing,
+            unexpected and wrongly shaped keys, or naming an unreadable file.
+
+    Example:
+        >>> model = sw.shard(LlamaForCausalLM(config))
+        >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
+    """
+    comm = comm_of(module)
+    error, plan = None, None
+    try:
+        plan = _plan(module, source, strict, rename)
+    except ShardwiseError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreadable source must fail on every rank
+        error = f"{type(e).__name__}: {e}"
+    agree(comm, error, "load_pretrained failed")
+    values, buffer_values = plan
+    for t, v in values:
+        t.write_local(v)
+    with torch.no_grad():
+        for b, v in buffer_values:
+            b.copy_(v)
+    maybe_check(module)

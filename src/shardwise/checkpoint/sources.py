@@ -1,0 +1,194 @@
+"""Where full state dicts come from: a dict, safetensors files, or weights-only pickles."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ShardwiseError
+from ._format import _ST_DTYPES, flat_range
+
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+
+Rename = Mapping[str, str] | Callable[[str], str] | None
+
+
+class Source:
+    """Read-only access to named tensors, by whole tensor or by flat element range."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self, key: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def read(self, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read_flat(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor, reading as little as possible."""
+        return self.read(key).reshape(-1)[lo:hi]
+
+
+class DictSource(Source):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], description: str) -> None:
+        super().__init__(description)
+        bad = [k for k, v in tensors.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ShardwiseError(f"{description}: values of {bad[:5]} are not tensors")
+        self._t = dict(tensors)
+
+    def keys(self) -> list[str]:
+        return list(self._t)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._t[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._t[key].dtype
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._t[key].detach().to("cpu")
+
+
+class SafetensorsSource(Source):
+    """One or more safetensors files; each rank reads only the slices it asks for."""
+
+    def __init__(self, files: dict[str, str], description: str) -> None:
+        super().__init__(description)
+        self._file_of = files  # key -> path
+        self._handles: dict[str, object] = {}
+
+    def _h(self, key: str):
+        path = self._file_of[key]
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
+                raise ShardwiseError(f"{path}: not a readable safetensors file ({e})") from e
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        return list(self._file_of)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._h(key).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._h(key).get_slice(key).get_dtype()
+        return _FROM_ST[name]
+
+    def read(self, key: str) -> torch.Tensor:
+        return self._h(key).get_tensor(key)
+
+    def read_flat(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        shape = self.shape(key)
+        if len(shape) == 0:
+            return self.read(key).reshape(-1)[lo:hi]
+        return flat_range(self._h(key).get_slice(key), shape, lo, hi)
+
+
+def _safetensors_files(paths: list[str]) -> dict[str, str]:
+    files: dict[str, str] = {}
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for k in f.keys():
+                    files[k] = path
+        except Exception as e:  # noqa: BLE001
+            raise ShardwiseError(f"{path}: not a readable safetensors file ({e})") from e
+    return files
+
+
+def _weights_only(path: str) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - refuse anything that needs unpickling code
+        raise ShardwiseError(
+            f"{path}: refusing to load: it does not load with torch.load(weights_only=True), "
+            f"which would mean running pickled code ({type(e).__name__}: {e}). Convert it to "
+            f"safetensors from a trusted environment first") from e
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping):
+        raise ShardwiseError(f"{path}: holds a {type(obj).__name__}, not a state dict")
+    return dict(obj)
+
+
+def open_source(source: object) -> Source:
+    """A :class:`Source` for a dict, a file, or a Hugging Face style folder.
+
+    Raises:
+        ShardwiseError: for a path that does not exist or holds nothing loadable.
+    """
+    if isinstance(source, Mapping):
+        return DictSource(source, "the given state dict")
+    if not isinstance(source, (str, os.PathLike)):
+        raise ShardwiseError(f"cannot load from a {type(source).__name__}: pass a state dict, "
+                             f"a .safetensors file or a folder")
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ShardwiseError(f"{index}: has no weight_map")
+            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            missing = sorted({p for p in files.values() if not os.path.isfile(p)})
+            if missing:
+                raise ShardwiseError(f"{index} names files that do not exist: {missing}")
+            actual = _safetensors_files(sorted(set(files.values())))
+            absent = [k for k, p in files.items() if actual.get(k) != p]
+            if absent:
+                raise ShardwiseError(f"{index} maps keys to files that do not hold them: "
+                                     f"{absent[:10]}")
+            return SafetensorsSource(files, path)
+        if os.path.isfile(single):
+            return SafetensorsSource(_safetensors_files([single]), single)
+        for name in ("pytorch_model.bin", "model.pt"):
+            if os.path.isfile(os.path.join(path, name)):
+                p = os.path.join(path, name)
+                return DictSource(_weights_only(p), p)
+        raise ShardwiseError(f"{path}: no model.safetensors, model.safetensors.index.json or "
+                             f"pytorch_model.bin in this folder")
+    if not os.path.exists(path):
+        raise ShardwiseError(f"{path}: no such file or folder")
+    if path.endswith(".safetensors"):
+        return SafetensorsSource(_safetensors_files([path]), path)
+    if path.endswith((".bin", ".pt", ".pth")):
+        return DictSource(_weights_only(path), path)
+    raise ShardwiseError(f"{path}: unknown format; expected .safetensors (or a weights-only "
+                         f".bin/.pt)")
+
+
+def renamer(rename: Rename) -> Callable[[str], str]:
+    """A function from source key to module key.
+
+    ``rename`` is ``None`` (keys as they are), a mapping of prefixes (``{"model.": ""}``
+    strips a leading ``model.``; the longest matching prefix wins), or a callable.
+    """
+    if rename is None:
+        return lambda k: k
+    if callable(rename):
+        return rename
+    prefixes = sorted(rename.items(), key=lambda kv: -len(kv[0]))
+
+    def apply(key: str) -> str:
+        for old, new in prefixes:
+            if key.startswith(old):
+                return new + key[len(old):]
+        return key
+
+    return apply

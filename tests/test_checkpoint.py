@@ -1,0 +1,349 @@
+"""load_pretrained, save/load_checkpoint, consolidate: every rank right, atomic, reshardable."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from harness import RankFailure, run_ranks
+from safetensors.torch import load_file, save_file
+
+import shardwise as sw
+from shardwise.checkpoint import consolidate, describe
+from shardwise.checkpoint.io import _Checkpoint
+from shardwise.models import GPT, GPTConfig, SmallCNN
+
+CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=3, n_head=2, d_model=24)
+
+
+def _gpt(seed):
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+    return x, x.roll(-1, 1)
+
+
+def _steps(model, opt, steps):
+    rank = torch.distributed.get_rank()
+    losses = []
+    for s in steps:
+        loss = model(*_data(rank, s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+EXTRA = {"epoch": 3, "note": "ünïcode", "nested": [1, 2.5, None, {"a": True}]}
+
+
+def _save_then_continue(rank, world, ck):
+    model = sw.shard(_gpt(rank))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _steps(model, opt, range(3))
+    sw.save_checkpoint(ck, model, opt, extra=EXTRA)
+    noise_before = torch.rand(3)  # drawn from the RNG state the checkpoint holds
+    sd = sw.full_state_dict(model)
+    return sd, _steps(model, opt, range(3, 5)), noise_before
+
+
+def _resume(rank, world, ck, out):
+    model = sw.shard(_gpt(100 + rank))  # different weights: the checkpoint must win
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert sw.load_checkpoint(ck, model, opt) == EXTRA
+    noise = torch.rand(3)  # RNG restored (same world size only)
+    sd = sw.full_state_dict(model)
+    sw.save_checkpoint(out, model, opt)
+    return sd, _steps(model, opt, range(3, 5)), noise
+
+
+def _assert_same_checkpoint(a, b):
+    ca, cb = _Checkpoint(a), _Checkpoint(b)
+    assert ca.meta["params"].keys() == cb.meta["params"].keys()
+    for main, e in ca.meta["params"].items():
+        n = torch.Size(e["shape"]).numel()
+        dtype = getattr(torch, e["dtype"])
+        pa = ca.assemble(f"param/{main}", e["pieces"], 0, n, dtype)
+        pb = cb.assemble(f"param/{main}", cb.meta["params"][main]["pieces"], 0, n, dtype)
+        assert torch.equal(pa, pb), main
+        for k, info in ca.meta["optimizer"]["state"][main].items():
+            if info["kind"] == "sharded":
+                oa = ca.assemble(f"optim/{main}/{k}", e["pieces"], 0, n, torch.float32)
+                ob = cb.assemble(f"optim/{main}/{k}", cb.meta["params"][main]["pieces"], 0, n,
+                                 torch.float32)
+                assert torch.equal(oa, ob), (main, k)
+            else:
+                assert info == cb.meta["optimizer"]["state"][main][k] or info["kind"] != "value"
+
+
+def test_round_trip_same_and_other_world_sizes(tmp_path):
+    ck = str(tmp_path / "ck")
+    saved = run_ranks(_save_then_continue, 2, ck)
+    sd, continued = saved[0][0], [r[1] for r in saved]
+    for world in (2, 1, 3, 4):
+        out = str(tmp_path / f"again-{world}")
+        got = run_ranks(_resume, world, ck, out)
+        for k, v in sd.items():
+            assert torch.equal(got[0][0][k], v), (world, k)
+        _assert_same_checkpoint(ck, out)  # optimizer state survived the resharding
+        if world == 2:
+            # Same size: training continues exactly, RNG included.
+            assert [r[1] for r in got] == continued
+            assert all(torch.equal(g[2], s[2]) for g, s in zip(got, saved))
+    assert "world size     2" in describe(ck) and "step           3" in describe(ck)
+
+
+def _load_unsharded(rank, world, ck):
+    model = _gpt(7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert sw.load_checkpoint(ck, model, opt) == EXTRA
+    assert not sw.is_sharded(model)
+    return {k: v.clone() for k, v in model.state_dict().items()}, len(opt.state)
+
+
+def test_load_into_an_unsharded_model(tmp_path):
+    ck = str(tmp_path / "ck")
+    sd = run_ranks(_save_then_continue, 3, ck)[0][0]
+    got, n_state = run_ranks(_load_unsharded, 1, ck)[0]
+    assert n_state == len({id(p) for p in _gpt(0).parameters()})
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k
+
+
+def _save_v1(rank, world, ck):
+    model = sw.shard(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3, 16, 16)
+    F.cross_entropy(model(x), torch.zeros(4, dtype=torch.long)).backward()
+    opt.step()
+    sw.save_checkpoint(ck, model, opt, extra={"version": 1})
+    return sw.full_state_dict(model)
+
+
+def _crash_while_saving(rank, world, ck, where):
+    import shardwise.checkpoint.io as io
+
+    model = sw.shard(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 0 and where == "before commit":
+        io.write_json_atomic = lambda *a, **k: os._exit(9)
+    if rank == 1 and where == "mid file":
+        def half(path, data):  # a torn write, at the final name, then death
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            os._exit(9)
+        io.write_atomic = half
+    sw.save_checkpoint(ck, model, opt, extra={"version": 2})
+
+
+def _load_expect_v1(rank, world, ck):
+    model = sw.shard(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert sw.load_checkpoint(ck, model, opt) == {"version": 1}
+    sd = sw.full_state_dict(model)
+    sw.save_checkpoint(ck, model, opt, extra={"version": 3})  # cleans up what crashed
+    return sd
+
+
+@pytest.mark.parametrize("where", ["before commit", "mid file"])
+def test_crash_during_save_keeps_the_old_checkpoint(tmp_path, where):
+    ck = str(tmp_path / "ck")
+    v1 = run_ranks(_save_v1, 2, ck)[0]
+    with pytest.raises(RankFailure, match="died"):
+        run_ranks(_crash_while_saving, 2, ck, where)
+    assert len([d for d in os.listdir(ck) if d.startswith("data-")]) == 2  # debris is there
+    sd = run_ranks(_load_expect_v1, 2, ck)[0]
+    for k, v in v1.items():
+        assert torch.equal(sd[k], v), k
+    assert len([d for d in os.listdir(ck) if d.startswith("data-")]) == 1
+    assert json.load(open(os.path.join(ck, "checkpoint.json")))["extra"] == {"version": 3}
+
+
+def _load_broken(rank, world, variants):
+    model = sw.shard(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = sw.full_state_dict(model, rank0_only=False)
+    messages = {}
+    for name, path in variants.items():
+        with pytest.raises(sw.ShardwiseError) as err:
+            sw.load_checkpoint(path, model, opt)
+        messages[name] = str(err.value)
+        after = sw.full_state_dict(model, rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before), f"{name} changed the model"
+        assert not opt.state, f"{name} changed the optimizer"
+    return messages
+
+
+def test_corrupt_truncated_missing_and_mismatched(tmp_path):
+    ck = str(tmp_path / "ck")
+    run_ranks(_save_v1, 2, ck)
+    data = json.load(open(os.path.join(ck, "checkpoint.json")))["data"]
+    variants = {}
+
+    def variant(name, damage):
+        path = str(tmp_path / name)
+        shutil.copytree(ck, path)
+        damage(path, os.path.join(path, data))
+        variants[name] = path
+
+    def truncate(p, d):
+        f = os.path.join(d, "rank-00001-of-00002.safetensors")
+        os.truncate(f, os.path.getsize(f) // 2)
+
+    def flip(p, d):
+        f = os.path.join(d, "rank-00000-of-00002.safetensors")
+        raw = bytearray(open(f, "rb").read())
+        raw[len(raw) - 3] ^= 0xFF
+        open(f, "wb").write(bytes(raw))
+
+    variant("truncated", truncate)
+    variant("corrupt", flip)
+    variant("missing_file", lambda p, d: os.remove(os.path.join(d, "buffers.safetensors")))
+    variant("no_metadata", lambda p, d: os.remove(os.path.join(p, "checkpoint.json")))
+    variant("bad_json", lambda p, d: open(os.path.join(p, "checkpoint.json"), "w").write("{"))
+    messages = run_ranks(_load_broken, 2, variants)[0]
+    assert "rank-00001-of-00002.safetensors: truncated" in messages["truncated"]
+    assert "rank-00000-of-00002.safetensors: corrupt" in messages["corrupt"]
+    assert "buffers.safetensors: missing" in messages["missing_file"]
+    assert "checkpoint.json is missing" in messages["no_metadata"]
+    assert "unreadable" in messages["bad_json"]
+
+
+def _mismatched_model(rank, world, ck):
+    model = sw.shard(SmallCNN(channels=(3, 16, 32, 48)))
+    with pytest.raises(sw.ShardwiseError, match=r"mismatched: blocks\.2\.conv\.weight"):
+        sw.load_checkpoint(ck, model)
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    ck = str(tmp_path / "ck")
+    run_ranks(_save_v1, 2, ck)
+    run_ranks(_mismatched_model, 2, ck)
+
+
+def _trained_bn_state():
+    torch.manual_seed(5)
+    ref = SmallCNN()
+    for m in ref.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2.0)
+            m.num_batches_tracked.fill_(777)
+    return {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def _pretrained_checks(rank, world, path, folder):
+    want = load_file(path)
+    for source in (path, folder, want):
+        torch.manual_seed(rank)  # every rank starts different
+        model = sw.shard(SmallCNN())
+        sw.load_pretrained(model, source)
+        sw.check_consistency(model)  # identical buffers on every rank
+        sd = sw.full_state_dict(model, rank0_only=False)
+        for k, v in want.items():
+            assert torch.equal(sd[k], v) and sd[k].dtype == v.dtype, k
+    # Unsharded modules too.
+    plain = SmallCNN()
+    sw.load_pretrained(plain, path)
+    assert torch.equal(plain.blocks[1].bn.running_var, want["blocks.1.bn.running_var"])
+
+    model = sw.shard(SmallCNN())
+    before = sw.full_state_dict(model, rank0_only=False)
+    bad_shape = dict(want, **{"head.weight": torch.zeros(3, 3)})
+    missing = {k: v for k, v in want.items() if k != "blocks.0.conv.weight"}
+    extra = dict(want, **{"surprise": torch.zeros(1)})
+    prefixed = {f"model.{k}": v for k, v in want.items()}
+    for source, pattern in ((bad_shape, r"wrong shapes: head\.weight: source \[3, 3\]"),
+                            (missing, r"missing from the source: \['blocks\.0\.conv\.weight'\]"),
+                            (extra, r"not in the model: \['surprise'\]"),
+                            (prefixed, r"rename=")):
+        with pytest.raises(sw.ShardwiseError, match=pattern):
+            sw.load_pretrained(model, source)
+        after = sw.full_state_dict(model, rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    sw.load_pretrained(model, missing, strict=False)
+    sw.load_pretrained(model, prefixed, rename={"model.": ""})
+    assert torch.equal(sw.full_state_dict(model, rank0_only=False)["head.weight"],
+                       want["head.weight"])
+
+
+def test_load_pretrained_sources_and_errors(tmp_path):
+    state = _trained_bn_state()
+    path = str(tmp_path / "cnn.safetensors")
+    save_file(state, path)
+    # Hugging Face sharded layout: two files and an index.
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    keys = list(state)
+    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for fname, ks in halves.items():
+        save_file({k: state[k] for k in ks}, str(folder / fname))
+    json.dump({"metadata": {}, "weight_map": {k: f for f, ks in halves.items() for k in ks}},
+              open(folder / "model.safetensors.index.json", "w"))
+    run_ranks(_pretrained_checks, 2, path, str(folder))
+    run_ranks(_pretrained_checks, 3, path, str(folder))
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def _pickles(rank, world, good, evil):
+    model = sw.shard(SmallCNN())
+    sw.load_pretrained(model, good)
+    with pytest.raises(sw.ShardwiseError, match="refusing to load"):
+        sw.load_pretrained(model, evil)
+
+
+def test_pickles_load_only_weights_only(tmp_path):
+    good, evil = str(tmp_path / "good.pt"), str(tmp_path / "evil.bin")
+    torch.save(_trained_bn_state(), good)
+    torch.save({"x": Evil()}, evil)
+    run_ranks(_pickles, 2, good, evil)
+
+
+def test_consolidate_command(tmp_path):
+    ck = str(tmp_path / "ck")
+    sd = run_ranks(_save_then_continue, 3, ck)[0][0]
+    out = str(tmp_path / "full.safetensors")
+    cli = [sys.executable, "-m", "shardwise.cli"]
+    subprocess.run(cli + ["consolidate", ck, out], check=True, capture_output=True)
+    got = load_file(out)
+    assert got.keys() == sd.keys()  # tied weight under both names
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    # Folder output, split into several files by a tiny shard size.
+    folder = str(tmp_path / "export")
+    files = consolidate(ck, folder + "/", max_shard_bytes=20_000)
+    assert os.path.join(folder, "model.safetensors.index.json") in files and len(files) > 3
+    info = subprocess.run(cli + ["inspect", ck], check=True, capture_output=True, text=True)
+    assert "world size     3" in info.stdout and "tok_emb.weight" in info.stdout
+    bad = subprocess.run(cli + ["inspect", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "checkpoint.json is missing" in bad.stderr
+
+
+def _cnn_ck(rank, world, ck):
+    model = sw.shard(SmallCNN())
+    sw.save_checkpoint(ck, model)
+    return sw.full_state_dict(model)
+
+
+def test_consolidate_keeps_integer_buffers(tmp_path):
+    ck = str(tmp_path / "ck")
+    sd = run_ranks(_cnn_ck, 2, ck)[0]
+    out = str(tmp_path / "cnn.safetensors")
+    consolidate(ck, out, progress=False)
+    got = load_file(out)
+    assert got["blocks.0.bn.num_batches_tracked"].dtype == torch.int64
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
