@@ -1,0 +1,141 @@
+"""Hugging Face transformers, end to end, with nothing downloaded.
+
+build -> shard -> load_pretrained(save_pretrained folder) -> train -> save_checkpoint ->
+`shardwise consolidate` -> AutoModel*.from_pretrained on one process: same outputs.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from harness import run_ranks
+
+import shardwise as sw
+
+transformers = pytest.importorskip("transformers")
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel)
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                       max_position_embeddings=32, tie_word_embeddings=True)
+
+
+class Bn3dConfig(PretrainedConfig):
+    model_type = "shardwise-bn3d-test"
+
+    def __init__(self, channels: int = 4, **kwargs) -> None:
+        self.channels = channels
+        super().__init__(**kwargs)
+
+
+class Bn3dModel(PreTrainedModel):
+    """A video classifier whose BatchNorm3d buffers must survive the whole trip."""
+
+    config_class = Bn3dConfig
+    base_model_prefix = "bn3d"
+
+    def __init__(self, config: Bn3dConfig) -> None:
+        super().__init__(config)
+        c = config.channels
+        self.stem = nn.Conv3d(2, c, 3, padding=1)
+        self.bn = nn.BatchNorm3d(c)
+        self.blocks = nn.ModuleList(nn.Conv3d(c, c, 1) for _ in range(2))
+        self.head = nn.Linear(c, 3)
+        self.post_init()
+
+    def forward(self, x, labels=None):
+        h = torch.relu(self.bn(self.stem(x)))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        logits = self.head(h.mean(dim=(2, 3, 4)))
+        if labels is None:
+            return logits
+        return nn.functional.cross_entropy(logits, labels)
+
+
+AutoConfig.register(Bn3dConfig.model_type, Bn3dConfig)
+AutoModel.register(Bn3dConfig, Bn3dModel)
+
+
+def _llama_trip(rank, world, pretrained, ck):
+    torch.manual_seed(rank)  # each rank builds different weights
+    model = sw.shard(LlamaForCausalLM(llama_config()))
+    assert type(model) is LlamaForCausalLM and model.config.vocab_size == 64
+    sw.load_pretrained(model, pretrained)
+    ref = LlamaForCausalLM.from_pretrained(pretrained)
+    ids = torch.arange(1, 9).view(1, 8)
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(gen, ref.generate(ids, max_new_tokens=4, do_sample=False))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sw.save_checkpoint(ck, model, opt)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _bn_trip(rank, world, pretrained, ck):
+    torch.manual_seed(rank)
+    model = sw.shard(Bn3dModel(Bn3dConfig()), units=nn.Conv3d)
+    sw.load_pretrained(model, pretrained)
+    sw.check_consistency(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x = torch.randn(2, 2, 4, 6, 6, generator=g)
+        model(x, labels=torch.tensor([0, 2])).backward()
+        opt.step()
+        opt.zero_grad()
+    sw.check_consistency(model)
+    sw.save_checkpoint(ck, model, opt)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.ones(1, 2, 4, 6, 6)), model.bn.running_var.clone()
+
+
+def _consolidate(ck, out):
+    subprocess.run([sys.executable, "-m", "shardwise.cli", "consolidate", ck, out],
+                   check=True, capture_output=True)
+
+
+def test_llama_end_to_end(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config()).save_pretrained(tmp_path / "pretrained")
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "export")
+    logits = run_ranks(_llama_trip, 2, str(tmp_path / "pretrained"), ck)[0]
+    _consolidate(ck, out + "/")
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        again = back(input_ids=torch.arange(1, 9).view(1, 8)).logits
+    torch.testing.assert_close(again, logits, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_pretrained_model_with_batchnorm3d(tmp_path):
+    torch.manual_seed(0)
+    pre = Bn3dModel(Bn3dConfig())
+    pre.bn.running_mean.normal_()
+    pre.bn.running_var.uniform_(0.5, 2.0)
+    pre.save_pretrained(tmp_path / "pretrained")
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "export")
+    logits, running_var = run_ranks(_bn_trip, 2, str(tmp_path / "pretrained"), ck)[0]
+    _consolidate(ck, out + "/")
+    back = AutoModel.from_pretrained(out).eval()
+    assert type(back) is Bn3dModel
+    assert torch.equal(back.bn.running_var, running_var)
+    with torch.no_grad():
+        torch.testing.assert_close(back(torch.ones(1, 2, 4, 6, 6)), logits, rtol=1e-6, atol=1e-6)
