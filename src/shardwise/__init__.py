@@ -6,6 +6,7 @@ Process group
     init_distributed(backend=None, timeout=None)
 Sharding
     shard(module, *, group, units, mixed_precision, buffers, src_rank, reshard_after_forward)
+    sharded_init(group=None, src_rank=0)       context manager: partition while building
     MixedPrecision(param_dtype, reduce_dtype)
     is_sharded(module)
     clip_grad_norm_(module, max_norm, norm_type=2.0)
@@ -38,6 +39,7 @@ from .distributed import init_distributed
 from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
+from .init import sharded_init
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
 
@@ -59,5 +61,6 @@ __all__ = [
     "no_sync",
     "save_checkpoint",
     "shard",
+    "sharded_init",
     "sync_buffers",
 ]

@@ -96,8 +96,9 @@ class FlatGroup:
             full = nn.Parameter(self.full[span.offset:span.offset + span.numel].view(orig.shape),
                                 requires_grad=orig.requires_grad)
             # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
-            shard.__dict__.update(orig.__dict__)
-            full.__dict__.update(orig.__dict__)
+            user = {k: v for k, v in orig.__dict__.items() if not k.startswith("_shardwise")}
+            shard.__dict__.update(user)
+            full.__dict__.update(user)
             self.params.append(ShardedParam(names[i], slots[i], orig.shape, orig.dtype,
                                             orig.requires_grad, span, piece, shard, full))
         self._free_full()

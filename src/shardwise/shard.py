@@ -16,6 +16,7 @@ from ._state import ModelState
 from ._unit import FlatGroup, Unit
 from .buffers import BufferSync, maybe_check
 from .errors import ShardwiseError
+from .init import full_value, init_piece
 
 UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
 
@@ -106,6 +107,8 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
     for t in list(module.parameters()) + list(module.buffers()):
         if t.device.type != "meta":
             return t.device
+        if init_piece(t) is not None:
+            return init_piece(t).piece.device
     return torch.device("cpu")
 
 
@@ -169,9 +172,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     owners: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for mod_path, mod in module.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
+        for pname, p in list(mod._parameters.items()):
             if p is None:
                 continue
+            twin = p.__dict__.get("_shardwise_partitioned_as")
+            if twin is not None:  # a weight shared into a module sharded_init partitioned
+                mod._parameters[pname] = p = twin
             key = id(p)
             params.setdefault(key, p)
             if (mod, pname) not in slots.setdefault(key, []):
@@ -181,7 +187,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
                 fqns[key].append(fqn)
             owners.setdefault(key, set()).add(_owner(mod_path, unit_names))
     if comm.rank == src_rank:
-        meta = [fqns[k][0] for k, p in params.items() if p.is_meta]
+        meta = [fqns[k][0] for k, p in params.items() if p.is_meta and init_piece(p) is None]
         if meta:
             raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
                                  f"{meta[:5]}: materialise them first, or build the model "
@@ -205,8 +211,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             originals = [params[k] for k in keys]
             g = FlatGroup([fqns[k] for k in keys], [slots[k] for k in keys], originals, comm,
                           device, compute, reduce)
-            flat = g.flat_from([p.data.to(device) for p in originals]) \
-                if comm.rank == src_rank else None
+            # Parameters partitioned by sharded_init are gathered one group at a time,
+            # so no full-model copy exists at any point.
+            values = [full_value(p) for p in originals]
+            flat = g.flat_from([v.to(device) for v in values]) if comm.rank == src_rank else None
+            del values
             g.fill_local(flat, src_rank)
             del flat, originals
             for sp in g.params:

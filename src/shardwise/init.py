@@ -1,0 +1,245 @@
+"""``sharded_init()``: build a model too big for one rank, partitioned as it is built.
+
+Note [partition at registration]
+A module is complete when it is registered on its parent (``self.block = Block()``, or an
+entry added to an ``nn.ModuleList``): its ``__init__`` has returned. At that moment a
+registration hook (torch's, removable) replaces each of its parameters by a *partitioned
+parameter*: an ``nn.Parameter`` on the meta device with the full shape and dtype (so shape
+arithmetic in later init code works, at no memory cost), whose values live as this rank's
+padded piece in ``param.__dict__["_shardwise_init"]``. The pieces are scattered from
+``src_rank``'s freshly constructed tensor, so values never depend on other ranks' RNG.
+
+Note [init after registration]
+Init code often touches parameters after their module was registered (``self.apply(
+init_weights)``, ``nn.init.zeros_(self.proj.bias)``, ``w.data.normal_()``). While the block
+is open, a torch function mode (thread-local) sees every torch call: a call involving a
+partitioned parameter runs on the real full tensor, all-gathered from the pieces, and if
+the call wrote to it, ``src_rank``'s result is scattered back into the pieces. ``.data``
+hands out such a full tensor and the write-back happens at the next event (another
+partitioned parameter touched, a module registered, the block left), so at most one full
+parameter exists at a time. Shape, dtype and device queries are answered without any
+communication. Every rank runs the same init code (SPMD), so every rank issues the same
+collectives; only ``src_rank``'s random numbers end up in the model.
+
+Note [scope]
+The registration hooks are process-wide in torch, so each hook acts only when its block
+is the innermost ``sharded_init`` on the *calling thread*, which it learns from torch's
+thread-local function-mode stack: a model built in another thread, or after the block,
+is never touched. Nested blocks: the innermost block wins (its group and ``src_rank``).
+Leaving the block, normally or by an exception, removes the hooks and the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.modules.module as torch_module
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._comm import Comm
+from ._layout import FlatLayout, build_layout
+from .errors import ShardwiseError
+
+_METADATA = {"shape", "dtype", "ndim", "is_meta", "requires_grad", "is_leaf", "grad_fn",
+             "size", "dim", "numel", "is_floating_point", "is_complex", "element_size",
+             "nelement", "__len__", "__hash__", "__eq__", "__repr__", "__format__",
+             "requires_grad_"}
+
+
+@dataclass
+class InitPiece:
+    """This rank's piece of a parameter partitioned by :func:`sharded_init`."""
+
+    piece: torch.Tensor  # padded, this rank's chunk of the flattened parameter
+    layout: FlatLayout
+    comm: Comm
+    src_rank: int
+
+    def gather_full(self, shape: torch.Size) -> torch.Tensor:
+        """The full parameter on every rank (a collective)."""
+        flat = torch.empty(self.layout.total_numel, dtype=self.piece.dtype,
+                           device=self.piece.device)
+        self.comm.all_gather(flat, self.piece)
+        return flat[:self.layout.spans[0].numel].view(shape)
+
+    def store(self, full: torch.Tensor) -> None:
+        """Take ``src_rank``'s ``full`` as the parameter's new value (a scatter)."""
+        chunks = None
+        if self.comm.rank == self.src_rank:
+            flat = torch.zeros(self.layout.total_numel, dtype=self.piece.dtype,
+                               device=self.piece.device)
+            flat[:full.numel()].copy_(full.detach().reshape(-1))
+            chunks = list(flat.chunk(self.comm.world_size))
+        with torch.no_grad():
+            self.comm.scatter(self.piece, chunks, self.src_rank)
+
+
+def _func_name(func) -> str:
+    """``shape`` for ``Tensor.shape.__get__``, else the function's own name."""
+    name = getattr(func, "__name__", "")
+    owner = getattr(func, "__self__", None)
+    if name in ("__get__", "__set__") and owner is not None:
+        return getattr(owner, "__name__", name)
+    return name
+
+
+def init_piece(p: torch.Tensor) -> InitPiece | None:
+    return p.__dict__.get("_shardwise_init")
+
+
+def full_value(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value on every rank: gathered if partitioned, else itself."""
+    info = init_piece(p)
+    return info.gather_full(p.shape) if info is not None else p.detach()
+
+
+class _InitMode(TorchFunctionMode):
+    def __init__(self, ctx: "_ShardedInit") -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.ctx.call(func, args, kwargs or {})
+
+
+class _ShardedInit:
+    """One open ``sharded_init`` block: its hooks, its mode and its pending write-back."""
+
+    def __init__(self, comm: Comm, src_rank: int) -> None:
+        self.comm = comm
+        self.src_rank = src_rank
+        self.mode = _InitMode(self)
+        self.partitioned = 0
+        self._pending: tuple[nn.Parameter, torch.Tensor] | None = None
+        self._failed = False
+
+    # -- scope -----------------------------------------------------------------------
+    def innermost_here(self) -> bool:
+        modes = [m for m in _get_current_function_mode_stack() if isinstance(m, _InitMode)]
+        return bool(modes) and modes[-1] is self.mode
+
+    # -- partitioning ----------------------------------------------------------------
+    def partition(self, p: nn.Parameter) -> nn.Parameter:
+        """A partitioned stand-in for ``p``, holding ``src_rank``'s values."""
+        if init_piece(p) is not None or p.__dict__.get("_shardwise_param") is not None:
+            return p
+        twin = p.__dict__.get("_shardwise_partitioned_as")
+        if twin is not None:
+            return twin
+        layout = build_layout([p.numel()], self.comm.world_size)
+        piece = torch.empty(layout.shard_numel, dtype=p.dtype, device=p.device)
+        info = InitPiece(piece, layout, self.comm, self.src_rank)
+        info.store(p.detach())
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                            requires_grad=p.requires_grad)
+        meta.__dict__.update(p.__dict__)
+        meta.__dict__["_shardwise_init"] = info
+        # A parent that still holds the original (a weight shared into a submodule) is
+        # pointed at the stand-in by shard(); see _choose and shard().
+        p.__dict__["_shardwise_partitioned_as"] = meta
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full values
+        self.partitioned += 1
+        return meta
+
+    def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module):
+        if child is None or not self.innermost_here():
+            return None
+        self.flush()
+        for mod in child.modules():
+            for pname, p in list(mod._parameters.items()):
+                if p is not None:
+                    mod._parameters[pname] = self.partition(p)
+        return None
+
+    # -- init code touching partitioned parameters -------------------------------------
+    def flush(self) -> None:
+        if self._pending is not None:
+            param, full = self._pending
+            self._pending = None
+            init_piece(param).store(full)
+
+    def call(self, func, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        hits = [i for i, a in enumerate(flat)
+                if isinstance(a, torch.Tensor) and init_piece(a) is not None]
+        if not hits:
+            return func(*args, **kwargs)
+        name = _func_name(func)
+        if name in _METADATA:
+            return func(*args, **kwargs)  # the meta stand-in has the full metadata
+        if name == "device":
+            return init_piece(flat[hits[0]]).piece.device
+        self.flush()
+        fulls: dict[int, tuple[nn.Parameter, torch.Tensor, int]] = {}
+        for i in hits:
+            p = flat[i]
+            if id(p) not in fulls:
+                full = init_piece(p).gather_full(p.shape)
+                fulls[id(p)] = (p, full, full._version)
+            flat[i] = fulls[id(p)][1]
+        if name == "data":
+            p, full, _ = next(iter(fulls.values()))
+            self._pending = (p, full)  # written back at the next event
+            return full
+        a, k = tree_unflatten(flat, spec)
+        out = func(*a, **k)
+        for p, full, version in fulls.values():
+            if full._version != version:
+                init_piece(p).store(full)
+        back = {id(full): p for p, full, _ in fulls.values()}
+        return back.get(id(out), out) if isinstance(out, torch.Tensor) else out
+
+
+@contextlib.contextmanager
+def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> Iterator[None]:
+    """Partition modules as they are built, so no rank ever holds the whole model.
+
+    Inside the block, each submodule is partitioned when it is registered on its parent
+    (its ``__init__`` is done): every rank keeps 1/N of each parameter, with
+    ``src_rank``'s values. Parameters of the outermost module itself stay whole until
+    :func:`shardwise.shard`, which then chooses the units without a full-model copy.
+    Buffers stay whole and are made ``src_rank``'s by ``shard``. Init code may keep
+    touching parameters after registration (``apply(init_weights)``, ``.data.normal_()``);
+    see Note [init after registration]. The result equals building on ``src_rank`` and
+    calling ``sw.shard``.
+
+    Scope: only modules built by this thread inside the block are affected; nested blocks
+    use the innermost block's group and ``src_rank``; torch's hook registries are left as
+    they were on exit, exception or not (Note [scope]).
+
+    Args:
+        group: process group to partition over (default: the world).
+        src_rank: rank (in ``group``) whose construction is kept.
+
+    Raises:
+        ShardwiseError: when torch.distributed is not initialised or ``src_rank`` is out
+            of range.
+
+    Example:
+        >>> with sw.sharded_init():
+        ...     model = GPT(big_config)        # each block is partitioned as it is built
+        >>> model = sw.shard(model)
+    """
+    if not dist.is_initialized():
+        raise ShardwiseError("sharded_init needs torch.distributed: call sw.init_distributed()")
+    comm = Comm(group)
+    if not 0 <= src_rank < comm.world_size:
+        raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
+                             f"{comm.world_size}")
+    ctx = _ShardedInit(comm, src_rank)
+    handle = torch_module.register_module_module_registration_hook(ctx.on_module_registered)
+    ok = False
+    try:
+        with ctx.mode:
+            yield
+            ok = True
+    finally:
+        handle.remove()
+        if ok:
+            ctx.flush()
