@@ -39,6 +39,7 @@ class ModelState:
         self._pending_at_root_start = False
         self._callback_queued = False
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
+        self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         for u in units:
             u.model = self
 
@@ -113,6 +114,12 @@ class ModelState:
     def _reduce(self, unit: Unit) -> None:
         unit.start_reduce(self.requires_grad_sync)
         unit.reshard()
+        # At most two reductions in flight: each holds a unit-sized gradient buffer, and
+        # letting them pile up until the end of backward would hold a whole model's.
+        if self._reducing is not None:
+            for g in self._reducing.trainable_groups:
+                g.wait_reduce()
+        self._reducing = unit
 
     def finish_backward(self) -> None:
         """End-of-backward callback: reduce what is left, then publish shard gradients."""
@@ -122,6 +129,7 @@ class ModelState:
             # joins the reduction with zero gradients (see Note [collective order]).
             if u.forward_calls > 0 and not u.reduced:
                 self._reduce(u)
+        self._reducing = None
         reduced = [u for u in self.units if u.reduced]
         if self.requires_grad_sync:
             groups = [g for u in reduced for g in u.trainable_groups]

@@ -217,15 +217,21 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             flat = g.flat_from([v.to(device) for v in values]) if comm.rank == src_rank else None
             del values
             g.fill_local(flat, src_rank)
-            del flat, originals
+            del flat
             for sp in g.params:
                 sp.shard.__dict__["_shardwise_param"] = sp
                 sp.full.__dict__["_shardwise_param"] = sp
                 for m, attr in sp.slots:
                     m._parameters[attr] = sp.shard
+            # Release the originals now, not after the last unit: the old and the new
+            # storage of the whole model must never coexist.
+            for p in originals:
+                p.__dict__.pop("_shardwise_init", None)
+            for k in keys:
+                del params[k]
+            del originals
             groups.append(g)
         built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0)))
-    params.clear()
 
     for mod in module.modules():
         for bname, b in mod._buffers.items():
