@@ -210,3 +210,31 @@ def test_frozen_tokenizer_example(world):
     assert not result["naive_tokens_agree"]
     assert "bn.running_mean" in result["naive_error"]
     assert "bn.running_var" in result["naive_error"]
+
+
+def _env_check(rank, world, path):
+    import shardwise.buffers as buffers
+
+    calls = []
+    real = buffers.check_consistency
+    buffers.check_consistency = lambda module, group=None: calls.append(type(module).__name__) \
+        or real(module, group)
+    for env in ("0", "1"):
+        os.environ["SHARDWISE_CHECK"] = env
+        calls.clear()
+        model = sw.shard(_cnn(rank))                     # after shard
+        sw.load_pretrained(model, path)                  # after load_pretrained
+        with sw.gathered(model.head, modifier_rank=0):   # after a modifier block
+            pass
+        with sw.gathered(model):                         # read-only: no check
+            pass
+        expected = ["SmallCNN", "SmallCNN", "Linear"] if env == "1" else []
+        assert calls == expected, (env, calls)
+
+
+def test_shardwise_check_env(tmp_path):
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "cnn.safetensors")
+    save_file(_cnn(0).state_dict(), path)
+    run_ranks(_env_check, 2, path)

@@ -91,7 +91,7 @@ def _edge_parity(rank, world):
     exact = world == 2
     for step, (x, y) in enumerate(_edge_batches(rank, 9)):
         use = _usage(step, rank)
-        for model, opt in zip((ddp, ours), opts):
+        for model in (ddp, ours):
             F.cross_entropy(model(x, use_sometimes=use), y).backward()
         ref = dict(ddp.module.named_parameters())
         for name, p in ours.named_parameters():

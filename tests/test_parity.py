@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 

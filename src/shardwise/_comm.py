@@ -49,6 +49,13 @@ class Comm:
         self.stats = CommStats()
         self.backend = str(dist.get_backend(group))
 
+    @property
+    def device(self) -> torch.device:
+        """Where this group's collectives take their tensors (NCCL: the current GPU)."""
+        if "nccl" in self.backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def global_rank(self, group_rank: int) -> int:
         """The default group's rank of ``group_rank`` in this group."""
         if self.group is None:

@@ -43,10 +43,6 @@ class ModelState:
         for u in units:
             u.model = self
 
-    @property
-    def root_unit(self) -> Unit:
-        return self.units[0]
-
     # -- forward ---------------------------------------------------------------------
     def on_root_pre_forward(self) -> None:
         self._pending_at_root_start = self._backward_pending

@@ -32,15 +32,9 @@ def _sharded_info(t: torch.Tensor) -> ShardedParam | None:
 
 
 def _agree(comm: Comm, local: bool) -> bool:
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=_comm_device(comm))
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=comm.device)
     comm.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
-
-
-def _comm_device(comm: Comm) -> torch.device:
-    if "nccl" in comm.backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -> list[str]:

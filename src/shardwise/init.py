@@ -141,9 +141,9 @@ class _ShardedInit:
         meta.__dict__.update(p.__dict__)
         meta.__dict__["_shardwise_init"] = info
         # A parent that still holds the original (a weight shared into a submodule) is
-        # pointed at the stand-in by shard(); see _choose and shard().
+        # pointed at the stand-in by shard(). Otherwise nothing references the original
+        # any more and its memory is freed with it.
         p.__dict__["_shardwise_partitioned_as"] = meta
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the full values
         self.partitioned += 1
         return meta
 

@@ -15,7 +15,8 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+def state_bytes(module: nn.Module,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes of parameter, gradient and optimizer-state storage this rank holds.
 
     Counts each underlying storage once (a sharded model's shards share one padded flat

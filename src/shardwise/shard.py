@@ -102,8 +102,8 @@ def _common_unit(indices: set[int], unit_names: list[str]) -> int:
 
 
 def _device_for(module: nn.Module, comm: Comm) -> torch.device:
-    if "nccl" in comm.backend:
-        return torch.device("cuda", torch.cuda.current_device())
+    if comm.device.type == "cuda":
+        return comm.device
     for t in list(module.parameters()) + list(module.buffers()):
         if t.device.type != "meta":
             return t.device
