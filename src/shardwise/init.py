@@ -60,13 +60,18 @@ class InitPiece:
     layout: FlatLayout
     comm: Comm
     src_rank: int
+    home: torch.device  # where the parameter was built; full values are materialised there
 
     def gather_full(self, shape: torch.Size) -> torch.Tensor:
-        """The full parameter on every rank (a collective)."""
+        """The full parameter on every rank, on its home device (a collective).
+
+        Init code then runs where it would have run unpartitioned: on the CPU it draws from
+        the CPU generator, as the unpartitioned build does, even when NCCL moves the pieces.
+        """
         flat = torch.empty(self.layout.total_numel, dtype=self.piece.dtype,
                            device=self.piece.device)
         self.comm.all_gather(flat, self.piece)
-        return flat[:self.layout.spans[0].numel].view(shape)
+        return flat[:self.layout.spans[0].numel].view(shape).to(self.home)
 
     def store(self, full: torch.Tensor) -> None:
         """Take ``src_rank``'s ``full`` as the parameter's new value (a scatter)."""
@@ -133,8 +138,9 @@ class _ShardedInit:
         if twin is not None:
             return twin
         layout = build_layout([p.numel()], self.comm.world_size)
-        piece = torch.empty(layout.shard_numel, dtype=p.dtype, device=p.device)
-        info = InitPiece(piece, layout, self.comm, self.src_rank)
+        device = self.comm.device if self.comm.device.type == "cuda" else p.device
+        piece = torch.empty(layout.shard_numel, dtype=p.dtype, device=device)
+        info = InitPiece(piece, layout, self.comm, self.src_rank, p.device)
         info.store(p.detach())
         meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                             requires_grad=p.requires_grad)
@@ -174,7 +180,7 @@ class _ShardedInit:
         if name in _METADATA:
             return func(*args, **kwargs)  # the meta stand-in has the full metadata
         if name == "device":
-            return init_piece(flat[hits[0]]).piece.device
+            return init_piece(flat[hits[0]]).home
         self.flush()
         fulls: dict[int, tuple[nn.Parameter, torch.Tensor, int]] = {}
         for i in hits:

@@ -108,7 +108,7 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
         if t.device.type != "meta":
             return t.device
         if init_piece(t) is not None:
-            return init_piece(t).piece.device
+            return init_piece(t).home
     return torch.device("cpu")
 
 

@@ -205,15 +205,13 @@ def read_json(path: str) -> dict[str, Any]:
 
 
 def flat_range(reader_slice, shape: Iterable[int], lo: int, hi: int) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of a row-major tensor, reading only the rows that hold them.
-
-    ``reader_slice`` is a safetensors slice (indexable along dim 0) or a tensor.
+    """Elements ``[lo, hi)`` of a row-major tensor of at least one dimension, reading only
+    the rows that hold them. ``reader_slice`` is a safetensors slice (indexable along dim 0)
+    or a tensor.
     """
     shape = tuple(shape)
     if hi <= lo:
         return torch.empty(0)
-    if len(shape) == 0:
-        return torch.as_tensor(reader_slice[...]).reshape(-1)[lo:hi]
     row = 1
     for d in shape[1:]:
         row *= d
