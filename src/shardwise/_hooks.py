@@ -51,6 +51,8 @@ def pre_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict
     model = unit.model
     if unit.is_root:
         model.on_root_pre_forward()
+    if model.checking:
+        model.check_same_unit(unit)
     unit.finish_gather()
     model.record_call(unit)
     if not torch.is_grad_enabled():

@@ -8,7 +8,9 @@ Every rank must issue the same collectives in the same order. Gathers happen in 
 order units run (forward, then backward, which autograd executes deterministically), and
 prefetches follow the order recorded in the previous iteration, which is identical on
 every rank when every rank runs the same code (SPMD). Reductions left for the end of
-backward run in the fixed order of ``units``.
+backward run in the fixed order of ``units``. With ``SHARDWISE_CHECK=1`` every unit's
+forward first checks, with one tiny all-reduce, that all ranks are about to run the same
+unit, so a divergence raises a clear error instead of hanging or mixing up shards.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn as nn
 
 from ._comm import Comm
 from ._unit import Unit
+from .buffers import checks_enabled
 from .errors import ShardwiseError
 
 
@@ -40,11 +43,14 @@ class ModelState:
         self._callback_queued = False
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
-        for u in units:
+        self.checking = False  # SHARDWISE_CHECK, read once per iteration
+        for i, u in enumerate(units):
             u.model = self
+            u.index = i
 
     # -- forward ---------------------------------------------------------------------
     def on_root_pre_forward(self) -> None:
+        self.checking = checks_enabled()
         self._pending_at_root_start = self._backward_pending
         if not self._backward_pending:
             # A new iteration. Units left gathered by an exception are released first.
@@ -54,6 +60,17 @@ class ModelState:
             for u in self.units:
                 u.reshard()
                 u.reset_iteration()
+
+    def check_same_unit(self, unit: Unit) -> None:
+        """Raise on every rank unless all ranks are about to run ``unit`` (Note [collective
+        order]); only with ``SHARDWISE_CHECK=1``."""
+        seen = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
+        self.comm.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        if seen.tolist() != [unit.index, -unit.index]:
+            names = self.comm.all_gather_object(unit.name)
+            which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            raise ShardwiseError(f"ranks are about to run different units ({which}). Every "
+                                 f"rank must run the same units in the same order")
 
     def record_call(self, unit: Unit) -> None:
         """Note the call and prefetch the unit that ran next last time."""

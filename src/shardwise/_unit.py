@@ -256,6 +256,8 @@ class Unit:
                 p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
+        self.model = None  # the ModelState that owns this unit, set by it
+        self.index = 0     # position in the model's units
         self.state = UnitState.SHARDED
         self.reset_iteration()
 

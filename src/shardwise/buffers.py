@@ -143,6 +143,11 @@ def check_consistency(module: nn.Module, group=None) -> None:
                               f"{comm.world_size} ranks:\n" + "\n".join(problems))
 
 
+def checks_enabled() -> bool:
+    """Whether ``SHARDWISE_CHECK=1`` is set (read at each call: no process-wide switch)."""
+    return os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
+
+
 def maybe_check(module: nn.Module) -> None:
     """Run :func:`check_consistency` when the environment sets ``SHARDWISE_CHECK=1``.
 
@@ -150,5 +155,5 @@ def maybe_check(module: nn.Module) -> None:
     modifier exits, and before a checkpoint is saved. Read at each call, so it is no
     process-wide switch that a model could set for another.
     """
-    if os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0"):
+    if checks_enabled():
         check_consistency(module)
