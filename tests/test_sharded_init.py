@@ -177,3 +177,45 @@ def _scope(rank, world):
 
 def test_sharded_init_scope_rules():
     run_ranks(_scope, 2)
+
+
+class TouchyInit(nn.Module):
+    """Init code that reaches registered parameters in the awkward ways."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D, padding_idx=0)
+        self.emb.reset_parameters()  # zeroes the padding row through a view
+        self.lin = nn.Linear(D, D)
+        nn.init.trunc_normal_(self.lin.weight, std=0.02)  # returns early on meta tensors
+        self.lin2 = nn.Linear(D, D)
+        with torch.no_grad():
+            self.lin2.weight[:, 0].zero_()  # write through a view
+        self.wide = nn.Sequential(nn.Linear(D, D))
+        self.wide.to(torch.float64)  # Module.to(dtype) assigns param.data
+
+    def forward(self, ids):
+        x = self.lin2(self.lin(self.emb(ids)))
+        return self.wide(x.double()).float()
+
+
+def _touchy(rank, world):
+    _seed(rank, 0)
+    reference = sw.shard(TouchyInit())
+    _seed(rank, 0)
+    with sw.sharded_init():
+        model = TouchyInit()
+    with pytest.raises(sw.ShardwiseError, match="call sw.shard"):
+        sw.load_pretrained(model, {})  # not materialised yet: loud, not a silent no-op
+    model = sw.shard(model)
+    a = sw.full_state_dict(reference, rank0_only=False)
+    b = sw.full_state_dict(model, rank0_only=False)
+    for k in a:
+        assert torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype, k
+    assert b["wide.0.weight"].dtype == torch.float64
+    assert b["emb.weight"][0].abs().sum() == 0 and b["lin2.weight"][:, 0].abs().sum() == 0
+    assert 0.01 < b["lin.weight"].std().item() < 0.03
+
+
+def test_sharded_init_awkward_init_code():
+    run_ranks(_touchy, 2)

@@ -36,7 +36,10 @@ class _PostBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: "Unit", *tensors: torch.Tensor):  # type: ignore[override]
         ctx.unit = unit
-        return tensors
+        # Detached aliases, not the inputs themselves: outputs that are inputs would be
+        # views made inside a custom Function, which autograd forbids modifying in place
+        # (``x += 1`` at the top of a block). No copy is made.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]

@@ -49,8 +49,31 @@ class ModelState:
             u.index = i
 
     # -- forward ---------------------------------------------------------------------
+    def recover(self) -> None:
+        """Start clean if the last iteration cannot complete.
+
+        Autograd drops the end-of-backward callback when backward raises (an OOM skipped
+        by the user, an interrupt), and a forward with gradients whose backward never came
+        leaves units gathered with values an optimizer step has since changed. Either way
+        the unfinished iteration is abandoned: no gradient of it reaches the shards.
+        """
+        aborted = self._callback_queued
+        stale = self._backward_pending and any(g.is_stale() for u in self.units
+                                               for g in u.groups)
+        if not (aborted or stale):
+            return
+        self._callback_queued = False
+        self._backward_pending = False
+        self._reducing = None
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.drop_reduction()
+            u.reshard()
+            u.reset_iteration()
+
     def on_root_pre_forward(self) -> None:
         self.checking = checks_enabled()
+        self.recover()
         self._pending_at_root_start = self._backward_pending
         if not self._backward_pending:
             # A new iteration. Units left gathered by an exception are released first.
@@ -139,8 +162,14 @@ class ModelState:
         self._callback_queued = False
         for u in reversed(self.units):
             # A unit whose backward never ran here may have run on another rank, so it
-            # joins the reduction with zero gradients (see Note [collective order]).
-            if u.forward_calls > 0 and not u.reduced:
+            # joins the reduction with zero gradients (see Note [collective order]). So do
+            # units whose gradients came without a counted forward (reentrant checkpointing
+            # recomputes in backward; a second backward through a retained graph), and
+            # units holding gradients accumulated under no_sync.
+            if not u.reduced and (u.forward_calls > 0
+                                  or any(p.full.grad is not None for p in u.params)
+                                  or (self.requires_grad_sync and any(
+                                      g.has_accumulated() for g in u.trainable_groups))):
                 self._reduce(u)
         self._reducing = None
         reduced = [u for u in self.units if u.reduced]

@@ -103,6 +103,7 @@ class FlatGroup:
                                             orig.requires_grad, span, piece, shard, full))
         self._free_full()
         self._gather_work = None
+        self._gathered_version = -1
         # Gradient reduction state (trainable groups only).
         self.used = [False] * len(self.params)  # had a local gradient since the last sync
         self._accum: torch.Tensor | None = None
@@ -140,6 +141,7 @@ class FlatGroup:
 
     # -- gather ----------------------------------------------------------------------
     def start_gather(self) -> None:
+        self._gathered_version = self.local._version  # optimizer steps bump it
         self._alloc_full()
         src = self.local
         if self._gather_in is not None:
@@ -147,6 +149,15 @@ class FlatGroup:
             with torch.no_grad():
                 src.copy_(self.local)
         self._gather_work = self.comm.all_gather(self.full, src, async_op=True)
+
+    def is_stale(self) -> bool:
+        """Whether the shard changed since the full parameters were gathered."""
+        return self.full_is_allocated() and self.local._version != self._gathered_version
+
+    def drop_reduction(self) -> None:
+        """Forget an unfinished reduction (its backward was aborted)."""
+        self.wait_reduce()
+        self._reduce_out = None
 
     def wait_gather(self) -> None:
         if self._gather_work is not None:
@@ -196,6 +207,10 @@ class FlatGroup:
         self._reduce_out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
                                        device=self.local.device)
         self._reduce_work = self.comm.reduce_scatter(self._reduce_out, buf, async_op=True)
+
+    def has_accumulated(self) -> bool:
+        """Whether gradients accumulated under ``no_sync`` await their reduction."""
+        return self._accum is not None
 
     def wait_reduce(self) -> None:
         if self._reduce_work is not None:
@@ -258,6 +273,7 @@ class Unit:
         self.is_root = is_root
         self.model = None  # the ModelState that owns this unit, set by it
         self.index = 0     # position in the model's units
+        self.pins = 0      # open gathered() blocks holding this unit gathered
         self.state = UnitState.SHARDED
         self.reset_iteration()
 
@@ -296,8 +312,11 @@ class Unit:
         self.state = UnitState.GATHERED
 
     def reshard(self) -> None:
-        """-> SHARDED: expose shards again and free the full parameters."""
-        if self.state is UnitState.SHARDED:
+        """-> SHARDED: expose shards again and free the full parameters.
+
+        A unit pinned by an open ``gathered()`` block stays gathered.
+        """
+        if self.state is UnitState.SHARDED or self.pins:
             return
         for g in self.groups:
             g.wait_gather()  # never free memory a collective is still writing

@@ -31,6 +31,14 @@ def _sharded_info(t: torch.Tensor) -> ShardedParam | None:
     return t.__dict__.get("_shardwise_param")
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: a NaN equals itself, and -0.0 differs from 0.0."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
+                       b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
 def _agree(comm: Comm, local: bool) -> bool:
     flag = torch.tensor([int(local)], dtype=torch.int32, device=comm.device)
     comm.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -116,17 +124,19 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
         raise ShardwiseError(f"modifier_rank={modifier_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     for u in units:
+        u.model.recover()
         if u.model._backward_pending:
             raise ShardwiseError("gathered() was entered between a forward and its backward; "
                                  "use it outside training steps")
         if modifier_rank is not None and any(g.compute_dtype != g.dtype for g in u.groups):
             raise ShardwiseError("gathered(..., modifier_rank=...) is not supported with "
                                  "mixed_precision: full parameters are in param_dtype")
-    # Deterministic order on every rank: per model, in the model's unit order.
-    units.sort(key=lambda u: (id(u.model), u.model.units.index(u)))
+    # The order of first appearance among the arguments is the same on every rank (SPMD).
     newly = [u for u in units if u.state is not UnitState.GATHERED]
     for u in newly:
         u.finish_gather()
+    for u in units:
+        u.pins += 1  # a forward inside the block must not reshard what it holds
     groups = [g for u in units for g in u.groups]
     group_versions = [g.full._version for g in groups]
     buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
@@ -136,6 +146,8 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
         yield module_or_params if is_module else [
             sp.full if (sp := _sharded_info(p)) is not None else p for p in params]
     except BaseException:
+        for u in units:
+            u.pins -= 1
         for u in newly:
             u.reshard()
         raise
@@ -147,7 +159,7 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
             suspects = [g.full._version != v for g, v in zip(groups, group_versions)]
             now_buffers = dict(_named_buffers(module_or_params)) if is_module else {}
             local = [f"buffer {n}" for n, b, old in buffer_snapshot
-                     if now_buffers.get(n) is not b or not torch.equal(b, old)]
+                     if now_buffers.get(n) is not b or not _same_bytes(b, old)]
             local += [f"parameter {n}" for n, p, v in plain_versions if p._version != v]
             local += [f"parameter {sp.fqns[0]} (replaced)" for sp, _, _ in replaced]
             if _agree(comm, bool(local) or any(suspects)):
@@ -164,6 +176,8 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     finally:
         for sp, m, a in replaced:
             m._parameters[a] = sp.full
+        for u in units:
+            u.pins -= 1
         for u in newly:
             u.reshard()
     if modifier_rank is not None and is_module:

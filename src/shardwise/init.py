@@ -46,7 +46,7 @@ from ._comm import Comm
 from ._layout import FlatLayout, build_layout
 from .errors import ShardwiseError
 
-_METADATA = {"shape", "dtype", "ndim", "is_meta", "requires_grad", "is_leaf", "grad_fn",
+_METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
              "size", "dim", "numel", "is_floating_point", "is_complex", "element_size",
              "nelement", "__len__", "__hash__", "__eq__", "__repr__", "__format__",
              "requires_grad_"}
@@ -179,9 +179,17 @@ class _ShardedInit:
         name = _func_name(func)
         if name in _METADATA:
             return func(*args, **kwargs)  # the meta stand-in has the full metadata
+        home = init_piece(flat[hits[0]]).home
         if name == "device":
-            return init_piece(flat[hits[0]]).home
+            return home
+        if name in ("is_meta", "is_cpu", "is_cuda"):
+            # As the unpartitioned tensor would answer: nn.init.trunc_normal_ and others
+            # return early on meta tensors, which would silently skip the init.
+            return home.type == name[3:]
         self.flush()
+        if name == "data" and getattr(func, "__name__", "") == "__set__":
+            self.repartition(flat[0], flat[1])  # param.data = value (Module.to(dtype), ...)
+            return None
         fulls: dict[int, tuple[nn.Parameter, torch.Tensor, int]] = {}
         for i in hits:
             p = flat[i]
@@ -199,7 +207,28 @@ class _ShardedInit:
             if full._version != version:
                 init_piece(p).store(full)
         back = {id(full): p for p, full, _ in fulls.values()}
-        return back.get(id(out), out) if isinstance(out, torch.Tensor) else out
+        if isinstance(out, torch.Tensor) and id(out) in back:
+            return back[id(out)]
+        # A view of a full value (``w[:, 0]``, ``w.t()``) may be written to later: keep
+        # that parameter pending, written back at the next event like ``.data``.
+        storages = {full.untyped_storage().data_ptr(): p for p, full, _ in fulls.values()}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages:
+                param = storages[t.untyped_storage().data_ptr()]
+                self._pending = (param, fulls[id(param)][1])
+                break
+        return out
+
+    def repartition(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """``p.data = value`` for a partitioned ``p``: partition ``value`` (src_rank's)."""
+        old = init_piece(p)
+        value = value.detach()
+        layout = build_layout([value.numel()], self.comm.world_size)
+        piece = torch.empty(layout.shard_numel, dtype=value.dtype, device=old.piece.device)
+        info = InitPiece(piece, layout, self.comm, self.src_rank, value.device)
+        info.store(value)
+        p.data = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        p.__dict__["_shardwise_init"] = info
 
 
 @contextlib.contextmanager

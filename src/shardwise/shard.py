@@ -235,7 +235,15 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
 
     for mod in module.modules():
         for bname, b in mod._buffers.items():
-            if b is not None and b.device != device and not b.is_meta:
+            if b is None:
+                continue
+            if b.is_meta:
+                if comm.rank == src_rank:
+                    raise ShardwiseError(f"rank {src_rank} (src_rank) holds a meta buffer "
+                                         f"{bname!r} of {type(mod).__name__}")
+                # Filled by the broadcast from src_rank just below.
+                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            elif b.device != device:
                 mod._buffers[bname] = b.to(device)
     buffer_sync.broadcast_all()
 

@@ -59,6 +59,10 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
         if not isinstance(value, torch.Tensor):
             continue
         sp = value.__dict__.get("_shardwise_param")
+        if "_shardwise_init" in value.__dict__ or (sp is None and value.is_meta):
+            raise ShardwiseError(
+                f"{name} is not materialised (built under sw.sharded_init or on the meta "
+                f"device): call sw.shard(model) first, then load into the sharded model")
         if sp is not None:
             key = id(sp)
             if key not in params:
@@ -71,6 +75,9 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
             buffers[name] = value
             continue
         params[key].names.append(name)
+    state = module.__dict__.get("_shardwise")
+    if state is not None:
+        state.recover()
     for t in params.values():
         if t.sharded is not None and t.sharded.unit.state.value != "sharded":
             raise ShardwiseError("cannot load or save state while the model is inside its "

@@ -59,10 +59,13 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
         entry = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
-                kind = "sharded" if v.dim() > 0 and tuple(v.shape) == tuple(param.shape) \
-                    else "replicated"
-                tensors[f"optim/{name}/{k}"] = v.detach().to("cpu", copy=True).contiguous()
-                entry[k] = {"kind": kind, "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                sharded = v.dim() > 0 and tuple(v.shape) == tuple(param.shape)
+                value = v.detach().to("cpu", copy=True).contiguous()
+                # State shaped like the parameter is stored flat: it is cut into the same
+                # pieces as the parameter, and reloads into 1-D shards or full shapes.
+                tensors[f"optim/{name}/{k}"] = value.reshape(-1) if sharded else value
+                entry[k] = {"kind": "sharded" if sharded else "replicated",
+                            "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
             else:
                 _json_ok(v, f"optimizer state {k!r}")
                 entry[k] = {"kind": "value", "value": v}
@@ -330,8 +333,9 @@ def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
                     if info["kind"] == "value":
                         st[k] = info["value"]
                     elif info["kind"] == "sharded":
-                        st[k] = ck.assemble(key, entry["pieces"], lo, n,
-                                            dtype_from_name(info["dtype"]))
+                        flat = ck.assemble(key, entry["pieces"], lo, n,
+                                           dtype_from_name(info["dtype"]))
+                        st[k] = flat if t.sharded is not None else flat.view(t.shape)
                     else:
                         st[k] = ck.file(rank_file(0, ck.world_size)).get_tensor(key)
                 state[index] = st
