@@ -168,8 +168,9 @@ def _optimizer_unsharded(rank, world, ck):
     again = Net()
     opt2 = torch.optim.AdamW(again.parameters(), lr=1e-2)
     sw.load_checkpoint(ck, again, opt2)
+    assert len(opt2.state) == len(opt.state) > 0
     for a, b in zip(opt.state.values(), opt2.state.values()):
-        assert torch.equal(a["exp_avg"], b["exp_avg"])
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["step"], b["step"])
     again(_x(0)).sum().backward()
     opt2.step()  # shapes right: the step runs
 

@@ -58,13 +58,18 @@ def pre_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict
         model.check_same_unit(unit)
     unit.finish_gather()
     model.record_call(unit)
-    if not torch.is_grad_enabled():
-        return None
-    unit.forward_calls += 1
     flat, spec = tree_flatten((args, kwargs))
+    cast = unit.cast_inputs
+    if cast is not None:  # mixed precision: floating inputs meet param_dtype weights
+        flat = [t.to(cast) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in flat]
+    if not torch.is_grad_enabled():
+        return tree_unflatten(flat, spec) if cast is not None else None
+    unit.forward_calls += 1
     idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not idx:
-        return None  # the end-of-backward callback reduces this unit
+        # The end-of-backward callback reduces this unit.
+        return tree_unflatten(flat, spec) if cast is not None else None
     wrapped = _PostBackward.apply(unit, *(flat[i] for i in idx))
     for i, t in zip(idx, wrapped):
         flat[i] = t

@@ -274,6 +274,7 @@ class Unit:
         self.model = None  # the ModelState that owns this unit, set by it
         self.index = 0     # position in the model's units
         self.pins = 0      # open gathered() blocks holding this unit gathered
+        self.cast_inputs: torch.dtype | None = None  # MixedPrecision.param_dtype
         self.state = UnitState.SHARDED
         self.reset_iteration()
 

@@ -91,7 +91,8 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         group: process group; default the model's group (sharded) or the world.
 
     Raises:
-        ShardwiseError: when ``src_rank`` is not in the group.
+        ShardwiseError: when ``src_rank`` is not in the group, or torch.distributed is not
+            initialised.
 
     Example:
         >>> tokenizer.load_state_dict(sd)   # on rank 0 only
@@ -115,9 +116,14 @@ def check_consistency(module: nn.Module, group=None) -> None:
 
     Compares a hash of each tensor's raw bytes, so any difference is caught.
 
+    Args:
+        module: any module, sharded or not (for a sharded one, its buffers).
+        group: process group; default the model's group (sharded) or the world.
+
     Raises:
         DivergenceError: on every rank, naming each differing tensor, its dtype and shape,
             and which ranks hold which version.
+        ShardwiseError: when torch.distributed is not initialised.
 
     Example:
         >>> sw.check_consistency(model)   # after training steps, before saving
@@ -151,8 +157,8 @@ def checks_enabled() -> bool:
 def maybe_check(module: nn.Module) -> None:
     """Run :func:`check_consistency` when the environment sets ``SHARDWISE_CHECK=1``.
 
-    Called after ``shard``, after ``load_pretrained``, after a ``gathered`` block with a
-    modifier exits, and before a checkpoint is saved. Read at each call, so it is no
+    Called after ``shard``, after ``load_pretrained`` and after a ``gathered`` block with
+    a modifier exits (``save_checkpoint`` checks always). Read at each call, so it is no
     process-wide switch that a model could set for another.
     """
     if checks_enabled():

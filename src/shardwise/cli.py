@@ -38,7 +38,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shardwise`` console script."""
+    """Entry point of the ``shardwise`` console script.
+
+    Args:
+        argv: arguments (default: the command line).
+
+    Returns:
+        The exit status: 0 on success, 1 when the command failed (the reason is printed
+        on stderr), 2 for a usage error.
+
+    Example:
+        $ shardwise inspect ckpt/latest
+        $ shardwise consolidate ckpt/latest export/
+    """
     parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     c.set_defaults(func=_consolidate)
     i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
-    i.add_argument("checkpoint")
+    i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
     i.set_defaults(func=_inspect)
     args = parser.parse_args(argv)
     if args.version:
@@ -66,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except ShardwiseError as e:
+    except (ShardwiseError, OSError) as e:
         print(f"shardwise {args.command}: error: {e}", file=sys.stderr)
         return 1
 

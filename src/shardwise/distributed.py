@@ -8,6 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .errors import ShardwiseError
+
 
 def init_distributed(backend: str | None = None,
                      timeout: datetime.timedelta | float | None = None) -> None:
@@ -23,7 +25,7 @@ def init_distributed(backend: str | None = None,
         timeout: collective timeout, a ``timedelta`` or seconds.
 
     Raises:
-        ValueError: for a backend this build of torch lacks.
+        ShardwiseError: for a backend this build of torch lacks.
 
     Example:
         >>> import shardwise as sw
@@ -34,7 +36,8 @@ def init_distributed(backend: str | None = None,
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not dist.is_nccl_available():
-        raise ValueError("backend 'nccl' is not available in this build of torch; use 'gloo'")
+        raise ShardwiseError("backend 'nccl' is not available in this build of torch; use "
+                             "'gloo'")
     kwargs: dict = {}
     if timeout is not None:
         kwargs["timeout"] = (timeout if isinstance(timeout, datetime.timedelta)

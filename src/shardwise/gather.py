@@ -73,7 +73,8 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     With ``modifier_rank=None`` the block is read-only: an in-place write, on any rank, to
     a gathered parameter or to a buffer of the module (or replacing one) raises
     :class:`ReadOnlyGatherError` on exit on every rank, naming the tensor; the shards stay
-    as they were. With ``modifier_rank=r``, rank r's parameters *and buffers* are what
+    as they were and written buffers are restored (a written *unsharded* parameter is
+    reported, not restored). With ``modifier_rank=r``, rank r's parameters *and buffers* are what
     every rank holds after the block. Unsharded modules and tensors pass through
     unchanged (with ``modifier_rank`` they are broadcast from rank r).
 
@@ -163,6 +164,10 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
             local += [f"parameter {n}" for n, p, v in plain_versions if p._version != v]
             local += [f"parameter {sp.fqns[0]} (replaced)" for sp, _, _ in replaced]
             if _agree(comm, bool(local) or any(suspects)):
+                with torch.no_grad():  # buffers go back to what every rank held on entry
+                    for n, b, old in buffer_snapshot:
+                        if now_buffers.get(n) is b and not _same_bytes(b, old):
+                            b.copy_(old)
                 local += [f"parameter {n}" for n in _written_params(comm, groups, suspects)]
                 everyone = comm.all_gather_object(local)
                 msgs = sorted(set().union(*map(set, everyone)))

@@ -51,9 +51,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     grads = [p.shard.grad for u in state.units for p in u.params if p.shard.grad is not None]
     device = state.units[0].groups[0].local.device if state.units[0].groups else \
         (grads[0].device if grads else torch.device("cpu"))
-    if grads:
+    # A rank's piece of a parameter may be empty, and the infinity norm of nothing is
+    # undefined; empty pieces contribute nothing to any norm.
+    nonempty = [g for g in grads if g.numel()]
+    if nonempty:
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                             for g in grads]).to(device)
+                             for g in nonempty]).to(device)
     else:
         norms = torch.zeros(1, device=device)
     if math.isinf(norm_type):
@@ -78,6 +81,9 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     model's gradients until the next synchronised backward); the first backward outside
     the block adds its gradients and reduce-scatters the sum. Parameters are still
     gathered for every forward and backward.
+
+    Args:
+        module: the root returned by :func:`shardwise.shard`.
 
     Raises:
         ShardwiseError: when ``module`` is not a sharded root.

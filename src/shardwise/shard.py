@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _hooks
 from ._comm import Comm
@@ -24,6 +25,11 @@ UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
 @dataclass(frozen=True)
 class MixedPrecision:
     """Dtypes for compute and gradient reduction; master weights keep their dtype.
+
+    Floating-point inputs of every unit are cast to ``param_dtype`` (as FSDP2 does by
+    default), so outputs come out in ``param_dtype``; buffers keep their dtype, and
+    BatchNorm parameters stay in full precision (as FSDP1 does), since BatchNorm's kernel
+    takes low-precision input only with full-precision weights and statistics.
 
     Args:
         param_dtype: dtype full parameters are gathered in and computed with
@@ -45,6 +51,9 @@ def _state_of(module: nn.Module) -> ModelState | None:
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` was sharded by :func:`shard` or holds parameters sharded by it.
+
+    Args:
+        module: any module. Raises nothing.
 
     Example:
         >>> sw.is_sharded(model)      # False
@@ -117,8 +126,10 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
           src_rank: int = 0, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
-    Every parameter is split into ``world_size`` equal, padded pieces; each rank keeps
-    one. A unit's full parameters exist only while it computes. After the call every rank
+    Each unit's parameters (one flat buffer per dtype and ``requires_grad``) are split
+    into ``world_size`` equal, padded slices; each rank keeps one, so a given parameter's
+    piece may differ in size across ranks, or be empty. A unit's full parameters exist
+    only while it computes. After the call every rank
     holds ``src_rank``'s parameters and buffers. The module keeps its class and methods;
     ``named_parameters()`` yields the original names, each a 1-D ``nn.Parameter`` holding
     this rank's piece, so build the optimizer *after* sharding.
@@ -127,8 +138,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         module: the model; its parameters must be real tensors on ``src_rank``.
         group: process group (default: the world).
         units: submodules gathered together: a class, tuple of classes, or a callable
-            ``(qualified_name, module) -> bool``. Default: each entry of an
-            ``nn.ModuleList``. The root owns every other parameter.
+            ``(qualified_name, module) -> bool``; every match becomes a unit, nested
+            matches too (each owns the parameters no inner unit owns). Default: each entry
+            of the outermost ``nn.ModuleList`` s. The root owns every other parameter.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
         buffers: ``"broadcast"``, ``"average"`` or ``"local"``, see :mod:`shardwise.buffers`.
         src_rank: rank (in ``group``) whose initial state everyone takes.
@@ -203,9 +215,13 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         by_kind: dict[tuple, list[int]] = {}
         for key in per_unit[i]:
             p = params[key]
-            by_kind.setdefault((p.dtype, p.requires_grad), []).append(key)
-        for (dtype, _), keys in by_kind.items():
-            floating = dtype.is_floating_point
+            # BatchNorm keeps full-precision parameters under mixed precision: its running
+            # statistics (buffers) keep their dtype, and its kernel takes low-precision
+            # input only with full-precision weights.
+            full_precision = any(isinstance(m, _BatchNorm) for m, _ in slots[key])
+            by_kind.setdefault((p.dtype, p.requires_grad, full_precision), []).append(key)
+        for (dtype, _, full_precision), keys in by_kind.items():
+            floating = dtype.is_floating_point and not full_precision
             compute = (mp.param_dtype or dtype) if floating else dtype
             reduce = (mp.reduce_dtype or compute) if floating else dtype
             originals = [params[k] for k in keys]
@@ -232,6 +248,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             del originals
             groups.append(g)
         built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0)))
+        built[-1].cast_inputs = mp.param_dtype
 
     for mod in module.modules():
         for bname, b in mod._buffers.items():

@@ -36,11 +36,15 @@ def _set_py_rng(saved: list) -> None:
     random.setstate((saved[0], tuple(saved[1]), saved[2]))
 
 
-def _json_ok(obj: Any, what: str) -> None:
+def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
+    """``obj`` must serialise to JSON; with ``exact``, come back exactly as it is."""
     try:
-        json.dumps(obj)
+        same = json.loads(json.dumps(obj)) == obj
     except (TypeError, ValueError) as e:
         raise ShardwiseError(f"{what} must be JSON-serialisable: {e}") from e
+    if exact and not same:
+        raise ShardwiseError(f"{what} would not come back from JSON as saved (tuples become "
+                             f"lists, non-string keys become strings): {obj!r:.200}")
 
 
 def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
@@ -84,7 +88,8 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     """Save a sharded checkpoint into the folder ``path``, atomically.
 
     Holds every rank's parameter pieces, the buffers (checked identical across ranks
-    first), the optimizer state, the step, RNG states and ``extra``. Data is safetensors,
+    first; under the ``"local"`` buffer policy, rank 0's are saved without the check), the
+    optimizer state, the step, RNG states and ``extra``. Data is safetensors,
     metadata JSON; nothing is pickled. A crash at any moment leaves the previous checkpoint
     in ``path`` intact and loadable (Note [atomic save] in _format.py).
 
@@ -93,11 +98,14 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
             replaced only once the new one is complete).
         module: the model, sharded or not.
         optimizer: optional optimizer built over ``module.parameters()``.
-        extra: any JSON-serialisable value, returned by :func:`load_checkpoint`.
+        extra: a JSON value (dicts with string keys, lists, strings, numbers, booleans,
+            None), returned exactly by :func:`load_checkpoint`.
 
     Raises:
         DivergenceError: buffers differ across ranks (nothing is written).
-        ShardwiseError: ``extra`` or optimizer hyperparameters are not JSON-serialisable.
+        ShardwiseError: ``extra`` or optimizer hyperparameters do not survive JSON; the
+            optimizer holds parameters that are not the module's; or the model is inside
+            its forward/backward or a ``gathered()`` block.
 
     Example:
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
@@ -105,9 +113,10 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = os.fspath(path)
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    if comm is not None:
+    state = module.__dict__.get("_shardwise")
+    if comm is not None and not (state is not None and state.buffers.policy == "local"):
         check_consistency(module, group=comm.group)
-    _json_ok(extra, "extra")
+    _json_ok(extra, "extra", exact=True)
     params, buffers = module_targets(module)
     name_of: dict[int, str] = {}
     for t in params:
@@ -341,7 +350,10 @@ def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
                 state[index] = st
             ids.append(index)
             index += 1
-        new_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        # JSON turned tuples (AdamW's betas) into lists: restore them.
+        hyper = {k: tuple(v) if isinstance(v, list) and isinstance(group.get(k), tuple) else v
+                 for k, v in saved.items() if k != "params"}
+        new_groups.append({**hyper, "params": ids})
     return {"state": state, "param_groups": new_groups}
 
 

@@ -70,10 +70,12 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
                     rename: Rename = None) -> None:
     """Load full (unsharded) weights into ``module``, sharded or not, on every rank.
 
-    Each rank reads only the slices of each parameter it stores (safetensors' slice API),
-    so no rank ever holds the whole model. Every rank loads every persistent buffer;
-    non-persistent buffers keep their constructed values. A tied weight needs to appear
-    under one of its names only. Values are cast to each parameter's dtype.
+    From safetensors sources each rank reads only the slices of each parameter it stores
+    (safetensors' slice API), so no rank holds the whole model; a dict or a weights-only
+    pickle is whole on every rank by nature. Every rank loads every persistent buffer found
+    in the source; then every buffer is made ``src_rank``'s, so ranks end identical
+    (non-persistent buffers keep ``src_rank``'s constructed values). A tied weight needs to
+    appear under one of its names only. Values are cast to each parameter's dtype.
 
     Args:
         module: the model (call on every rank of its group).
@@ -108,4 +110,10 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)
+    if comm is not None and comm.world_size > 1:
+        # Buffers not in the source (non-persistent ones, or missing under strict=False)
+        # may differ per rank; every rank takes src_rank's.
+        state = module.__dict__.get("_shardwise")
+        comm.broadcast_tensors([b for _, b in module.named_buffers() if b is not None],
+                               state.src_rank if state is not None else 0)
     maybe_check(module)

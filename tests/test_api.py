@@ -1,0 +1,101 @@
+"""Contract details from shared/API.md not covered elsewhere."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import run_ranks
+
+import shardwise as sw
+from shardwise.models import GPT, Block, GPTConfig, SmallCNN
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16)
+
+
+def test_init_distributed_without_torchrun_is_a_world_of_one():
+    code = ("import shardwise as sw, torch.distributed as d; sw.init_distributed(timeout=30); "
+            "sw.init_distributed(); print(d.get_world_size(), d.get_backend())")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["1", "nccl" if torch.cuda.is_available() else "gloo"]
+
+
+def _api(rank, world):
+    # shard returns the same object; units by tuple of classes and by callable.
+    model = GPT(CFG)
+    assert sw.shard(model, units=(Block, nn.LayerNorm)) is model
+    names = [u.name for u in model._shardwise.units]
+    # Explicit predicates take every match, nested ones too (a LayerNorm inside a Block).
+    assert "blocks.0" in names and "ln_f" in names and "blocks.0.ln1" in names
+    x = torch.randint(0, 32, (2, 8))
+    model(x, x).backward()  # nested units gather and reduce independently
+    assert all(p.grad is not None for p in model.parameters())
+    pick = sw.shard(GPT(CFG), units=lambda name, m: name in ("blocks.0", "blocks.2"))
+    assert [u.name for u in pick._shardwise.units] == ["<root>", "blocks.0", "blocks.2"]
+    with pytest.raises(sw.ShardwiseError, match="units="):
+        sw.shard(GPT(CFG), units=3)
+    with pytest.raises(sw.ShardwiseError, match="already sharded"):
+        sw.shard(model)
+
+    # gathered: unsharded modules and tensors pass through; a parameter list with a modifier.
+    plain = nn.Linear(3, 3)
+    with sw.gathered(plain) as m:
+        assert m is plain
+    t = torch.ones(2)
+    with sw.gathered([t]) as (same,):
+        assert same is t
+    with sw.gathered([pick.lm_head.weight], modifier_rank=1) as (full,):
+        with torch.no_grad():
+            full.fill_(float(rank))
+    assert torch.equal(sw.full_state_dict(pick, rank0_only=False)["lm_head.weight"],
+                       torch.ones(CFG.vocab_size, CFG.d_model))
+
+    # clip_grad_norm_ with the infinity norm: the global max, identical everywhere.
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ours = sw.shard(copy.deepcopy(ref))
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+    ours(x, x).backward()
+    ref(x, x).backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    expect = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=float("inf"))
+    got = sw.clip_grad_norm_(ours, 1e-3, norm_type=float("inf"))
+    torch.testing.assert_close(got, expect)
+
+    # full_state_dict on an unsharded module honours rank0_only.
+    sd = sw.full_state_dict(nn.Linear(2, 2))
+    assert (sd == {}) == (rank != 0)
+
+    # Mixed precision: buffers keep their dtype; gathered with a modifier is refused.
+    mp = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16))
+    mp(torch.randn(2, 3, 16, 16)).sum().backward()
+    assert mp.blocks[0].bn.running_mean.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in mp.parameters() if p.grad is not None)
+    with pytest.raises(sw.ShardwiseError, match="mixed_precision"):
+        with sw.gathered(mp, modifier_rank=0):
+            pass
+
+
+def test_api_details():
+    run_ranks(_api, 2)
+
+
+def _load_pretrained_buffers(rank, world):
+    model = sw.shard(SmallCNN(), buffers="local")
+    model.blocks[0].bn.running_var.fill_(float(rank + 1))  # differs per rank
+    sd = {k: v for k, v in SmallCNN().state_dict().items() if "running_var" not in k}
+    sw.load_pretrained(model, sd, strict=False)
+    sw.check_consistency(model)  # identical everywhere, though the source lacked them
+
+
+def test_load_pretrained_leaves_identical_buffers():
+    run_ranks(_load_pretrained_buffers, 2)
