@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-memory clean
 
 # torch goes in first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -23,6 +23,9 @@ test: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/step_time.py
+
+bench-memory: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
