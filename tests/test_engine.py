@@ -137,13 +137,18 @@ def test_edge_cases_match_ddp(world):
     run_ranks(_edge_parity, world)
 
 
-def _accumulation(rank, world):
+def _gpt_ddp_and_ours(cfg: GPTConfig, lr: float):
+    """One GPT, trained by DDP and by shardwise from the same weights, with AdamW each."""
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
     base = GPT(cfg)
     ddp = DDP(copy.deepcopy(base))
     ours = sw.shard(copy.deepcopy(base))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, ours)]
+    return ddp, ours, [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ddp, ours)]
+
+
+def _accumulation(rank, world):
+    ddp, ours, opts = _gpt_ddp_and_ours(
+        GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16), lr=1e-2)
     stats = ours._shardwise.comm.stats
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -168,12 +173,8 @@ def test_no_sync_accumulation_bit_identical_to_ddp():
 
 
 def _memory_and_clip(rank, world):
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=200, seq_len=16, n_layer=3, n_head=2, d_model=40)
-    base = GPT(cfg)
-    ddp = DDP(copy.deepcopy(base))
-    ours = sw.shard(copy.deepcopy(base))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ddp, ours)]
+    ddp, ours, opts = _gpt_ddp_and_ours(
+        GPTConfig(vocab_size=200, seq_len=16, n_layer=3, n_head=2, d_model=40), lr=1e-3)
     x = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(rank))
     for model in (ddp, ours):
         model(x, x).backward()

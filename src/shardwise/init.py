@@ -120,9 +120,7 @@ class _ShardedInit:
         self.comm = comm
         self.src_rank = src_rank
         self.mode = _InitMode(self)
-        self.partitioned = 0
         self._pending: tuple[nn.Parameter, torch.Tensor] | None = None
-        self._failed = False
 
     # -- scope -----------------------------------------------------------------------
     def innermost_here(self) -> bool:
@@ -152,7 +150,6 @@ class _ShardedInit:
         # in memory, and measuring showed a third more peak memory without this.
         p.__dict__["_shardwise_partitioned_as"] = meta
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.partitioned += 1
         return meta
 
     def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module):
