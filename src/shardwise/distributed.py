@@ -1,4 +1,18 @@
-"""Process-group setup."""
+"""Process-group setup.
+
+Note [teardown]
+``torch.distributed.nn.functional`` binds ``group.WORLD`` as the *default value* of ten
+functions when it is first imported. Imported after ``init_process_group`` (it is, by
+``torch._dynamo``, which every ``torch.optim`` optimizer imports on construction), those
+defaults hold the world group forever, so ``destroy_process_group`` cannot free it: the
+gloo worker threads live on into interpreter shutdown. Each keeps the last collective it
+ran, and when that work's tensors are finally released the thread needs the GIL, which a
+finalizing interpreter refuses by ending the thread; C++ then calls ``std::terminate``
+("terminate called without an active exception", SIGABRT) after the program's last line.
+Importing the module while no group exists binds ``None`` instead (which means the same
+group in every one of those functions), so the group dies at ``destroy_process_group``.
+``tests/test_teardown.py`` checks that no gloo thread survives it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShardwiseError
+
+if dist.is_available() and not dist.is_initialized():
+    import torch.distributed.nn.functional  # noqa: F401  Note [teardown]
 
 
 def init_distributed(backend: str | None = None,
