@@ -268,22 +268,52 @@ class Skippy(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
 
-    def forward(self, x, skip: bool):
+    def forward(self, x, skip: int = -1, twice: int = -1):
         for i, b in enumerate(self.blocks):
-            if not (skip and i == 1):
+            if i != skip:
+                x = b(x)
+            if i == twice:
                 x = b(x)
         return x
 
 
-def _divergent_order(rank, world):
+# What each rank was about to do when rank 1 diverged, as the error names it.
+_DIVERGENCES = {
+    "skip first": ({"skip": 0}, "rank 0: unit blocks.0, rank 1: unit blocks.1"),
+    "skip middle": ({"skip": 1}, "rank 0: unit blocks.1, rank 1: unit blocks.2"),
+    "skip last": ({"skip": 2}, "rank 0: unit blocks.2, rank 1: the end of the forward"),
+    "run one twice": ({"twice": 1}, "rank 0: unit blocks.2, rank 1: unit blocks.1"),
+}
+
+
+def _divergent_order(rank, world, case):
     import os
+    import re
 
     os.environ["SHARDWISE_CHECK"] = "1"
     model = sw.shard(Skippy())
-    model(torch.ones(2, 4), skip=False).sum().backward()  # agreeing ranks pass the check
-    with pytest.raises(sw.ShardwiseError, match=r"rank 0: blocks\.1, rank 1: blocks\.2"):
-        model(torch.ones(2, 4), skip=(rank == 1))
+    model(torch.ones(2, 4)).sum().backward()  # agreeing ranks pass the check
+    kwargs, names = _DIVERGENCES[case]
+    with pytest.raises(sw.ShardwiseError, match=re.escape(names)):
+        model(torch.ones(2, 4), **(kwargs if rank == 1 else {}))
+    model(torch.ones(2, 4)).sum().backward()  # and the model works on afterwards
 
 
-def test_shardwise_check_catches_divergent_unit_order():
-    run_ranks(_divergent_order, 2)
+@pytest.mark.parametrize("case", list(_DIVERGENCES))
+def test_shardwise_check_catches_divergent_unit_order(case):
+    run_ranks(_divergent_order, 2, case)
+
+
+def _check_inside_gathered(rank, world):
+    import os
+
+    os.environ["SHARDWISE_CHECK"] = "1"
+    model = sw.shard(Skippy()).eval()
+    with sw.gathered(model), torch.no_grad():
+        for _ in range(3 + rank):  # generate() stopping at different lengths per rank
+            model(torch.ones(2, 4))
+    model(torch.ones(2, 4)).sum().backward()
+
+
+def test_shardwise_check_allows_uneven_forwards_inside_gathered():
+    run_ranks(_check_inside_gathered, 2)

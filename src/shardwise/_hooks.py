@@ -55,7 +55,7 @@ def pre_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict
     if unit.is_root:
         model.on_root_pre_forward()
     if model.checking:
-        model.check_same_unit(unit)
+        model.check_unit(unit)
     unit.finish_gather()
     model.record_call(unit)
     flat, spec = tree_flatten((args, kwargs))

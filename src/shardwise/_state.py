@@ -10,7 +10,10 @@ prefetches follow the order recorded in the previous iteration, which is identic
 every rank when every rank runs the same code (SPMD). Reductions left for the end of
 backward run in the fixed order of ``units``. With ``SHARDWISE_CHECK=1`` every unit's
 forward first checks, with one tiny all-reduce, that all ranks are about to run the same
-unit, so a divergence raises a clear error instead of hanging or mixing up shards.
+unit, and the root's forward ends with one more, so a divergence (a rank skipping the
+first, a middle or the last unit, or running one twice) raises a clear error on every
+rank instead of hanging or mixing up shards. Units pinned by ``gathered()`` compute
+without communicating and are not checked: ranks may run them different numbers of times.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class ModelState:
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self.checking = False  # SHARDWISE_CHECK, read once per iteration
+        self._checked_in_forward = 0  # unit checks in the current root forward
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -73,6 +77,7 @@ class ModelState:
 
     def on_root_pre_forward(self) -> None:
         self.checking = checks_enabled()
+        self._checked_in_forward = 0
         self.recover()
         self._pending_at_root_start = self._backward_pending
         if not self._backward_pending:
@@ -84,16 +89,39 @@ class ModelState:
                 u.reshard()
                 u.reset_iteration()
 
-    def check_same_unit(self, unit: Unit) -> None:
-        """Raise on every rank unless all ranks are about to run ``unit`` (Note [collective
-        order]); only with ``SHARDWISE_CHECK=1``."""
-        seen = torch.tensor([unit.index, -unit.index], dtype=torch.int64, device=self.comm.device)
+    def check_unit(self, unit: Unit) -> None:
+        """With ``SHARDWISE_CHECK=1``: raise on every rank unless all ranks are about to
+        run ``unit`` (Note [collective order]).
+
+        A unit pinned by ``gathered()`` (or holding no parameters) runs without
+        communicating, so ranks may run it a different number of times (``generate``
+        stopping at different lengths): it is not checked.
+        """
+        if unit.pins or not unit.groups:
+            return
+        self._checked_in_forward += 1
+        self._agree_on_step(1, unit.index, f"unit {unit.name}")
+
+    def check_forward_end(self) -> None:
+        """With ``SHARDWISE_CHECK=1``: raise on every rank unless all ranks end the
+        forward here. Catches a rank that skips the *last* unit, whose peers would
+        otherwise wait in that unit's check until the timeout."""
+        if self._checked_in_forward:
+            self._checked_in_forward = 0
+            self._agree_on_step(2, len(self._order),
+                                f"the end of the forward after {len(self._order)} unit calls")
+
+    def _agree_on_step(self, kind: int, index: int, what: str) -> None:
+        # Every check is the same 4-integer all-reduce, so mismatched checks still pair
+        # up across ranks, and any difference shows in the maximum.
+        mine = [kind, index, -kind, -index]
+        seen = torch.tensor(mine, dtype=torch.int64, device=self.comm.device)
         self.comm.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-        if seen.tolist() != [unit.index, -unit.index]:
-            names = self.comm.all_gather_object(unit.name)
+        if seen.tolist() != mine:
+            names = self.comm.all_gather_object(what)
             which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            raise ShardwiseError(f"ranks are about to run different units ({which}). Every "
-                                 f"rank must run the same units in the same order")
+            raise ShardwiseError(f"ranks diverged in the forward ({which}). Every rank must "
+                                 f"run the same units in the same order")
 
     def record_call(self, unit: Unit) -> None:
         """Note the call and prefetch the unit that ran next last time."""
@@ -105,6 +133,8 @@ class ModelState:
             prev[pos + 1].start_gather()
 
     def on_root_post_forward(self, hooked: bool, opaque: bool = False) -> None:
+        if self.checking:
+            self.check_forward_end()
         # Note [buffer sync point]
         # BatchNorm saves its running statistics for backward, so overwriting buffers
         # between a forward and its backward would break autograd's version check (and
