@@ -75,7 +75,21 @@ class ModelState:
             u.reshard()
             u.reset_iteration()
 
+    def check_storage(self) -> None:
+        """Raise if a parameter was cast or moved after ``shard`` (see FlatGroup.detached)."""
+        moved = [name for u in self.units for g in u.groups for name in g.detached()]
+        if moved:
+            raise ShardwiseError(
+                f"{len(moved)} parameter(s) ({', '.join(moved[:3])}"
+                f"{', ...' if len(moved) > 3 else ''}) were cast or moved after sw.shard "
+                f"(model.to(...), .half(), .bfloat16(), .cuda(), or p.data = ...), so their "
+                f"shards left shardwise's storage and training would silently use the old "
+                f"values. Cast or move the model before sw.shard, or keep fp32 master weights "
+                f"and compute in low precision with sw.shard(model, mixed_precision="
+                f"sw.MixedPrecision(param_dtype=torch.bfloat16))")
+
     def on_root_pre_forward(self) -> None:
+        self.check_storage()
         self.checking = checks_enabled()
         self._checked_in_forward = 0
         self.recover()

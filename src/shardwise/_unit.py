@@ -124,6 +124,17 @@ class FlatGroup:
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
 
+    def detached(self) -> list[str]:
+        """Names of parameters whose shard no longer views ``local``.
+
+        ``model.to(dtype)``, ``.half()``, ``.cuda()`` and ``p.data = ...`` replace a shard's
+        storage: the optimizer would then update a tensor that is never gathered.
+        """
+        home = self.local.untyped_storage().data_ptr()
+        return [p.fqns[0] for p in self.params
+                if p.shard.dtype != self.dtype or p.shard.device != self.local.device
+                or p.shard.untyped_storage().data_ptr() != home]
+
     def fill_local(self, flat_full: torch.Tensor | None, src: int) -> None:
         """Set every rank's shard from rank ``src``'s padded flat buffer (a scatter)."""
         chunks = None

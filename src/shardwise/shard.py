@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,31 +65,75 @@ def is_sharded(module: nn.Module) -> bool:
     return any("_shardwise_param" in p.__dict__ for p in module.parameters())
 
 
-def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module, nn.Module | None], bool]:
-    if units is None:
-        return lambda name, mod, parent: isinstance(parent, nn.ModuleList)
+def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
     if isinstance(units, type) or (isinstance(units, tuple) and units
                                    and all(isinstance(u, type) for u in units)):
-        return lambda name, mod, parent: isinstance(mod, units)
+        return lambda name, mod: isinstance(mod, units)
+    if isinstance(units, tuple) and not units:
+        return lambda name, mod: False  # units=(): the root alone, on purpose
     if callable(units):
-        return lambda name, mod, parent: bool(units(name, mod))
+        return lambda name, mod: bool(units(name, mod))
     raise ShardwiseError(f"units={units!r} is not understood: pass a module class, a tuple of "
                          f"classes, or a callable (qualified_name, module) -> bool")
 
 
-def _choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
-    pred = _unit_predicate(units)
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _default_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost entries of ``nn.ModuleList`` s; without any, of ``nn.Sequential`` s.
+
+    Transformer stacks keep their blocks in a ModuleList; convolutional nets (torchvision's
+    ResNets: ``layer1`` ... ``layer4``) and plain ``nn.Sequential`` stacks keep theirs in
+    Sequentials. Entries without parameters (activations, pooling) are not units.
+    """
     by_name = dict(root.named_modules())
-    chosen: list[tuple[str, nn.Module]] = [("", root)]
-    for name, mod in by_name.items():
-        if mod is root:
-            continue
-        parent = by_name.get(name.rpartition(".")[0])
-        # The default takes the outermost ModuleList entries only.
-        nested = units is None and any(name.startswith(n + ".") for n, _ in chosen[1:])
-        if not nested and pred(name, mod, parent):
-            chosen.append((name, mod))
-    return chosen
+    for container in (nn.ModuleList, nn.Sequential):
+        chosen: list[tuple[str, nn.Module]] = []
+        for name, mod in by_name.items():
+            if mod is root or any(name.startswith(n + ".") for n, _ in chosen):
+                continue
+            parent = by_name.get(name.rpartition(".")[0])
+            if isinstance(parent, container) and _has_params(mod):
+                chosen.append((name, mod))
+        if chosen:
+            return chosen
+    return []
+
+
+def _choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
+    """``("", root)`` followed by every unit ``units`` selects (see :func:`shard`)."""
+    if units is None:
+        return [("", root), *_default_units(root)]
+    pred = _unit_predicate(units)
+    chosen = [(n, m) for n, m in root.named_modules() if m is not root and pred(n, m)]
+    if not chosen and units != ():
+        raise ShardwiseError(
+            f"units={units!r} matched no submodule of {type(root).__name__}, so the whole "
+            f"model would be gathered at once. Pass the class of its blocks (e.g. "
+            f"units=MyBlock), units=None for the default, or units=() if one unit is "
+            f"really what you want")
+    return [("", root), *chosen]
+
+
+# Below this many elements (4 MiB in fp32) gathering a whole model at once is harmless.
+_WARN_MIN_NUMEL = 1 << 20
+
+
+def _warn_if_one_unit_dominates(sizes: list[int], names: list[str], world_size: int,
+                                units: UnitSpec) -> None:
+    total = sum(sizes)
+    if world_size == 1 or total < _WARN_MIN_NUMEL or units == ():
+        return
+    biggest = max(range(len(sizes)), key=lambda i: sizes[i])
+    if sizes[biggest] * 2 > total:
+        name = names[biggest] or "<root>"
+        warnings.warn(
+            f"shardwise: unit {name!r} holds {sizes[biggest] / total:.0%} of the model's "
+            f"parameters, so its full parameters are gathered at once and the memory saving "
+            f"of sharding is mostly lost. Pass units=<block class> (or a callable) to "
+            f"sw.shard to split it; units=() silences this warning", stacklevel=3)
 
 
 def _owner(path: str, unit_names: list[str]) -> int:
@@ -139,8 +184,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         group: process group (default: the world).
         units: submodules gathered together: a class, tuple of classes, or a callable
             ``(qualified_name, module) -> bool``; every match becomes a unit, nested
-            matches too (each owns the parameters no inner unit owns). Default: each entry
-            of the outermost ``nn.ModuleList`` s. The root owns every other parameter.
+            matches too (each owns the parameters no inner unit owns). ``()`` makes the
+            root the only unit. Default: each entry (holding parameters) of the outermost
+            ``nn.ModuleList`` s, or, in a model without one, of the outermost
+            ``nn.Sequential`` s. The root owns every other parameter. A warning says when
+            one unit holds more than half of a model of a million parameters or more.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
         buffers: ``"broadcast"``, ``"average"`` or ``"local"``, see :mod:`shardwise.buffers`.
         src_rank: rank (in ``group``) whose initial state everyone takes.
@@ -150,7 +198,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
             its submodules is already sharded, ``src_rank`` is out of range, a policy or
-            ``units`` is invalid, or ``src_rank`` holds meta tensors.
+            ``units`` is invalid, ``units`` matches no submodule, or ``src_rank`` holds
+            meta tensors.
 
     Example:
         >>> sw.init_distributed()
@@ -208,6 +257,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     per_unit: list[list[int]] = [[] for _ in chosen]
     for key in params:
         per_unit[_common_unit(owners[key], unit_names)].append(key)
+    _warn_if_one_unit_dominates([sum(params[k].numel() for k in keys) for keys in per_unit],
+                                unit_names, comm.world_size, units)
 
     built: list[Unit] = []
     for i, (name, mod) in enumerate(chosen):

@@ -1,0 +1,117 @@
+"""Unit choice and the guard against casting or moving a model after ``shard``."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from harness import run_ranks
+
+import shardwise as sw
+from shardwise.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn(self.conv(x)))
+
+
+class MiniResNet(nn.Module):
+    """torchvision's ResNet shape: stages are nn.Sequential s of blocks, no ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.layer1 = nn.Sequential(BasicBlock(8), BasicBlock(8))
+        self.layer2 = nn.Sequential(BasicBlock(8), BasicBlock(8))
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def _same_outputs(model, ref, x):
+    model.train(), ref.train()
+    out, expect = model(x), ref(x)
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+
+
+def _default_units(rank, world):
+    torch.manual_seed(0)
+    ref = MiniResNet()
+    model = sw.shard(copy.deepcopy(ref))
+    names = [u.name for u in model._shardwise.units]
+    assert names == ["<root>", "layer1.0", "layer1.1", "layer2.0", "layer2.1"], names
+    _same_outputs(model, ref, torch.randn(2, 3, 6, 6))
+
+    stack_ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                              nn.Linear(8, 2))
+    stack = sw.shard(copy.deepcopy(stack_ref))
+    names = [u.name for u in stack._shardwise.units]
+    assert names == ["<root>", "0", "2", "4"], names  # activations hold nothing to gather
+    _same_outputs(stack, stack_ref, torch.randn(3, 4))
+
+    # A ModuleList wins over Sequentials inside its entries.
+    names = [u.name for u in sw.shard(GPT(CFG))._shardwise.units]
+    assert names == ["<root>", "blocks.0", "blocks.1"], names
+
+
+def test_default_units_follow_modulelist_or_sequential():
+    run_ranks(_default_units, 2)
+
+
+def _units_matching_nothing(rank, world):
+    for units in (nn.Conv2d, lambda name, module: False):
+        with pytest.raises(sw.ShardwiseError, match="matched no submodule of GPT"):
+            sw.shard(GPT(CFG), units=units)
+    alone = sw.shard(GPT(CFG), units=())  # the root alone, asked for explicitly
+    assert [u.name for u in alone._shardwise.units] == ["<root>"]
+
+
+def test_units_matching_nothing_raise():
+    run_ranks(_units_matching_nothing, 2)
+
+
+class TopHeavy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(1024, 1024)  # 1.05M parameters in the root
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+
+def _dominant_unit_warning(rank, world):
+    with pytest.warns(UserWarning, match=re.escape("unit '<root>' holds 100%")):
+        sw.shard(TopHeavy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sw.shard(TopHeavy(), units=())          # asked for: silent
+        sw.shard(nn.Sequential(*(nn.Linear(512, 512) for _ in range(4))))  # balanced
+        sw.shard(GPT(CFG))                      # small models: silent
+
+
+def test_warns_when_one_unit_holds_most_of_the_model():
+    run_ranks(_dominant_unit_warning, 2)
+
+
+def _cast_after_shard(rank, world):
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double()):
+        model = sw.shard(GPT(CFG))
+        model(x, x).backward()
+        cast(model)
+        with pytest.raises(sw.ShardwiseError, match="cast or moved after sw.shard"):
+            model(x, x)
+
+
+def test_cast_after_shard_raises_at_next_forward():
+    run_ranks(_cast_after_shard, 2)
