@@ -120,6 +120,7 @@ def _policies(rank, world):
         local(x)
     mean = local.blocks[0].bn.running_mean.clone()
     dist.all_reduce(mean)
+    # Default fp32 tolerance (rtol 1.3e-6); measured 1.8e-7 (one rounding of the mean).
     torch.testing.assert_close(avg.blocks[0].bn.running_mean, mean / world)
     # "broadcast" keeps src_rank's own evolution, like DDP's broadcast_buffers.
     src = local.blocks[0].bn.running_mean.clone()

@@ -1,100 +1,57 @@
 """Training parity with DistributedDataParallel on identical data splits.
 
-At N=2 losses and the consolidated state dict must be bit-identical to DDP's; at N=3 they
-agree within 1e-6 relative (summation order across 3 ranks differs between all-reduce and
-reduce-scatter).
-"""
+At N=2 losses and the consolidated state dict are bit-identical to DDP's. At N=3 the
+reduce-scatter sums three ranks' gradients in another order than DDP's all-reduce, so
+they differ by rounding, within the bounds below.
 
-import copy
+Why these bounds (``OMP_NUM_THREADS=1 python benchmarks/parity.py`` prints the figures;
+10 AdamW steps, fp32, errors against DDP as defined in ``tests/parity.py``):
+
+    model N=3        loss     normwise  per-tensor
+    GPT shardwise    1.1e-7   2.1e-8    9.1e-7 (AMD EPYC), 1.05e-6 (Intel Xeon)
+    GPT FSDP2        0        2.3e-8    8.3e-7 (AMD EPYC)
+    CNN shardwise    1.1e-7   4.3e-8    7.7e-7 (AMD EPYC)
+    CNN FSDP2        1.1e-7   4.2e-8    1.2e-6 (AMD EPYC)
+
+Rounding in the per-tensor figure moves by 2x between CPUs (their vector kernels
+differ), and FSDP2 itself reaches 1.2e-6, so each bound sits about 4x above the worst
+figure of either system on either CPU. A real defect is far above them: a gradient
+scaled wrong by one rank's share, or one stale shard, moves the state by 1e-3 or more.
+"""
 
 import pytest
 import torch
 from harness import run_ranks
-from torch.nn.parallel import DistributedDataParallel as DDP
+from parity import ddp_reference, errors, shardwise_run
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig, SmallCNN
 
-STEPS = 10
-
-
-def _gpt_batches(rank: int, cfg: GPTConfig, steps: int):
-    g = torch.Generator().manual_seed(1000 + rank)
-    for _ in range(steps):
-        x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
-        yield x, torch.roll(x, -1, dims=1)
+LOSS_BOUND = 1e-6        # measured 1.1e-7 (both systems, both models)
+NORMWISE_BOUND = 2e-7    # measured at most 4.3e-8 (shardwise) and 4.2e-8 (FSDP2)
+PER_TENSOR_BOUND = 5e-6  # measured at most 1.05e-6 (shardwise, Intel), 1.2e-6 (FSDP2)
 
 
-def _cnn_batches(rank: int, steps: int):
-    g = torch.Generator().manual_seed(2000 + rank)
-    for _ in range(steps):
-        yield torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
-
-
-def _train(model, opt, batches, loss_fn):
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
-    return torch.stack(losses)
-
-
-def _compare(rank, world, build, batches, loss_fn):
-    torch.manual_seed(rank)  # every rank builds different weights: src_rank's must win
-    base = build()
-    ddp = DDP(copy.deepcopy(base))
-    ours = sw.shard(copy.deepcopy(base))
-    opt_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.1)
-    opt_sw = torch.optim.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.1)
-    l_ddp = _train(ddp, opt_ddp, batches(), loss_fn)
-    l_sw = _train(ours, opt_sw, batches(), loss_fn)
-    sw.check_consistency(ours)  # buffers identical on every rank, not only on rank 0
-    sd_sw = sw.full_state_dict(ours)
-    # Under DDP each rank's buffers evolve with its own batches after the pre-forward
-    # broadcast; rank 0's are the model's state, and full_state_dict returns them there.
+def _parity(rank, world, name):
+    base, ddp_losses, ddp_sd = ddp_reference(rank, name)
+    model, losses, sd = shardwise_run(rank, name, base)
+    sw.check_consistency(model)  # buffers identical on every rank, not only on rank 0
     if rank != 0:
-        assert sd_sw == {}
-        sd_sw = {k: v.detach().cpu() for k, v in ddp.module.state_dict().items()}
-    sd_ddp = {k: v.detach().cpu() for k, v in ddp.module.state_dict().items()}
-    assert list(sd_sw) == list(sd_ddp), (list(sd_sw), list(sd_ddp))
-    loss_rel = ((l_sw - l_ddp).abs() / l_ddp.abs()).max().item()
-    sd_rel = 0.0
-    for k, v in sd_ddp.items():
-        assert sd_sw[k].dtype == v.dtype and sd_sw[k].shape == v.shape, k
-        if v.is_floating_point():
-            d = ((sd_sw[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)).item()
-            sd_rel = max(sd_rel, d)
+        assert sd == {}  # rank0_only
+        return None
     if world == 2:
-        assert torch.equal(l_sw, l_ddp), (l_sw, l_ddp)
-        for k, v in sd_ddp.items():
-            assert torch.equal(sd_sw[k], v), f"{k} differs from DDP"
-    else:
-        assert loss_rel <= 1e-6, loss_rel
-        assert sd_rel <= 1e-6, sd_rel
-    return loss_rel, sd_rel
-
-
-def _gpt_parity(rank, world):
-    cfg = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
-    return _compare(rank, world, lambda: GPT(cfg),
-                    lambda: _gpt_batches(rank, cfg, STEPS), lambda m, x, y: m(x, y))
-
-
-def _cnn_parity(rank, world):
-    loss_fn = lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y)  # noqa: E731
-    return _compare(rank, world, SmallCNN, lambda: _cnn_batches(rank, STEPS), loss_fn)
+        assert torch.equal(losses, ddp_losses), (losses, ddp_losses)
+        assert list(sd) == list(ddp_sd)
+        for k, v in ddp_sd.items():
+            assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), f"{k} differs from DDP"
+    e = errors(losses, ddp_losses, sd, ddp_sd)
+    assert e.loss <= LOSS_BOUND, e
+    assert e.normwise <= NORMWISE_BOUND, e
+    assert e.per_tensor <= PER_TENSOR_BOUND, e
+    return e
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gpt_matches_ddp(world):
-    loss_rel, sd_rel = run_ranks(_gpt_parity, world)[0]
-    print(f"GPT N={world}: max loss rel diff {loss_rel:.3g}, max state rel diff {sd_rel:.3g}")
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_cnn_with_batchnorm_matches_ddp(world):
-    loss_rel, sd_rel = run_ranks(_cnn_parity, world)[0]
-    print(f"CNN N={world}: max loss rel diff {loss_rel:.3g}, max state rel diff {sd_rel:.3g}")
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_matches_ddp(name, world):
+    e = run_ranks(_parity, world, name)[0]
+    print(f"{name} N={world}: {e}")
