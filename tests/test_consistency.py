@@ -182,7 +182,7 @@ def _scope(rank, world):
         assert c._shardwise.comm.world_size == 2
         _train(c, _batches(rank, 2))
         sw.check_consistency(c)
-        assert c.head.weight.numel() <= (10 * 32) // 2 + 64
+        assert c.head.weight.to_local().shape == (5, 32)  # half the rows: a group of 2
     else:
         assert not sw.is_sharded(_cnn(rank))
     # sync_buffers on an unsharded module.

@@ -48,6 +48,7 @@ class Comm:
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
         self.backend = str(dist.get_backend(group))
+        self._mesh = None
 
     @property
     def device(self) -> torch.device:
@@ -55,6 +56,22 @@ class Comm:
         if "nccl" in self.backend:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    def mesh(self):
+        """A 1-D ``DeviceMesh`` over this group, for DTensor parameters (made once)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = self.group if self.group is not None else dist.group.WORLD
+            mesh = DeviceMesh.from_group(group, self.device.type)
+            # Note [teardown] in distributed.py: a mesh keeps its group in _pg_registry,
+            # which would keep gloo's threads alive past destroy_process_group for as long
+            # as the model lives (to interpreter exit, for a model in a global). Eager
+            # DTensor ops find the group by name; only torch.compile tracing reads the
+            # registry.
+            mesh._pg_registry.clear()
+            self._mesh = mesh
+        return self._mesh
 
     def global_rank(self, group_rank: int) -> int:
         """The default group's rank of ``group_rank`` in this group."""

@@ -1,19 +1,31 @@
-"""Pure arithmetic: where each parameter lives in a unit's padded flat buffer.
+"""Pure arithmetic: where each parameter's rows live in a unit's buffers.
 
 No torch.distributed here, so the layout can be tested on its own.
 
+Note [row sharding]
+Every parameter is sharded on dim 0 the way ``torch.chunk`` (and so ``DTensor``'s
+``Shard(0)``) splits it: with ``c = ceil(rows / N)``, rank r holds rows
+``[r*c, min((r+1)*c, rows))``, possibly none. A 1-D parameter's rows are its elements.
+Each rank's *shard* of a group is one flat buffer holding, for every parameter in order,
+a slot of ``c * row_numel`` elements (the rank's rows, zero-padded to ``c`` rows), each
+slot starting at a multiple of ``ALIGN``. All ranks' shards have the same size, so one
+all-gather of the shards gives a rank-major buffer; the *full* buffer holds every
+parameter contiguously (``N * c`` rows, of which the first ``rows`` are the parameter),
+so copying out is one strided copy per parameter. Rank r's rows are also the contiguous
+flat range ``[r*c*row_numel, ...)`` of the flattened parameter, which is what checkpoints
+record (``Piece``).
+
 Note [alignment]
-Every parameter starts at a multiple of ``ALIGN`` elements and every rank's shard is a
-multiple of ``ALIGN`` elements long. Elementwise CPU kernels (the optimizer's) run a
-vectorised body over chunks counted from a tensor's first element and a scalar loop over
-the tail, and the two can round differently (fused multiply-add in one, not the other).
-With aligned cut points, each element of a shard is processed by the same code path as
-the same element of the unsharded parameter, so a sharded AdamW step is bit-identical to
-an unsharded one. 64 elements covers two AVX-512 vectors of 2-byte dtypes.
+Every slot starts at a multiple of ``ALIGN`` elements, in the shard and in the full
+buffer. Elementwise CPU kernels run a vectorised body from a tensor's first element and a
+scalar loop over the tail, and aligned starts keep each element of a shard on the same
+code path whatever the neighbouring parameters are. 64 elements covers two AVX-512
+vectors of 2-byte dtypes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ALIGN = 64
@@ -21,14 +33,6 @@ ALIGN = 64
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
-@dataclass(frozen=True)
-class Span:
-    """One parameter's place in the flat (unsharded, padded) buffer."""
-
-    offset: int
-    numel: int
 
 
 @dataclass(frozen=True)
@@ -45,53 +49,90 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class FlatLayout:
-    """Padded flat layout of a list of parameters over ``world_size`` ranks."""
+class Slot:
+    """One parameter's place in every rank's shard and in the full buffer."""
 
-    spans: tuple[Span, ...]
-    world_size: int
-    shard_numel: int
+    shape: tuple[int, ...]
+    rows: int          # size of dim 0 (the element count for a 1-D parameter)
+    row_numel: int     # elements per row
+    chunk_rows: int    # rows per rank, ``ceil(rows / world_size)``
+    offset: int        # start of the slot in each rank's shard
+    full_offset: int   # start of the parameter in the full buffer
 
     @property
-    def total_numel(self) -> int:
-        """Elements in the full padded buffer (``world_size * shard_numel``)."""
+    def numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of one rank's slot (padded rows included)."""
+        return self.chunk_rows * self.row_numel
+
+    def local_rows(self, rank: int) -> int:
+        """How many rows ``rank`` holds (``torch.chunk`` semantics; possibly 0)."""
+        return max(0, min(self.chunk_rows, self.rows - rank * self.chunk_rows))
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Row-sharded layout of a list of parameters over ``world_size`` ranks."""
+
+    slots: tuple[Slot, ...]
+    world_size: int
+    shard_numel: int   # elements of each rank's shard
+    full_numel: int    # elements of the full buffer
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of the all-gather output (every rank's shard, rank after rank)."""
         return self.world_size * self.shard_numel
 
     def piece(self, index: int, rank: int) -> Piece:
         """The part of parameter ``index`` stored on ``rank``."""
-        span = self.spans[index]
-        lo = rank * self.shard_numel
-        hi = lo + self.shard_numel
-        start = max(span.offset, lo)
-        end = min(span.offset + span.numel, hi)
-        if end <= start:
-            return Piece(shard_offset=0, param_offset=0, numel=0)
-        return Piece(shard_offset=start - lo, param_offset=start - span.offset, numel=end - start)
+        s = self.slots[index]
+        n = s.local_rows(rank) * s.row_numel
+        start = rank * s.chunk_numel if n else 0
+        return Piece(shard_offset=s.offset, param_offset=start, numel=n)
 
-    def pieces(self, rank: int) -> list[Piece]:
-        """``piece(i, rank)`` for every parameter."""
-        return [self.piece(i, rank) for i in range(len(self.spans))]
+    def padding(self, rank: int) -> list[tuple[int, int]]:
+        """Ranges of ``rank``'s shard that hold no parameter element."""
+        gaps, cursor = [], 0
+        for i, s in enumerate(self.slots):
+            used = self.piece(i, rank).numel
+            if s.offset > cursor:
+                gaps.append((cursor, s.offset))
+            cursor = s.offset + used
+        if cursor < self.shard_numel:
+            gaps.append((cursor, self.shard_numel))
+        return gaps
 
 
-def build_layout(numels: list[int], world_size: int, align: int = ALIGN) -> FlatLayout:
-    """Lay ``numels`` out back to back, each aligned, and split into equal shards.
+def build_layout(shapes: list[tuple[int, ...]], world_size: int,
+                 align: int = ALIGN) -> ShardLayout:
+    """Lay out parameters of ``shapes`` for row sharding over ``world_size`` ranks.
 
     Raises:
-        ValueError: for a world size below 1 or a negative numel.
+        ValueError: for a world size below 1, a 0-dim shape or a negative size.
 
     Example:
-        >>> build_layout([10, 100], 3).shard_numel
-        64
+        >>> build_layout([(10, 4), (100,)], 3).shard_numel   # 4 rows * 4, then 34
+        128
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    spans = []
-    cursor = 0
-    for n in numels:
-        if n < 0:
-            raise ValueError(f"numel must be non-negative, got {n}")
-        spans.append(Span(offset=cursor, numel=n))
-        cursor = _round_up(cursor + n, align)
-    # At least one aligned block per rank: zero-sized collectives are not portable.
-    shard = max(_round_up(-(-cursor // world_size), align), align)
-    return FlatLayout(spans=tuple(spans), world_size=world_size, shard_numel=shard)
+    slots = []
+    shard_cursor = full_cursor = 0
+    for shape in shapes:
+        if len(shape) == 0:
+            raise ValueError("0-dim parameters cannot be sharded on dim 0")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative size in shape {shape}")
+        rows, row_numel = shape[0], math.prod(shape[1:])
+        chunk = -(-rows // world_size)
+        slots.append(Slot(tuple(shape), rows, row_numel, chunk, shard_cursor, full_cursor))
+        shard_cursor = _round_up(shard_cursor + chunk * row_numel, align)
+        full_cursor = _round_up(full_cursor + world_size * chunk * row_numel, align)
+    # At least one aligned block: zero-sized collectives are not portable.
+    shard = max(shard_cursor, align)
+    return ShardLayout(slots=tuple(slots), world_size=world_size, shard_numel=shard,
+                       full_numel=max(full_cursor, align))

@@ -15,29 +15,49 @@ of different dtypes never share a buffer.
 
 Note [what the module sees]
 While a unit is SHARDED or GATHERING, each of its parameters is registered on its
-module(s) as the *shard*: a 1-D ``nn.Parameter`` view of this rank's piece of the flat
-buffer, under the original name. ``finish_gather`` swaps in the *full* parameter, a leaf
-``nn.Parameter`` viewing the all-gather output with the original shape; ``reshard`` swaps
-the shards back. The swap is a dict assignment in ``module._parameters`` and happens in
-``_swap`` only. Optimizers hold the shards, so they never see the swap.
+module(s) as the *shard*: an ``nn.Parameter`` holding a ``DTensor`` with the original
+shape, placement ``Shard(0)`` over the unit's device mesh, whose local tensor is a view of
+this rank's rows in the flat shard buffer (Note [row sharding] in _layout.py). Code that
+reads ``p.shape``, ``p.dim()``, ``p.numel()``, builds parameter groups, clips gradients
+with ``torch.nn.utils.clip_grad_norm_`` or calls ``state_dict()`` sees the parameter's
+global meaning. ``finish_gather`` swaps in the *full* parameter, a plain leaf
+``nn.Parameter`` viewing the full buffer with the original shape, because module code
+computes with plain tensors; ``reshard`` swaps the shards back. The swap is a dict
+assignment in ``module._parameters`` and happens in ``_swap`` only. Optimizers hold the
+shards, so they never see the swap.
+
+Note [DTensor parameters]
+Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
+``torch.distributed.checkpoint``, accelerate, transformers) understand DTensor, so a
+parameter keeps its meaning without any shardwise-specific code in the user's loop. The
+cost: a parameter's rows are no longer a contiguous slice of the gathered buffer, so every
+gather copies the gathered (rank-major) buffer out into the full (parameter-major) one,
+one strided copy per parameter, and every reduction copies gradients in the other way
+(which the flat layout paid already: gradients were copied into the reduction buffer
+then too). Measured on the reference workload, see BENCHMARKS.md. Optimizer steps run
+through DTensor's dispatch, on the local tensors.
 
 Note [freeing full parameters]
 Autograd saves references to full parameters in forward. Freeing them after forward must
 not invalidate those references, so the full buffer's *storage* is resized to zero and
-later refilled in place by the next all-gather: every view, including the saved ones,
-sees the refilled values (see Note [version counters] in _comm.py).
+later refilled in place by the next gather's copy-out: every view, including the saved
+ones, sees the refilled values. The refill writes exactly the values autograd saved, so
+the buffer's version counter is restored around it (Note [version counters] in _comm.py).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ._comm import Comm
-from ._layout import FlatLayout, Piece, Span, build_layout
+from ._layout import Piece, ShardLayout, Slot, build_layout
 
 
 class UnitState(enum.Enum):
@@ -55,53 +75,78 @@ class ShardedParam:
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
-    span: Span
+    slot: Slot
     piece: Piece
-    shard: nn.Parameter
+    local: torch.Tensor   # this rank's rows, a view of the group's shard buffer
+    shard: nn.Parameter   # the DTensor parameter the module and the optimizer hold
     full: nn.Parameter
     unit: "Unit | None" = None
 
     @property
     def numel(self) -> int:
-        return self.span.numel
+        return self.slot.numel
+
+    def as_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's rows) as a DTensor sharded like the parameter."""
+        with torch.no_grad():
+            return DTensor.from_local(local, self.shard.device_mesh, (Shard(0),),
+                                      run_check=False, shape=self.shape,
+                                      stride=self.shard.stride())
+
+
+def _row_regions(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
+                 ) -> list[tuple[torch.Tensor, slice]]:
+    """Where a parameter's flattened elements sit in a rank-major buffer.
+
+    Returns ``(view of buf, slice of the flattened parameter)`` pairs: one block for the
+    ranks holding ``chunk_rows`` rows, one row for a rank holding fewer, if any.
+    """
+    if slot.numel == 0:
+        return []
+    grid = buf.view(layout.world_size, layout.shard_numel)
+    whole = slot.rows // slot.chunk_rows
+    n = whole * slot.chunk_numel
+    out = [(grid[:whole, slot.offset:slot.offset + slot.chunk_numel], slice(0, n))]
+    if n < slot.numel:
+        out.append((grid[whole, slot.offset:slot.offset + slot.numel - n],
+                    slice(n, slot.numel)))
+    return out
 
 
 class FlatGroup:
-    """Parameters of one dtype and one ``requires_grad`` value, in one padded flat buffer.
+    """Parameters of one dtype and one ``requires_grad`` value, sharded by rows.
 
-    ``local`` holds this rank's shard (the optimizer's parameters view it); ``full`` is the
-    all-gathered buffer, whose storage is empty while the group is sharded.
+    ``local`` is this rank's shard buffer (the DTensor parameters' local tensors view
+    it); ``full`` holds every full parameter, and its storage is empty while the group
+    is sharded. A gather all-gathers the shards into a temporary rank-major buffer and
+    copies it out into ``full``; a reduction copies the full gradients into a rank-major
+    buffer and reduce-scatters it into this rank's gradient shard.
     """
 
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
-                 originals: list[nn.Parameter], comm: Comm, device: torch.device,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+                 originals: list[nn.Parameter], comm: Comm, mesh: DeviceMesh,
+                 device: torch.device, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype) -> None:
         self.comm = comm
         self.dtype = originals[0].dtype
         self.requires_grad = originals[0].requires_grad
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
-        self.layout: FlatLayout = build_layout([p.numel() for p in originals], comm.world_size)
+        self.layout: ShardLayout = build_layout([tuple(p.shape) for p in originals],
+                                                comm.world_size)
         self.local = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
-        self.full = torch.empty(self.layout.total_numel, dtype=compute_dtype, device=device)
+        self.full = torch.empty(self.layout.full_numel, dtype=compute_dtype, device=device)
         # Mixed precision gathers a low-precision copy of the shard.
         self._gather_in = (None if compute_dtype == self.dtype else
-                           torch.empty(self.layout.shard_numel, dtype=compute_dtype, device=device))
-        self._gaps = _gaps(self.layout)
+                           torch.empty(self.layout.shard_numel, dtype=compute_dtype,
+                                       device=device))
+        self._gaps = [(r * self.layout.shard_numel + a, r * self.layout.shard_numel + b)
+                      for r in range(comm.world_size) for a, b in self.layout.padding(r)]
         self.params: list[ShardedParam] = []
         for i, orig in enumerate(originals):
-            span, piece = self.layout.spans[i], self.layout.piece(i, comm.rank)
-            shard = nn.Parameter(self.local[piece.shard_offset:piece.shard_offset + piece.numel],
-                                 requires_grad=orig.requires_grad)
-            full = nn.Parameter(self.full[span.offset:span.offset + span.numel].view(orig.shape),
-                                requires_grad=orig.requires_grad)
-            # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
-            user = {k: v for k, v in orig.__dict__.items() if not k.startswith("_shardwise")}
-            shard.__dict__.update(user)
-            full.__dict__.update(user)
-            self.params.append(ShardedParam(names[i], slots[i], orig.shape, orig.dtype,
-                                            orig.requires_grad, span, piece, shard, full))
+            self.params.append(self._make_param(i, orig, names[i], slots[i], mesh))
         self._free_full()
+        self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work = None
         self._gathered_version = -1
         # Gradient reduction state (trainable groups only).
@@ -110,6 +155,25 @@ class FlatGroup:
         self._reduce_in: torch.Tensor | None = None
         self._reduce_out: torch.Tensor | None = None
         self._reduce_work = None
+
+    def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
+                    slots: list[tuple[nn.Module, str]], mesh: DeviceMesh) -> ShardedParam:
+        slot = self.layout.slots[i]
+        rows = slot.local_rows(self.comm.rank)
+        local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
+            rows, *slot.shape[1:])
+        with torch.no_grad():
+            dt = DTensor.from_local(local, mesh, (Shard(0),), run_check=False,
+                                    shape=orig.shape, stride=_contiguous_stride(orig.shape))
+        shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
+        full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
+                            .view(orig.shape), requires_grad=orig.requires_grad)
+        # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
+        user = {k: v for k, v in orig.__dict__.items() if not k.startswith("_shardwise")}
+        shard.__dict__.update(user)
+        full.__dict__.update(user)
+        return ShardedParam(names, slots, orig.shape, orig.dtype, orig.requires_grad, slot,
+                            self.layout.piece(i, self.comm.rank), local, shard, full)
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:
@@ -131,49 +195,119 @@ class FlatGroup:
         storage: the optimizer would then update a tensor that is never gathered.
         """
         home = self.local.untyped_storage().data_ptr()
-        return [p.fqns[0] for p in self.params
-                if p.shard.dtype != self.dtype or p.shard.device != self.local.device
-                or p.shard.untyped_storage().data_ptr() != home]
+        out = []
+        for p in self.params:
+            mine = p.shard._local_tensor if isinstance(p.shard, DTensor) else p.shard
+            if (p.shard.dtype != self.dtype or mine.device != self.local.device
+                    or mine.untyped_storage().data_ptr() != home):
+                out.append(p.fqns[0])
+        return out
 
-    def fill_local(self, flat_full: torch.Tensor | None, src: int) -> None:
-        """Set every rank's shard from rank ``src``'s padded flat buffer (a scatter)."""
+    def rank_major(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new rank-major buffer (one shard per rank) whose padding is zero."""
+        buf = torch.empty(self.layout.gathered_numel, dtype=dtype, device=self.local.device)
+        for start, end in self._gaps:
+            buf[start:end].zero_()
+        return buf
+
+    def write_rank_major(self, buf: torch.Tensor, index: int, value: torch.Tensor,
+                         op: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                         ) -> None:
+        """Write parameter ``index``'s full ``value`` into its rows of rank-major ``buf``
+        (``op(dst, src)`` instead of a copy when given)."""
+        flat = value.detach().reshape(-1)
+        for dst, sl in _row_regions(buf, self.layout, self.layout.slots[index]):
+            src = flat[sl].view(dst.shape)
+            if op is None:
+                dst.copy_(src)
+            else:
+                op(dst, src)
+
+    def fill_local(self, values: list[torch.Tensor] | None, src: int) -> None:
+        """Set every rank's shard from rank ``src``'s full ``values`` (a scatter)."""
         chunks = None
         if self.comm.rank == src:
-            chunks = list(flat_full.to(self.dtype).chunk(self.comm.world_size))
+            buf = self.rank_major(self.dtype)
+            for i, v in enumerate(values):
+                self.write_rank_major(buf, i, v.to(device=buf.device, dtype=self.dtype))
+            chunks = list(buf.chunk(self.comm.world_size))
         with torch.no_grad():
             self.comm.scatter(self.local, chunks, src)
 
-    def flat_from(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """A padded flat buffer holding ``tensors`` (one per parameter) at their offsets."""
-        flat = torch.zeros(self.layout.total_numel, dtype=self.dtype, device=self.local.device)
-        for p, t in zip(self.params, tensors):
-            flat[p.span.offset:p.span.offset + p.numel].copy_(t.detach().reshape(-1))
-        return flat
+    def copy_out(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy a rank-major all-gather output into a parameter-major full buffer."""
+        with torch.no_grad():
+            for p in self.params:
+                s = p.slot
+                flat = out[s.full_offset:s.full_offset + s.numel]
+                for region, sl in _row_regions(gathered, self.layout, s):
+                    flat[sl].view(region.shape).copy_(region)
+
+    def gather_full(self) -> torch.Tensor:
+        """A fresh full buffer with every full parameter, in ``dtype`` (a collective)."""
+        gathered = torch.empty(self.layout.gathered_numel, dtype=self.dtype,
+                               device=self.local.device)
+        self.comm.all_gather(gathered, self.local)
+        out = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.local.device)
+        self.copy_out(gathered, out)
+        return out
+
+    def full_value(self, p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
+        """Parameter ``p``'s view of a full buffer such as ``gather_full()``'s."""
+        return full[p.slot.full_offset:p.slot.full_offset + p.numel].view(p.shape)
+
+    def local_from_full(self, full: torch.Tensor) -> None:
+        """Take this rank's rows of every parameter from a full buffer (``full``'s
+        layout), as when one rank's edits were broadcast."""
+        with torch.no_grad():
+            for p in self.params:
+                rows = p.slot.local_rows(self.comm.rank) * p.slot.row_numel
+                start = p.slot.full_offset + p.piece.param_offset
+                p.local.view(-1).copy_(full[start:start + rows])
 
     # -- gather ----------------------------------------------------------------------
+    def shard_version(self) -> int:
+        """Changes whenever this rank's shard is written.
+
+        Optimizer steps write through the DTensor parameters, and DTensor's dispatch bumps
+        the wrapper's version counter, not its local tensor's; shardwise writes through
+        ``local``. Both count.
+        """
+        return self.local._version + sum(p.shard._version for p in self.params)
+
     def start_gather(self) -> None:
-        self._gathered_version = self.local._version  # optimizer steps bump it
+        self._gathered_version = self.shard_version()
         self._alloc_full()
         src = self.local
         if self._gather_in is not None:
             src = self._gather_in
             with torch.no_grad():
                 src.copy_(self.local)
-        self._gather_work = self.comm.all_gather(self.full, src, async_op=True)
+        self._gathered = torch.empty(self.layout.gathered_numel, dtype=self.compute_dtype,
+                                     device=self.local.device)
+        self._gather_work = self.comm.all_gather(self._gathered, src, async_op=True)
 
     def is_stale(self) -> bool:
         """Whether the shard changed since the full parameters were gathered."""
-        return self.full_is_allocated() and self.local._version != self._gathered_version
+        return self.full_is_allocated() and self.shard_version() != self._gathered_version
 
     def drop_reduction(self) -> None:
         """Forget an unfinished reduction (its backward was aborted)."""
         self.wait_reduce()
         self._reduce_out = None
 
-    def wait_gather(self) -> None:
+    def wait_gather(self, copy_out: bool = True) -> None:
+        """Wait for an issued all-gather and, if ``copy_out``, fill the full parameters."""
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+        if self._gathered is not None:
+            if copy_out:
+                # Note [freeing full parameters]: autograd may hold views of ``full``.
+                version = self.full._version
+                self.copy_out(self._gathered, self.full)
+                torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+            self._gathered = None
 
     # -- reduce ----------------------------------------------------------------------
     def start_reduce(self, sync: bool) -> None:
@@ -183,33 +317,27 @@ class FlatGroup:
         DistributedDataParallel does, so results match it bit for bit at N=2.
         """
         inv_n = 1.0 / self.comm.world_size
-        buf = self._accum
-        if buf is None:
-            buf = torch.empty(self.layout.total_numel, dtype=self.reduce_dtype,
-                              device=self.local.device)
-            for start, end in self._gaps:
-                buf[start:end].zero_()
+        accumulating = self._accum is not None
+        buf = self._accum if accumulating else self.rank_major(self.reduce_dtype)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                region = buf[p.span.offset:p.span.offset + p.numel].view(p.shape)
                 grad = p.full.grad
                 p.full.grad = None
-                seen = self.used[i] and self._accum is not None
-                if grad is None:
-                    if not seen:
-                        region.zero_()
-                    if sync and seen:
+                seen = self.used[i] and accumulating
+                if grad is not None:
+                    self.used[i] = True
+                if grad is None and not seen:
+                    self.write_rank_major(buf, i, torch.zeros(()).expand(p.shape))
+                elif grad is not None and seen:
+                    self.write_rank_major(buf, i, grad, lambda d, s: d.add_(s))
+                elif grad is not None and sync:
+                    self.write_rank_major(buf, i, grad,
+                                          lambda d, s: torch.mul(s, inv_n, out=d))
+                elif grad is not None:
+                    self.write_rank_major(buf, i, grad)
+                if seen and sync:  # accumulated micro-batches: scale the sum once
+                    for region, _ in _row_regions(buf, self.layout, p.slot):
                         region.mul_(inv_n)
-                    continue
-                self.used[i] = True
-                if seen:
-                    region.add_(grad)
-                    if sync:
-                        region.mul_(inv_n)
-                elif sync:
-                    torch.mul(grad, inv_n, out=region)
-                else:
-                    region.copy_(grad)
         if not sync:
             self._accum = buf
             return
@@ -230,7 +358,7 @@ class FlatGroup:
             self._reduce_in = None
 
     def finish_reduce(self, used_anywhere: list[bool]) -> None:
-        """Accumulate the reduced shard into each shard parameter's ``.grad``.
+        """Accumulate the reduced shard into each parameter's DTensor ``.grad``.
 
         A parameter no rank computed a gradient for keeps its ``.grad`` untouched, as under
         DistributedDataParallel with ``find_unused_parameters=True``.
@@ -245,24 +373,22 @@ class FlatGroup:
         for i, p in enumerate(self.params):
             if not used_anywhere[i]:
                 continue
-            g = out[p.piece.shard_offset:p.piece.shard_offset + p.piece.numel]
+            off = p.slot.offset
+            g = out[off:off + p.local.numel()].view(p.local.shape)
             if p.shard.grad is None:
-                p.shard.grad = g
+                p.shard.grad = p.as_dtensor(g)
             else:
-                p.shard.grad.add_(g)
+                with torch.no_grad():
+                    p.shard.grad.to_local().add_(g)
         self.used = [False] * len(self.params)
 
 
-def _gaps(layout: FlatLayout) -> list[tuple[int, int]]:
-    """Ranges of the padded flat buffer that belong to no parameter."""
-    gaps, cursor = [], 0
-    for span in layout.spans:
-        if span.offset > cursor:
-            gaps.append((cursor, span.offset))
-        cursor = max(cursor, span.offset + span.numel)
-    if cursor < layout.total_numel:
-        gaps.append((cursor, layout.total_numel))
-    return gaps
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
 
 
 class Unit:
@@ -331,7 +457,7 @@ class Unit:
         if self.state is UnitState.SHARDED or self.pins:
             return
         for g in self.groups:
-            g.wait_gather()  # never free memory a collective is still writing
+            g.wait_gather(copy_out=False)  # never free memory a collective still writes
         self._swap(full=False)
         for g in self.groups:
             for p in g.params:

@@ -52,13 +52,12 @@ def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -
     names = []
     for i in union:
         g = groups[i]
-        fresh = torch.empty_like(g.full)
-        comm.all_gather(fresh, g.local.to(g.compute_dtype))
+        fresh = g.gather_full().to(g.compute_dtype)
         for p in g.params:
-            span = slice(p.span.offset, p.span.offset + p.numel)
-            if not torch.equal(fresh[span], g.full[span]):
+            if not torch.equal(g.full_value(p, fresh), p.full):
                 names.append(p.fqns[0])
-        g.full.copy_(fresh)  # an enclosing gathered() block sees the original values again
+        with torch.no_grad():
+            g.full.copy_(fresh)  # an enclosing gathered() block sees the original values
     return names
 
 
@@ -209,8 +208,7 @@ def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced, module, 
     with torch.no_grad():
         for g in groups:
             comm.broadcast(g.full, src)
-            lo = comm.rank * g.layout.shard_numel
-            g.local.copy_(g.full[lo:lo + g.layout.shard_numel])
+            g.local_from_full(g.full)
         if module is not None:
             comm.broadcast_tensors([b for _, b in _named_buffers(module)], src)
         if plain:

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._comm import Comm
-from ._layout import FlatLayout, build_layout
+from ._layout import ShardLayout, build_layout
 from .errors import ShardwiseError
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
@@ -57,7 +57,7 @@ class InitPiece:
     """This rank's piece of a parameter partitioned by :func:`sharded_init`."""
 
     piece: torch.Tensor  # padded, this rank's chunk of the flattened parameter
-    layout: FlatLayout
+    layout: ShardLayout
     comm: Comm
     src_rank: int
     home: torch.device  # where the parameter was built; full values are materialised there
@@ -68,16 +68,16 @@ class InitPiece:
         Init code then runs where it would have run unpartitioned: on the CPU it draws from
         the CPU generator, as the unpartitioned build does, even when NCCL moves the pieces.
         """
-        flat = torch.empty(self.layout.total_numel, dtype=self.piece.dtype,
+        flat = torch.empty(self.layout.gathered_numel, dtype=self.piece.dtype,
                            device=self.piece.device)
         self.comm.all_gather(flat, self.piece)
-        return flat[:self.layout.spans[0].numel].view(shape).to(self.home)
+        return flat[:self.layout.slots[0].numel].view(shape).to(self.home)
 
     def store(self, full: torch.Tensor) -> None:
         """Take ``src_rank``'s ``full`` as the parameter's new value (a scatter)."""
         chunks = None
         if self.comm.rank == self.src_rank:
-            flat = torch.zeros(self.layout.total_numel, dtype=self.piece.dtype,
+            flat = torch.zeros(self.layout.gathered_numel, dtype=self.piece.dtype,
                                device=self.piece.device)
             flat[:full.numel()].copy_(full.detach().reshape(-1))
             chunks = list(flat.chunk(self.comm.world_size))
@@ -135,7 +135,7 @@ class _ShardedInit:
         twin = p.__dict__.get("_shardwise_partitioned_as")
         if twin is not None:
             return twin
-        layout = build_layout([p.numel()], self.comm.world_size)
+        layout = build_layout([(p.numel(),)], self.comm.world_size, align=1)
         device = self.comm.device if self.comm.device.type == "cuda" else p.device
         piece = torch.empty(layout.shard_numel, dtype=p.dtype, device=device)
         info = InitPiece(piece, layout, self.comm, self.src_rank, p.device)
@@ -222,7 +222,7 @@ class _ShardedInit:
         """``p.data = value`` for a partitioned ``p``: partition ``value`` (src_rank's)."""
         old = init_piece(p)
         value = value.detach()
-        layout = build_layout([value.numel()], self.comm.world_size)
+        layout = build_layout([(value.numel(),)], self.comm.world_size, align=1)
         piece = torch.empty(layout.shard_numel, dtype=value.dtype, device=old.piece.device)
         info = InitPiece(piece, layout, self.comm, self.src_rank, value.device)
         info.store(value)

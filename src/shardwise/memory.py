@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 
 def _unique_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()  # what this rank stores
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             s = t.untyped_storage()
             seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())

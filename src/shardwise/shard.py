@@ -222,6 +222,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     mp = mixed_precision or MixedPrecision()
+    mesh = comm.mesh()
     buffer_sync = BufferSync(module, comm, buffers, src_rank)
     device = _device_for(module, comm)
     chosen = _choose_units(module, units)
@@ -247,6 +248,10 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             if fqn not in fqns.setdefault(key, []):
                 fqns[key].append(fqn)
             owners.setdefault(key, set()).add(_owner(mod_path, unit_names))
+    scalars = [fqns[k][0] for k, p in params.items() if p.dim() == 0]
+    if scalars:
+        raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
+                             f"Make them 1-element parameters (shape (1,)) before sw.shard")
     if comm.rank == src_rank:
         meta = [fqns[k][0] for k, p in params.items() if p.is_meta and init_piece(p) is None]
         if meta:
@@ -277,14 +282,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             reduce = (mp.reduce_dtype or compute) if floating else dtype
             originals = [params[k] for k in keys]
             g = FlatGroup([fqns[k] for k in keys], [slots[k] for k in keys], originals, comm,
-                          device, compute, reduce)
+                          mesh, device, compute, reduce)
             # Parameters partitioned by sharded_init are gathered one group at a time,
             # so no full-model copy exists at any point.
             values = [full_value(p) for p in originals]
-            flat = g.flat_from([v.to(device) for v in values]) if comm.rank == src_rank else None
+            g.fill_local(values if comm.rank == src_rank else None, src_rank)
             del values
-            g.fill_local(flat, src_rank)
-            del flat
             for sp in g.params:
                 sp.shard.__dict__["_shardwise_param"] = sp
                 sp.full.__dict__["_shardwise_param"] = sp

@@ -41,12 +41,10 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     if state is not None:
         for unit in state.units:
             for g in unit.groups:
-                flat = torch.empty(g.layout.total_numel, dtype=g.dtype, device=g.local.device)
-                state.comm.all_gather(flat, g.local)
+                flat = g.gather_full()
                 if keep:
                     for p in g.params:
-                        value = flat[p.span.offset:p.span.offset + p.numel].view(p.shape)
-                        full[id(p)] = value.to("cpu", copy=True)
+                        full[id(p)] = g.full_value(p, flat).to("cpu", copy=True)
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}

@@ -39,13 +39,13 @@ class ParamTarget:
     def local_values(self) -> torch.Tensor:
         """This rank's elements, flattened."""
         if self.sharded is not None:
-            return self.sharded.shard.detach()
+            return self.sharded.local.detach().reshape(-1)
         return self.plain.detach().reshape(-1)
 
     def write_local(self, values: torch.Tensor) -> None:
         with torch.no_grad():
             if self.sharded is not None:
-                self.sharded.shard.copy_(values.reshape(-1))
+                self.sharded.local.view(-1).copy_(values.reshape(-1))
             else:
                 self.plain.copy_(values.reshape(self.shape))
 

@@ -18,6 +18,7 @@ import safetensors.torch
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+from torch.distributed.tensor import DTensor
 
 from ..buffers import check_consistency
 from ..errors import ShardwiseError
@@ -64,9 +65,11 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 sharded = v.dim() > 0 and tuple(v.shape) == tuple(param.shape)
+                if isinstance(v, DTensor):
+                    v = v.to_local()  # this rank's rows, like the parameter's
                 value = v.detach().to("cpu", copy=True).contiguous()
                 # State shaped like the parameter is stored flat: it is cut into the same
-                # pieces as the parameter, and reloads into 1-D shards or full shapes.
+                # pieces as the parameter, and reloads at any world size.
                 tensors[f"optim/{name}/{k}"] = value.reshape(-1) if sharded else value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
                             "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
@@ -344,7 +347,8 @@ def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
                     elif info["kind"] == "sharded":
                         flat = ck.assemble(key, entry["pieces"], lo, n,
                                            dtype_from_name(info["dtype"]))
-                        st[k] = flat if t.sharded is not None else flat.view(t.shape)
+                        st[k] = (t.sharded.as_dtensor(flat.view(t.sharded.local.shape))
+                                 if t.sharded is not None else flat.view(t.shape))
                     else:
                         st[k] = ck.file(rank_file(0, ck.world_size)).get_tensor(key)
                 state[index] = st
