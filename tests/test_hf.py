@@ -142,3 +142,28 @@ def test_custom_pretrained_model_with_batchnorm3d(tmp_path):
     with torch.no_grad():
         # Measured identical; slack as in the Llama round trip above.
         torch.testing.assert_close(back(torch.ones(1, 2, 4, 6, 6)), logits, rtol=1e-6, atol=1e-6)
+
+
+def _hf_save_and_count(rank, world, out):
+    torch.manual_seed(0)
+    full = LlamaForCausalLM(llama_config())
+    expect = full.num_parameters()
+    model = sw.shard(LlamaForCausalLM(llama_config()))
+    sw.load_pretrained(model, full.state_dict())
+    assert model.num_parameters() == expect  # each rank's count before DTensors
+    assert sum(p.numel() for p in model.parameters()) == expect
+    with pytest.raises(sw.ShardwiseError, match="state_dict=sd"):
+        model.save_pretrained(out)  # would have written each rank's rows
+    sd = sw.full_state_dict(model)
+    if rank == 0:
+        model.save_pretrained(out, state_dict=sd)
+    torch.distributed.barrier()
+    return {k: v.clone() for k, v in full.state_dict().items()} if rank == 0 else None
+
+
+def test_save_pretrained_and_num_parameters_on_a_sharded_model(tmp_path):
+    out = str(tmp_path / "saved")
+    expect = run_ranks(_hf_save_and_count, 2, out)[0]
+    back = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, expect[k]), k

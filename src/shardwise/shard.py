@@ -155,6 +155,39 @@ def _common_unit(indices: set[int], unit_names: list[str]) -> int:
     return max(candidates, key=lambda i: len(unit_names[i]))
 
 
+_RETIRED: dict[type, type] = {}
+
+
+def _retired_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``.grad`` raises (made once per class)."""
+    if cls not in _RETIRED:
+        def grad(self: torch.Tensor, value: object = None) -> None:
+            name = self.__dict__.get("_shardwise_retired", "a parameter")
+            raise ShardwiseError(
+                f"{name} was replaced by its sharded version in sw.shard, but something "
+                f"(usually an optimizer built before sw.shard) still holds the original, "
+                f"which never gets a gradient: training would silently do nothing. Build "
+                f"the optimizer after sw.shard(model), from model.parameters()")
+        _RETIRED[cls] = type(f"Retired{cls.__name__}", (cls,),
+                             {"grad": property(grad, grad), "__module__": __name__})
+    return _RETIRED[cls]
+
+
+def _retire(original: nn.Parameter, name: str) -> None:
+    """Make a replaced original parameter fail loudly when an optimizer reaches it.
+
+    Optimizers read ``p.grad`` of every parameter they hold (in ``step`` and
+    ``zero_grad``); an optimizer built before ``shard`` holds the originals, which no
+    longer take part in training. A parameter class whose layout forbids the swap is
+    left alone.
+    """
+    original.__dict__["_shardwise_retired"] = name
+    try:
+        original.__class__ = _retired_class(type(original))
+    except TypeError:
+        pass
+
+
 def _device_for(module: nn.Module, comm: Comm) -> torch.device:
     if comm.device.type == "cuda":
         return comm.device
@@ -298,6 +331,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             for p in originals:
                 p.__dict__.pop("_shardwise_init", None)
             for k in keys:
+                _retire(params[k], fqns[k][0])
                 del params[k]
             del originals
             groups.append(g)
@@ -330,5 +364,30 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
                 state.handles.append(sp.full.register_post_accumulate_grad_hook(
                     lambda _p, s=state: s.ensure_backward_callback()))
     module.__dict__["_shardwise"] = state
+    _guard_save_pretrained(module)
     maybe_check(module)
     return module
+
+
+def _guard_save_pretrained(module: nn.Module) -> None:
+    """Make Hugging Face ``save_pretrained`` on a sharded model loud unless given a state.
+
+    Its default ``self.state_dict()`` holds DTensors, and transformers would write each
+    rank's rows (or gather on rank 0 only, which hangs the others). Passing the
+    consolidated ``state_dict=`` works and is forwarded unchanged.
+    """
+    original = getattr(module, "save_pretrained", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ShardwiseError(
+                f"save_pretrained on a sharded {type(module).__name__} needs the full "
+                f"weights: on every rank, sd = sw.full_state_dict(model); then on rank 0, "
+                f"model.save_pretrained(path, state_dict=sd). Or save a checkpoint and "
+                f"export it: shardwise consolidate CHECKPOINT path/")
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    module.__dict__["save_pretrained"] = save_pretrained
