@@ -12,6 +12,7 @@ import torch.nn as nn
 from harness import run_ranks
 
 import shardwise as sw
+from shardwise._registry import model_state
 from shardwise.models import GPT, Block, GPTConfig, SmallCNN
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16)
@@ -31,14 +32,14 @@ def _api(rank, world):
     # shard returns the same object; units by tuple of classes and by callable.
     model = GPT(CFG)
     assert sw.shard(model, units=(Block, nn.LayerNorm)) is model
-    names = [u.name for u in model._shardwise.units]
+    names = [u.name for u in model_state(model).units]
     # Explicit predicates take every match, nested ones too (a LayerNorm inside a Block).
     assert "blocks.0" in names and "ln_f" in names and "blocks.0.ln1" in names
     x = torch.randint(0, 32, (2, 8))
     model(x, x).backward()  # nested units gather and reduce independently
     assert all(p.grad is not None for p in model.parameters())
     pick = sw.shard(GPT(CFG), units=lambda name, m: name in ("blocks.0", "blocks.2"))
-    assert [u.name for u in pick._shardwise.units] == ["<root>", "blocks.0", "blocks.2"]
+    assert [u.name for u in model_state(pick).units] == ["<root>", "blocks.0", "blocks.2"]
     with pytest.raises(sw.ShardwiseError, match="units="):
         sw.shard(GPT(CFG), units=3)
     with pytest.raises(sw.ShardwiseError, match="already sharded"):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 
 import shardwise as sw
+from shardwise._registry import model_state, sharded_param
 from shardwise.models import SmallCNN
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -37,9 +38,9 @@ def _train(model, batches):
 
 
 def _all_sharded(model):
-    for u in model._shardwise.units:
+    for u in model_state(model).units:
         assert u.state.value == "sharded" and all(not g.full_is_allocated() for g in u.groups)
-    assert all(p.__dict__["_shardwise_param"].shard is p for p in model.parameters())
+    assert all(sharded_param(p).shard is p for p in model.parameters())
 
 
 def _gathered_checks(rank, world):
@@ -160,7 +161,7 @@ def _scope(rank, world):
     # A model built after another was sharded is an ordinary model.
     later = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5))
     assert not sw.is_sharded(later)
-    assert later[0].weight.shape == (5, 3) and "_shardwise_param" not in later[0].weight.__dict__
+    assert later[0].weight.shape == (5, 3) and sharded_param(later[0].weight) is None
     ref = copy.deepcopy(later)
     x = torch.randn(4, 3)
     assert torch.equal(later(x), ref(x))
@@ -173,13 +174,13 @@ def _scope(rank, world):
     sw.check_consistency(b)
     with pytest.raises(sw.DivergenceError):
         sw.check_consistency(a)
-    assert a._shardwise.buffers.policy == "local" and b._shardwise.buffers.policy == "broadcast"
+    assert model_state(a).buffers.policy == "local" and model_state(b).buffers.policy == "broadcast"
 
     # A model sharded on a sub-group leaves the other ranks alone.
     sub = dist.new_group([0, 1])
     if rank in (0, 1):
         c = sw.shard(_cnn(rank), group=sub)
-        assert c._shardwise.comm.world_size == 2
+        assert model_state(c).comm.world_size == 2
         _train(c, _batches(rank, 2))
         sw.check_consistency(c)
         assert c.head.weight.to_local().shape == (5, 32)  # half the rows: a group of 2
@@ -213,11 +214,11 @@ def test_frozen_tokenizer_example(world):
 
 
 def _env_check(rank, world, path):
-    import shardwise.buffers as buffers
+    import shardwise.consistency as consistency
 
     calls = []
-    real = buffers.check_consistency
-    buffers.check_consistency = lambda module, group=None: calls.append(type(module).__name__) \
+    real = consistency.check_consistency
+    consistency.check_consistency = lambda module, group=None: calls.append(type(module).__name__) \
         or real(module, group)
     for env in ("0", "1"):
         os.environ["SHARDWISE_CHECK"] = env

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
+from shardwise._registry import model_state, sharded_param
 from shardwise._layout import ALIGN
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
@@ -84,9 +85,9 @@ def _edge_parity(rank, world):
     base = Edge()
     ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
     ours = sw.shard(copy.deepcopy(base))
-    unit_names = [u.name for u in ours._shardwise.units]
+    unit_names = [u.name for u in model_state(ours).units]
     assert unit_names == ["<root>", "blocks.0", "blocks.1", "blocks.2"], unit_names
-    shared = [p for u in ours._shardwise.units for p in u.params
+    shared = [p for u in model_state(ours).units for p in u.params
               if "blocks.0.shared.weight" in p.fqns]
     assert shared[0].fqns == ["blocks.0.shared.weight", "blocks.2.shared.weight"]
     # Parameters keep their global shape; each rank stores its rows (torch.chunk's split).
@@ -129,13 +130,13 @@ def _edge_parity(rank, world):
     ours.train()
     with torch.no_grad():
         ours(x)
-    state = ours._shardwise
+    state = model_state(ours)
     assert not state._backward_pending and not state._callback_queued
     for u in state.units:
         assert u.state.value == "sharded", u
         assert all(not g.full_is_allocated() for g in u.groups), u
         assert all(p.full.grad is None for p in u.params)
-    assert all(p._shardwise_param.shard is p for p in ours.parameters())
+    assert all(sharded_param(p).shard is p for p in ours.parameters())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -155,7 +156,7 @@ def _gpt_ddp_and_ours(cfg: GPTConfig, lr: float):
 def _accumulation(rank, world):
     ddp, ours, opts = _gpt_ddp_and_ours(
         GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16), lr=1e-2)
-    stats = ours._shardwise.comm.stats
+    stats = model_state(ours).comm.stats
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         micro = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(3)]
@@ -201,15 +202,15 @@ def _memory_and_clip(rank, world):
 
     full = state_bytes(ddp.module, opts[0])
     mine = state_bytes(ours, opts[1])
-    n_params = sum(len(u.params) for u in ours._shardwise.units)
-    n_groups = sum(len(u.groups) for u in ours._shardwise.units)
+    n_params = sum(len(u.params) for u in model_state(ours).units)
+    n_groups = sum(len(u.groups) for u in model_state(ours).units)
     pad = 4 * ALIGN * (n_params + n_groups)  # alignment and rounding, in fp32 bytes
     steps = 4 * n_params  # AdamW's scalar step counters are not sharded
     assert mine["params"] <= full["params"] / world + pad, (mine, full)
     assert mine["grads"] <= full["grads"] / world + pad, (mine, full)
     assert mine["optimizer"] <= full["optimizer"] / world + 2 * pad + steps, (mine, full)
     # After backward no full parameter or full gradient is left behind.
-    for u in ours._shardwise.units:
+    for u in model_state(ours).units:
         assert all(not g.full_is_allocated() for g in u.groups), u
     return mine["total"] / full["total"]
 

@@ -15,6 +15,7 @@ from harness import run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
+from shardwise._registry import model_state, sharded_param
 
 
 class Block(nn.Module):
@@ -118,7 +119,7 @@ def _recovery(rank, world):
     # A backward that raises (say an OOM the user skips) must not break later steps.
     ours, ref = _pair()
     boom = ours.blocks[1].lin.weight  # shard; the hook goes on the full parameter
-    handle = boom._shardwise_param.full.register_hook(lambda g: (_ for _ in ()).throw(
+    handle = sharded_param(boom).full.register_hook(lambda g: (_ for _ in ()).throw(
         RuntimeError("skip this batch")))
     with pytest.raises(RuntimeError, match="skip this batch"):
         ours(_x(rank)).sum().backward()
@@ -129,7 +130,7 @@ def _recovery(rank, world):
         m(_x(rank, 3)).sum().backward()
     _averaged_grads(ref)
     _compare_grads(ours, ref, "after an aborted backward")
-    assert all(u.state.value == "sharded" for u in ours._shardwise.units)
+    assert all(u.state.value == "sharded" for u in model_state(ours).units)
 
     # A forward with gradients but no backward, then an optimizer step: the next forward
     # must use the stepped weights, not the ones gathered before the step.
@@ -151,8 +152,8 @@ def _recovery(rank, world):
         assert ours.out.weight.shape == (2, 6)
         torch.testing.assert_close(ours(_x(rank)), ref(_x(rank)))
         assert ours.out.weight.shape == (2, 6)
-    assert all(p._shardwise_param.shard is p for p in ours.parameters())
-    assert all(u.state.value == "sharded" for u in ours._shardwise.units)
+    assert all(sharded_param(p).shard is p for p in ours.parameters())
+    assert all(u.state.value == "sharded" for u in model_state(ours).units)
 
 
 def test_recovery_paths():

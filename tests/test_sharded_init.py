@@ -11,7 +11,7 @@ from harness import run_ranks
 from torch.overrides import _get_current_function_mode_stack
 
 import shardwise as sw
-from shardwise.init import init_piece
+from shardwise._registry import init_piece
 
 D, V, SEED = 16, 40, 1234
 

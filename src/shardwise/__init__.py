@@ -33,19 +33,21 @@ Example::
     loss = model(x, y); loss.backward(); opt.step()
 """
 
-from .buffers import check_consistency, sync_buffers
+from .buffers import BufferPolicy, sync_buffers
+from .consistency import check_consistency
 from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from .distributed import init_distributed
 from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
-from .init import sharded_init
+from ._sharded_init import sharded_init
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BufferPolicy",
     "DivergenceError",
     "MixedPrecision",
     "ReadOnlyGatherError",

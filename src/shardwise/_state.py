@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ._comm import Comm
 from ._unit import Unit
-from .buffers import checks_enabled
+from ._env import checks_enabled
 from .errors import ShardwiseError
 
 

@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._comm import Comm
 from ._layout import Piece, ShardLayout, Slot, build_layout
+from ._registry import copy_user_attributes
 
 
 class UnitState(enum.Enum):
@@ -169,9 +170,7 @@ class FlatGroup:
         full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
                             .view(orig.shape), requires_grad=orig.requires_grad)
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
-        user = {k: v for k, v in orig.__dict__.items() if not k.startswith("_shardwise")}
-        shard.__dict__.update(user)
-        full.__dict__.update(user)
+        copy_user_attributes(orig, shard, full)
         return ShardedParam(names, slots, orig.shape, orig.dtype, orig.requires_grad, slot,
                             self.layout.piece(i, self.comm.rank), local, shard, full)
 

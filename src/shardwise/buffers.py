@@ -9,7 +9,7 @@ training-mode forward finishes, or right after a training-mode forward that has 
   exactly as under DistributedDataParallel with ``broadcast_buffers=True``.
 - ``"average"``: floating-point buffers become the mean over ranks (BatchNorm statistics
   then reflect every rank's data); integer buffers are taken from ``src_rank``.
-- ``"local"``: nothing is synchronised; :func:`check_consistency` reports the divergence.
+- ``"local"``: nothing is synchronised; ``check_consistency`` reports the divergence.
 
 Every buffer travels at every such point, one message per dtype. Change
 detection by autograd version counters is not an option: BatchNorm's kernel updates its
@@ -18,46 +18,59 @@ running statistics in place without bumping them.
 
 from __future__ import annotations
 
-import hashlib
-import os
+import enum
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import Comm
-from .errors import DivergenceError, ShardwiseError
+from ._registry import model_state
+from .errors import ShardwiseError
 
-POLICIES = ("broadcast", "average", "local")
+
+class BufferPolicy(str, enum.Enum):
+    """How a model keeps its buffers identical in training (``sw.shard(buffers=...)``).
+
+    A ``str`` enum, so ``"broadcast"``, ``"average"`` and ``"local"`` work as well.
+    """
+
+    BROADCAST = "broadcast"
+    AVERAGE = "average"
+    LOCAL = "local"
 
 
-def _named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer of ``module`` (persistent and not), skipping ``None`` slots."""
     return [(n, b) for n, b in module.named_buffers() if b is not None]
 
 
 class BufferSync:
     """Applies one model's buffer policy."""
 
-    def __init__(self, root: nn.Module, comm: Comm, policy: str, src_rank: int) -> None:
-        if policy not in POLICIES:
-            raise ShardwiseError(f"buffers={policy!r} is not a buffer policy; choose one of "
-                                 f"{', '.join(repr(p) for p in POLICIES)}")
+    def __init__(self, root: nn.Module, comm: Comm, policy: str | BufferPolicy,
+                 src_rank: int) -> None:
+        try:
+            self.policy = BufferPolicy(policy)
+        except ValueError:
+            raise ShardwiseError(
+                f"buffers={policy!r} is not a buffer policy; choose one of "
+                f"{', '.join(repr(p.value) for p in BufferPolicy)}") from None
         self.root = root
         self.comm = comm
-        self.policy = policy
         self.src_rank = src_rank
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
-        self.comm.broadcast_tensors([b for _, b in _named_buffers(self.root)], self.src_rank)
+        self.comm.broadcast_tensors([b for _, b in named_buffers(self.root)], self.src_rank)
 
     def after_training_forward(self) -> None:
-        if self.policy == "local":
+        if self.policy is BufferPolicy.LOCAL:
             return
-        buffers = [b for _, b in _named_buffers(self.root)]
+        buffers = [b for _, b in named_buffers(self.root)]
         if not buffers:
             return
-        if self.policy == "broadcast":
+        if self.policy is BufferPolicy.BROADCAST:
             self.comm.broadcast_tensors(buffers, self.src_rank)
             return
         floating = [b for b in buffers if b.is_floating_point() or b.is_complex()]
@@ -66,15 +79,10 @@ class BufferSync:
         self.comm.broadcast_tensors(exact, self.src_rank)
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """A hash of a tensor's raw bytes: any difference, even in one bit, changes it."""
-    data = t.detach().to("cpu").contiguous().reshape(-1)
-    raw = data.view(torch.uint8)
-    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
-
-
-def _comm_for(module: nn.Module, group) -> Comm:
-    state = module.__dict__.get("_shardwise")
+def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
+    """The group a module-level operation talks over: ``group``, else the sharded
+    model's, else the world."""
+    state = model_state(module)
     if group is None and state is not None:
         return state.comm
     if not dist.is_initialized():
@@ -98,68 +106,8 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         >>> tokenizer.load_state_dict(sd)   # on rank 0 only
         >>> sw.sync_buffers(tokenizer)      # now every rank has rank 0's statistics
     """
-    comm = _comm_for(module, group)
+    comm = comm_for(module, group)
     if not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
-    comm.broadcast_tensors([b for _, b in _named_buffers(module)], src_rank)
-
-
-def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor that should be identical on all ranks: buffers, unsharded parameters."""
-    out = [(n, p) for n, p in module.named_parameters() if "_shardwise_param" not in p.__dict__]
-    return out + _named_buffers(module)
-
-
-def check_consistency(module: nn.Module, group=None) -> None:
-    """Check that every buffer and replicated parameter is bit-identical on every rank.
-
-    Compares a hash of each tensor's raw bytes, so any difference is caught.
-
-    Args:
-        module: any module, sharded or not (for a sharded one, its buffers).
-        group: process group; default the model's group (sharded) or the world.
-
-    Raises:
-        DivergenceError: on every rank, naming each differing tensor, its dtype and shape,
-            and which ranks hold which version.
-        ShardwiseError: when torch.distributed is not initialised.
-
-    Example:
-        >>> sw.check_consistency(model)   # after training steps, before saving
-    """
-    comm = _comm_for(module, group)
-    mine = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_digest(t))
-            for n, t in _replicated(module)}
-    everyone = comm.all_gather_object(mine)
-    names = sorted(set().union(*[set(d) for d in everyone]))
-    problems = []
-    for name in names:
-        versions: dict[object, list[int]] = {}
-        for rank, d in enumerate(everyone):
-            versions.setdefault(d.get(name), []).append(rank)
-        if len(versions) > 1:
-            parts = []
-            for k, (v, ranks) in enumerate(versions.items()):
-                what = "missing" if v is None else f"{v[0]} {list(v[1])} version {chr(65 + k)}"
-                parts.append(f"ranks {ranks}: {what}")
-            problems.append(f"  {name}: " + "; ".join(parts))
-    if problems:
-        raise DivergenceError(f"{len(problems)} replicated tensor(s) differ across the "
-                              f"{comm.world_size} ranks:\n" + "\n".join(problems))
-
-
-def checks_enabled() -> bool:
-    """Whether ``SHARDWISE_CHECK=1`` is set (read at each call: no process-wide switch)."""
-    return os.environ.get("SHARDWISE_CHECK", "0") not in ("", "0")
-
-
-def maybe_check(module: nn.Module) -> None:
-    """Run :func:`check_consistency` when the environment sets ``SHARDWISE_CHECK=1``.
-
-    Called after ``shard``, after ``load_pretrained`` and after a ``gathered`` block with
-    a modifier exits (``save_checkpoint`` checks always). Read at each call, so it is no
-    process-wide switch that a model could set for another.
-    """
-    if checks_enabled():
-        check_consistency(module)
+    comm.broadcast_tensors([b for _, b in named_buffers(module)], src_rank)

@@ -23,12 +23,14 @@ import torch.nn as nn
 
 from ._comm import Comm
 from ._unit import FlatGroup, ShardedParam, Unit, UnitState
-from .buffers import _named_buffers, maybe_check
+from ._registry import sharded_param
+from .buffers import named_buffers
+from .consistency import maybe_check
 from .errors import ReadOnlyGatherError, ShardwiseError
 
 
 def _sharded_info(t: torch.Tensor) -> ShardedParam | None:
-    return t.__dict__.get("_shardwise_param")
+    return sharded_param(t)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -101,7 +103,7 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     if is_module:
         params = list(module_or_params.parameters())
         named_params = dict((id(p), n) for n, p in module_or_params.named_parameters())
-        buffers = _named_buffers(module_or_params)
+        buffers = named_buffers(module_or_params)
     else:
         params = list(module_or_params)
         named_params = {id(p): f"tensor {i}" for i, p in enumerate(params)}
@@ -157,7 +159,7 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     try:
         if modifier_rank is None:
             suspects = [g.full._version != v for g, v in zip(groups, group_versions)]
-            now_buffers = dict(_named_buffers(module_or_params)) if is_module else {}
+            now_buffers = dict(named_buffers(module_or_params)) if is_module else {}
             local = [f"buffer {n}" for n, b, old in buffer_snapshot
                      if now_buffers.get(n) is not b or not _same_bytes(b, old)]
             local += [f"parameter {n}" for n, p, v in plain_versions if p._version != v]
@@ -210,6 +212,6 @@ def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced, module, 
             comm.broadcast(g.full, src)
             g.local_from_full(g.full)
         if module is not None:
-            comm.broadcast_tensors([b for _, b in _named_buffers(module)], src)
+            comm.broadcast_tensors([b for _, b in named_buffers(module)], src)
         if plain:
             comm.broadcast_tensors([p.data for _, p in plain], src)

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import ShardwiseError
-from .shard import _state_of
+from ._registry import model_state
 
 
 def _require_state(module: nn.Module, what: str):
-    state = _state_of(module)
+    state = model_state(module)
     if state is None:
         raise ShardwiseError(f"{what} needs the module passed to sw.shard(); "
                              f"{type(module).__name__} is not a sharded root")
@@ -42,7 +42,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         >>> norm = sw.clip_grad_norm_(model, 1.0)
         >>> opt.step()
     """
-    state = _state_of(module)
+    state = model_state(module)
     if state is None:
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)
     norm_type = float(norm_type)

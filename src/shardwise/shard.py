@@ -16,9 +16,14 @@ from . import _hooks
 from ._comm import Comm
 from ._state import ModelState
 from ._unit import FlatGroup, Unit
-from .buffers import BufferSync, maybe_check
+from .buffers import BufferPolicy, BufferSync
+from .consistency import maybe_check
 from .errors import ShardwiseError
-from .init import full_value, init_piece
+from ._registry import (clear_init_piece, init_piece, model_state, partitioned_as,
+                        retired_name, set_instance_method, set_model_state,
+                        set_retired_name, set_sharded_param, set_unit, sharded_param,
+                        unit_of)
+from ._sharded_init import full_value
 
 UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
 
@@ -46,10 +51,6 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
 
 
-def _state_of(module: nn.Module) -> ModelState | None:
-    return module.__dict__.get("_shardwise")
-
-
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` was sharded by :func:`shard` or holds parameters sharded by it.
 
@@ -60,9 +61,9 @@ def is_sharded(module: nn.Module) -> bool:
         >>> sw.is_sharded(model)      # False
         >>> sw.is_sharded(sw.shard(model))   # True
     """
-    if _state_of(module) is not None or "_shardwise_unit" in module.__dict__:
+    if model_state(module) is not None or unit_of(module) is not None:
         return True
-    return any("_shardwise_param" in p.__dict__ for p in module.parameters())
+    return any(sharded_param(p) is not None for p in module.parameters())
 
 
 def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
@@ -162,7 +163,7 @@ def _retired_class(cls: type) -> type:
     """A subclass of ``cls`` whose ``.grad`` raises (made once per class)."""
     if cls not in _RETIRED:
         def grad(self: torch.Tensor, value: object = None) -> None:
-            name = self.__dict__.get("_shardwise_retired", "a parameter")
+            name = retired_name(self) or "a parameter"
             raise ShardwiseError(
                 f"{name} was replaced by its sharded version in sw.shard, but something "
                 f"(usually an optimizer built before sw.shard) still holds the original, "
@@ -181,7 +182,7 @@ def _retire(original: nn.Parameter, name: str) -> None:
     longer take part in training. A parameter class whose layout forbids the swap is
     left alone.
     """
-    original.__dict__["_shardwise_retired"] = name
+    set_retired_name(original, name)
     try:
         original.__class__ = _retired_class(type(original))
     except TypeError:
@@ -200,7 +201,8 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
 
 
 def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: UnitSpec = None,
-          mixed_precision: MixedPrecision | None = None, buffers: str = "broadcast",
+          mixed_precision: MixedPrecision | None = None,
+          buffers: str | BufferPolicy = "broadcast",
           src_rank: int = 0, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
@@ -270,7 +272,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         for pname, p in list(mod._parameters.items()):
             if p is None:
                 continue
-            twin = p.__dict__.get("_shardwise_partitioned_as")
+            twin = partitioned_as(p)
             if twin is not None:  # a weight shared into a module sharded_init partitioned
                 mod._parameters[pname] = p = twin
             key = id(p)
@@ -322,14 +324,14 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             g.fill_local(values if comm.rank == src_rank else None, src_rank)
             del values
             for sp in g.params:
-                sp.shard.__dict__["_shardwise_param"] = sp
-                sp.full.__dict__["_shardwise_param"] = sp
+                set_sharded_param(sp.shard, sp)
+                set_sharded_param(sp.full, sp)
                 for m, attr in sp.slots:
                     m._parameters[attr] = sp.shard
             # Release the originals now, not after the last unit: the old and the new
             # storage of the whole model must never coexist.
             for p in originals:
-                p.__dict__.pop("_shardwise_init", None)
+                clear_init_piece(p)
             for k in keys:
                 _retire(params[k], fqns[k][0])
                 del params[k]
@@ -354,7 +356,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
 
     state = ModelState(module, comm, built, buffer_sync, src_rank)
     for unit in built:
-        unit.module.__dict__["_shardwise_unit"] = unit
+        set_unit(unit.module, unit)
         state.handles.append(unit.module.register_forward_pre_hook(
             functools.partial(_hooks.pre_forward, unit), prepend=True, with_kwargs=True))
         state.handles.append(unit.module.register_forward_hook(
@@ -363,7 +365,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             if sp.requires_grad:
                 state.handles.append(sp.full.register_post_accumulate_grad_hook(
                     lambda _p, s=state: s.ensure_backward_callback()))
-    module.__dict__["_shardwise"] = state
+    set_model_state(module, state)
     _guard_save_pretrained(module)
     maybe_check(module)
     return module
@@ -390,4 +392,4 @@ def _guard_save_pretrained(module: nn.Module) -> None:
                 f"export it: shardwise consolidate CHECKPOINT path/")
         return original(save_directory, *args, state_dict=state_dict, **kwargs)
 
-    module.__dict__["save_pretrained"] = save_pretrained
+    set_instance_method(module, "save_pretrained", save_pretrained)

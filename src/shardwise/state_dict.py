@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .shard import _state_of
+from ._registry import model_state, sharded_param
 
 
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         >>> if dist.get_rank() == 0:
         ...     safetensors.torch.save_file(sd, "model.safetensors")
     """
-    state = _state_of(module)
+    state = model_state(module)
     if state is not None:
         keep = not rank0_only or state.comm.rank == 0
     else:
@@ -50,7 +50,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     out: dict[str, torch.Tensor] = {}
     given: set[int] = set()
     for key, value in sd.items():
-        sp = value.__dict__.get("_shardwise_param") if isinstance(value, torch.Tensor) else None
+        sp = sharded_param(value) if isinstance(value, torch.Tensor) else None
         if sp is not None:
             # A tied weight gets its own copy under each further name, so the result can
             # go straight to safetensors, which refuses tensors sharing memory.

@@ -9,7 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._comm import Comm
-from .._unit import ShardedParam
+from .._registry import init_piece, model_state, sharded_param
+from .._unit import ShardedParam, UnitState
 from ..errors import ShardwiseError
 
 
@@ -58,8 +59,8 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
     for name, value in module.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             continue
-        sp = value.__dict__.get("_shardwise_param")
-        if "_shardwise_init" in value.__dict__ or (sp is None and value.is_meta):
+        sp = sharded_param(value)
+        if init_piece(value) is not None or (sp is None and value.is_meta):
             raise ShardwiseError(
                 f"{name} is not materialised (built under sw.sharded_init or on the meta "
                 f"device): call sw.shard(model) first, then load into the sharded model")
@@ -75,18 +76,18 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
             buffers[name] = value
             continue
         params[key].names.append(name)
-    state = module.__dict__.get("_shardwise")
+    state = model_state(module)
     if state is not None:
         state.recover()
     for t in params.values():
-        if t.sharded is not None and t.sharded.unit.state.value != "sharded":
+        if t.sharded is not None and t.sharded.unit.state is not UnitState.SHARDED:
             raise ShardwiseError("cannot load or save state while the model is inside its "
                                  "forward/backward or a gathered() block")
     return list(params.values()), buffers
 
 
 def comm_of(module: nn.Module) -> Comm | None:
-    state = module.__dict__.get("_shardwise")
+    state = model_state(module)
     if state is not None:
         return state.comm
     return Comm(None) if dist.is_initialized() else None

@@ -20,7 +20,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from ..buffers import check_consistency
+from .._registry import model_state
+from ..buffers import BufferPolicy
+from ..consistency import check_consistency
 from ..errors import ShardwiseError
 from ._format import (BUFFERS_FILE, FORMAT, FORMAT_VERSION, META, dtype_from_name, dtype_name,
                       fsync_dir, read_json, rank_file, verify_file, write_atomic,
@@ -116,8 +118,8 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = os.fspath(path)
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    state = module.__dict__.get("_shardwise")
-    if comm is not None and not (state is not None and state.buffers.policy == "local"):
+    state = model_state(module)
+    if comm is not None and not (state is not None and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
     _json_ok(extra, "extra", exact=True)
     params, buffers = module_targets(module)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..buffers import maybe_check
+from .._registry import model_state
+from ..consistency import maybe_check
 from ..errors import ShardwiseError
 from ._targets import agree, comm_of, module_targets
 from .sources import Rename, open_source, renamer
@@ -113,7 +114,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     if comm is not None and comm.world_size > 1:
         # Buffers not in the source (non-persistent ones, or missing under strict=False)
         # may differ per rank; every rank takes src_rank's.
-        state = module.__dict__.get("_shardwise")
+        state = model_state(module)
         comm.broadcast_tensors([b for _, b in module.named_buffers() if b is not None],
                                state.src_rank if state is not None else 0)
     maybe_check(module)

@@ -6,7 +6,7 @@ entry added to an ``nn.ModuleList``): its ``__init__`` has returned. At that mom
 registration hook (torch's, removable) replaces each of its parameters by a *partitioned
 parameter*: an ``nn.Parameter`` on the meta device with the full shape and dtype (so shape
 arithmetic in later init code works, at no memory cost), whose values live as this rank's
-padded piece in ``param.__dict__["_shardwise_init"]``. The pieces are scattered from
+padded piece, kept in the registry (``_registry.init_piece``). The pieces are scattered from
 ``src_rank``'s freshly constructed tensor, so values never depend on other ranks' RNG.
 
 Note [init after registration]
@@ -44,6 +44,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._comm import Comm
 from ._layout import ShardLayout, build_layout
+from ._registry import (copy_all_attributes, init_piece, partitioned_as, set_init_piece,
+                        set_partitioned_as, sharded_param)
 from .errors import ShardwiseError
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
@@ -94,10 +96,6 @@ def _func_name(func) -> str:
     return name
 
 
-def init_piece(p: torch.Tensor) -> InitPiece | None:
-    return p.__dict__.get("_shardwise_init")
-
-
 def full_value(p: torch.Tensor) -> torch.Tensor:
     """A parameter's full value on every rank: gathered if partitioned, else itself."""
     info = init_piece(p)
@@ -130,9 +128,9 @@ class _ShardedInit:
     # -- partitioning ----------------------------------------------------------------
     def partition(self, p: nn.Parameter) -> nn.Parameter:
         """A partitioned stand-in for ``p``, holding ``src_rank``'s values."""
-        if init_piece(p) is not None or p.__dict__.get("_shardwise_param") is not None:
+        if init_piece(p) is not None or sharded_param(p) is not None:
             return p
-        twin = p.__dict__.get("_shardwise_partitioned_as")
+        twin = partitioned_as(p)
         if twin is not None:
             return twin
         layout = build_layout([(p.numel(),)], self.comm.world_size, align=1)
@@ -142,13 +140,13 @@ class _ShardedInit:
         info.store(p.detach())
         meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                             requires_grad=p.requires_grad)
-        meta.__dict__.update(p.__dict__)
-        meta.__dict__["_shardwise_init"] = info
+        copy_all_attributes(p, meta)
+        set_init_piece(meta, info)
         # A parent that still holds the original (a weight shared into a submodule) is
         # pointed at the stand-in by shard(). The original's values are released now,
         # not whenever the garbage collector gets to it: the whole model must never sit
         # in memory, and measuring showed a third more peak memory without this.
-        p.__dict__["_shardwise_partitioned_as"] = meta
+        set_partitioned_as(p, meta)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         return meta
 
@@ -227,7 +225,7 @@ class _ShardedInit:
         info = InitPiece(piece, layout, self.comm, self.src_rank, value.device)
         info.store(value)
         p.data = torch.empty(value.shape, dtype=value.dtype, device="meta")
-        p.__dict__["_shardwise_init"] = info
+        set_init_piece(p, info)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,117 @@
+"""Everything shardwise attaches to modules and tensors, behind typed accessors.
+
+No other module reads or writes ``__dict__``: the keys below are the whole list of what
+shardwise leaves on user objects, so a reader can see at once what a sharded model carries.
+
+On modules:
+- ``_shardwise``: the root's :class:`~shardwise._state.ModelState`;
+- ``_shardwise_unit``: the :class:`~shardwise._unit.Unit` a module is the root of;
+- ``save_pretrained``: the guard that replaces a Hugging Face model's method on the
+  instance (``shard.py``).
+
+On tensors:
+- ``_shardwise_param``: the :class:`~shardwise._unit.ShardedParam` behind a shard or a
+  full parameter;
+- ``_shardwise_init``: the :class:`~shardwise._sharded_init.InitPiece` of a parameter
+  partitioned by ``sharded_init``;
+- ``_shardwise_partitioned_as``: the stand-in that replaced an original under
+  ``sharded_init``;
+- ``_shardwise_retired``: the name of an original parameter ``shard`` replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from ._sharded_init import InitPiece
+    from ._state import ModelState
+    from ._unit import ShardedParam, Unit
+
+_STATE = "_shardwise"
+_UNIT = "_shardwise_unit"
+_PARAM = "_shardwise_param"
+_INIT = "_shardwise_init"
+_TWIN = "_shardwise_partitioned_as"
+_RETIRED = "_shardwise_retired"
+_PREFIX = "_shardwise"
+
+
+# -- modules -----------------------------------------------------------------------------
+def model_state(module: nn.Module) -> ModelState | None:
+    """The state of a sharded root, or ``None``."""
+    return module.__dict__.get(_STATE)
+
+
+def set_model_state(module: nn.Module, state: ModelState) -> None:
+    module.__dict__[_STATE] = state
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``module`` is the root of, or ``None``."""
+    return module.__dict__.get(_UNIT)
+
+
+def set_unit(module: nn.Module, unit: Unit) -> None:
+    module.__dict__[_UNIT] = unit
+
+
+def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> None:
+    """Shadow a method on one instance (its class is left alone)."""
+    module.__dict__[name] = fn
+
+
+# -- tensors -----------------------------------------------------------------------------
+def sharded_param(t: torch.Tensor) -> ShardedParam | None:
+    """The sharded parameter behind a shard or full parameter, or ``None``."""
+    return t.__dict__.get(_PARAM)
+
+
+def set_sharded_param(t: torch.Tensor, sp: ShardedParam) -> None:
+    t.__dict__[_PARAM] = sp
+
+
+def init_piece(t: torch.Tensor) -> InitPiece | None:
+    """This rank's piece of a parameter partitioned by ``sharded_init``, or ``None``."""
+    return t.__dict__.get(_INIT)
+
+
+def set_init_piece(t: torch.Tensor, info: InitPiece) -> None:
+    t.__dict__[_INIT] = info
+
+
+def clear_init_piece(t: torch.Tensor) -> None:
+    t.__dict__.pop(_INIT, None)
+
+
+def partitioned_as(t: torch.Tensor) -> torch.Tensor | None:
+    """The stand-in that replaced original ``t`` under ``sharded_init``, or ``None``."""
+    return t.__dict__.get(_TWIN)
+
+
+def set_partitioned_as(t: torch.Tensor, stand_in: torch.Tensor) -> None:
+    t.__dict__[_TWIN] = stand_in
+
+
+def retired_name(t: torch.Tensor) -> str | None:
+    return t.__dict__.get(_RETIRED)
+
+
+def set_retired_name(t: torch.Tensor, name: str) -> None:
+    t.__dict__[_RETIRED] = name
+
+
+def copy_user_attributes(src: torch.Tensor, *dsts: torch.Tensor) -> None:
+    """Copy attributes users set on a parameter (e.g. "no weight decay" flags), not ours."""
+    user = {k: v for k, v in src.__dict__.items() if not k.startswith(_PREFIX)}
+    for dst in dsts:
+        dst.__dict__.update(user)
+
+
+def copy_all_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy every attribute, shardwise's included (a stand-in replacing ``src``)."""
+    dst.__dict__.update(src.__dict__)
