@@ -38,7 +38,6 @@ class ModelState:
         self.buffers = buffer_sync
         self.src_rank = src_rank
         self.requires_grad_sync = True
-        self.handles: list = []
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._backward_pending = False  # a grad-requiring forward awaits its backward

@@ -1,31 +1,32 @@
-"""``shard()``: choose units, split parameters, sync initial state, install hooks."""
+"""``shard()``: the public entry point, as a sequence of named steps.
+
+Argument checks, the plan (``_plan.py``: units, parameters, groups), one flat group at a
+time built and swapped in (``_build_group``), buffers made ``src_rank``'s, hooks
+installed. Also the guards that keep replaced originals and ``save_pretrained`` loud.
+"""
 
 from __future__ import annotations
 
 import functools
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _hooks
 from ._comm import Comm
+from ._plan import (GroupSpec, ParamRecord, UnitSpec, assign_units, choose_units,
+                    discover_params, group_specs, warn_if_one_unit_dominates)
+from ._registry import (clear_init_piece, init_piece, model_state, retired_name,
+                        set_instance_method, set_model_state, set_retired_name,
+                        set_sharded_param, set_unit, sharded_param, unit_of)
+from ._sharded_init import full_value
 from ._state import ModelState
 from ._unit import FlatGroup, Unit
 from .buffers import BufferPolicy, BufferSync
 from .consistency import maybe_check
 from .errors import ShardwiseError
-from ._registry import (clear_init_piece, init_piece, model_state, partitioned_as,
-                        retired_name, set_instance_method, set_model_state,
-                        set_retired_name, set_sharded_param, set_unit, sharded_param,
-                        unit_of)
-from ._sharded_init import full_value
-
-UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
 
 
 @dataclass(frozen=True)
@@ -64,96 +65,6 @@ def is_sharded(module: nn.Module) -> bool:
     if model_state(module) is not None or unit_of(module) is not None:
         return True
     return any(sharded_param(p) is not None for p in module.parameters())
-
-
-def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
-    if isinstance(units, type) or (isinstance(units, tuple) and units
-                                   and all(isinstance(u, type) for u in units)):
-        return lambda name, mod: isinstance(mod, units)
-    if isinstance(units, tuple) and not units:
-        return lambda name, mod: False  # units=(): the root alone, on purpose
-    if callable(units):
-        return lambda name, mod: bool(units(name, mod))
-    raise ShardwiseError(f"units={units!r} is not understood: pass a module class, a tuple of "
-                         f"classes, or a callable (qualified_name, module) -> bool")
-
-
-def _has_params(module: nn.Module) -> bool:
-    return next(module.parameters(), None) is not None
-
-
-def _default_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost entries of ``nn.ModuleList`` s; without any, of ``nn.Sequential`` s.
-
-    Transformer stacks keep their blocks in a ModuleList; convolutional nets (torchvision's
-    ResNets: ``layer1`` ... ``layer4``) and plain ``nn.Sequential`` stacks keep theirs in
-    Sequentials. Entries without parameters (activations, pooling) are not units.
-    """
-    by_name = dict(root.named_modules())
-    for container in (nn.ModuleList, nn.Sequential):
-        chosen: list[tuple[str, nn.Module]] = []
-        for name, mod in by_name.items():
-            if mod is root or any(name.startswith(n + ".") for n, _ in chosen):
-                continue
-            parent = by_name.get(name.rpartition(".")[0])
-            if isinstance(parent, container) and _has_params(mod):
-                chosen.append((name, mod))
-        if chosen:
-            return chosen
-    return []
-
-
-def _choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
-    """``("", root)`` followed by every unit ``units`` selects (see :func:`shard`)."""
-    if units is None:
-        return [("", root), *_default_units(root)]
-    pred = _unit_predicate(units)
-    chosen = [(n, m) for n, m in root.named_modules() if m is not root and pred(n, m)]
-    if not chosen and units != ():
-        raise ShardwiseError(
-            f"units={units!r} matched no submodule of {type(root).__name__}, so the whole "
-            f"model would be gathered at once. Pass the class of its blocks (e.g. "
-            f"units=MyBlock), units=None for the default, or units=() if one unit is "
-            f"really what you want")
-    return [("", root), *chosen]
-
-
-# Below this many elements (4 MiB in fp32) gathering a whole model at once is harmless.
-_WARN_MIN_NUMEL = 1 << 20
-
-
-def _warn_if_one_unit_dominates(sizes: list[int], names: list[str], world_size: int,
-                                units: UnitSpec) -> None:
-    total = sum(sizes)
-    if world_size == 1 or total < _WARN_MIN_NUMEL or units == ():
-        return
-    biggest = max(range(len(sizes)), key=lambda i: sizes[i])
-    if sizes[biggest] * 2 > total:
-        name = names[biggest] or "<root>"
-        warnings.warn(
-            f"shardwise: unit {name!r} holds {sizes[biggest] / total:.0%} of the model's "
-            f"parameters, so its full parameters are gathered at once and the memory saving "
-            f"of sharding is mostly lost. Pass units=<block class> (or a callable) to "
-            f"sw.shard to split it; units=() silences this warning", stacklevel=3)
-
-
-def _owner(path: str, unit_names: list[str]) -> int:
-    """Index of the innermost unit whose module contains ``path``."""
-    best, best_len = 0, -1
-    for i, n in enumerate(unit_names):
-        if (n == "" or path == n or path.startswith(n + ".")) and len(n) > best_len:
-            best, best_len = i, len(n)
-    return best
-
-
-def _common_unit(indices: set[int], unit_names: list[str]) -> int:
-    """The innermost unit containing all ``indices`` (for shared parameters)."""
-    if len(indices) == 1:
-        return next(iter(indices))
-    paths = [unit_names[i] for i in indices]
-    candidates = [i for i, n in enumerate(unit_names)
-                  if all(n == "" or p == n or p.startswith(n + ".") for p in paths)]
-    return max(candidates, key=lambda i: len(unit_names[i]))
 
 
 _RETIRED: dict[type, type] = {}
@@ -206,13 +117,13 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
           src_rank: int = 0, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
-    Each unit's parameters (one flat buffer per dtype and ``requires_grad``) are split
-    into ``world_size`` equal, padded slices; each rank keeps one, so a given parameter's
-    piece may differ in size across ranks, or be empty. A unit's full parameters exist
-    only while it computes. After the call every rank
-    holds ``src_rank``'s parameters and buffers. The module keeps its class and methods;
-    ``named_parameters()`` yields the original names, each a 1-D ``nn.Parameter`` holding
-    this rank's piece, so build the optimizer *after* sharding.
+    Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
+    them (possibly none), in one flat buffer per unit, dtype and ``requires_grad``. A
+    unit's full parameters exist only while it computes. After the call every rank holds
+    ``src_rank``'s parameters and buffers. The module keeps its class and methods;
+    ``named_parameters()`` yields the original names, each an ``nn.Parameter`` holding a
+    ``DTensor`` with the original shape (``p.to_local()`` is this rank's rows), so build
+    the optimizer *after* sharding: one built before raises at its first step.
 
     Args:
         module: the model; its parameters must be real tensors on ``src_rank``.
@@ -225,7 +136,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             ``nn.Sequential`` s. The root owns every other parameter. A warning says when
             one unit holds more than half of a model of a million parameters or more.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
-        buffers: ``"broadcast"``, ``"average"`` or ``"local"``, see :mod:`shardwise.buffers`.
+        buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
+            ``"average"`` or ``"local"``; see :mod:`shardwise.buffers`.
         src_rank: rank (in ``group``) whose initial state everyone takes.
         reshard_after_forward: free non-root units after forward (ZeRO-3) or keep them
             until their backward (less communication, more memory).
@@ -233,14 +145,46 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
             its submodules is already sharded, ``src_rank`` is out of range, a policy or
-            ``units`` is invalid, ``units`` matches no submodule, or ``src_rank`` holds
-            meta tensors.
+            ``units`` is invalid, ``units`` matches no submodule, a parameter is 0-dim,
+            or ``src_rank`` holds meta tensors.
 
     Example:
         >>> sw.init_distributed()
         >>> model = sw.shard(GPT(cfg))
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
+    comm = _check_arguments(module, group, src_rank)
+    mp = mixed_precision or MixedPrecision()
+    buffer_sync = BufferSync(module, comm, buffers, src_rank)
+    device = _device_for(module, comm)
+    chosen = choose_units(module, units)
+    unit_names = [n for n, _ in chosen]
+    records = discover_params(module, unit_names)
+    _check_params(records, comm.rank, src_rank)
+    per_unit = assign_units(records, unit_names)
+    del records  # each group releases its originals as it is built: see _build_group
+    warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
+                               unit_names, comm.world_size, units)
+    built = []
+    for i, (name, mod) in enumerate(chosen):
+        groups = [_build_group(spec, comm, device, src_rank)
+                  for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
+        unit = Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0))
+        unit.cast_inputs = mp.param_dtype
+        built.append(unit)
+    _materialise_buffers(module, comm.rank, device, src_rank)
+    buffer_sync.broadcast_all()
+    state = ModelState(module, comm, built, buffer_sync, src_rank)
+    _install_hooks(state)
+    set_model_state(module, state)
+    _guard_save_pretrained(module)
+    maybe_check(module)
+    return module
+
+
+def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
+                     src_rank: int) -> Comm:
+    """Refuse what cannot be sharded; the group's :class:`Comm` otherwise."""
     if not isinstance(module, nn.Module):
         raise ShardwiseError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if not dist.is_initialized():
@@ -256,119 +200,78 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     if not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
-    mp = mixed_precision or MixedPrecision()
-    mesh = comm.mesh()
-    buffer_sync = BufferSync(module, comm, buffers, src_rank)
-    device = _device_for(module, comm)
-    chosen = _choose_units(module, units)
-    unit_names = [n for n, _ in chosen]
+    return comm
 
-    # Every place each parameter is registered, and the units that use it.
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}
-    fqns: dict[int, list[str]] = {}
-    owners: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for mod_path, mod in module.named_modules(remove_duplicate=False):
-        for pname, p in list(mod._parameters.items()):
-            if p is None:
-                continue
-            twin = partitioned_as(p)
-            if twin is not None:  # a weight shared into a module sharded_init partitioned
-                mod._parameters[pname] = p = twin
-            key = id(p)
-            params.setdefault(key, p)
-            if (mod, pname) not in slots.setdefault(key, []):
-                slots[key].append((mod, pname))
-            fqn = f"{mod_path}.{pname}" if mod_path else pname
-            if fqn not in fqns.setdefault(key, []):
-                fqns[key].append(fqn)
-            owners.setdefault(key, set()).add(_owner(mod_path, unit_names))
-    scalars = [fqns[k][0] for k, p in params.items() if p.dim() == 0]
+
+def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
+    scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
     if scalars:
         raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
                              f"Make them 1-element parameters (shape (1,)) before sw.shard")
-    if comm.rank == src_rank:
-        meta = [fqns[k][0] for k, p in params.items() if p.is_meta and init_piece(p) is None]
+    if rank == src_rank:
+        meta = [r.fqns[0] for r in records if r.param.is_meta and init_piece(r.param) is None]
         if meta:
             raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
                                  f"{meta[:5]}: materialise them first, or build the model "
                                  f"under sw.sharded_init()")
 
-    per_unit: list[list[int]] = [[] for _ in chosen]
-    for key in params:
-        per_unit[_common_unit(owners[key], unit_names)].append(key)
-    _warn_if_one_unit_dominates([sum(params[k].numel() for k in keys) for keys in per_unit],
-                                unit_names, comm.world_size, units)
 
-    built: list[Unit] = []
-    for i, (name, mod) in enumerate(chosen):
-        groups = []
-        by_kind: dict[tuple, list[int]] = {}
-        for key in per_unit[i]:
-            p = params[key]
-            # BatchNorm keeps full-precision parameters under mixed precision: its running
-            # statistics (buffers) keep their dtype, and its kernel takes low-precision
-            # input only with full-precision weights.
-            full_precision = any(isinstance(m, _BatchNorm) for m, _ in slots[key])
-            by_kind.setdefault((p.dtype, p.requires_grad, full_precision), []).append(key)
-        for (dtype, _, full_precision), keys in by_kind.items():
-            floating = dtype.is_floating_point and not full_precision
-            compute = (mp.param_dtype or dtype) if floating else dtype
-            reduce = (mp.reduce_dtype or compute) if floating else dtype
-            originals = [params[k] for k in keys]
-            g = FlatGroup([fqns[k] for k in keys], [slots[k] for k in keys], originals, comm,
-                          mesh, device, compute, reduce)
-            # Parameters partitioned by sharded_init are gathered one group at a time,
-            # so no full-model copy exists at any point.
-            values = [full_value(p) for p in originals]
-            g.fill_local(values if comm.rank == src_rank else None, src_rank)
-            del values
-            for sp in g.params:
-                set_sharded_param(sp.shard, sp)
-                set_sharded_param(sp.full, sp)
-                for m, attr in sp.slots:
-                    m._parameters[attr] = sp.shard
-            # Release the originals now, not after the last unit: the old and the new
-            # storage of the whole model must never coexist.
-            for p in originals:
-                clear_init_piece(p)
-            for k in keys:
-                _retire(params[k], fqns[k][0])
-                del params[k]
-            del originals
-            groups.append(g)
-        built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0)))
-        built[-1].cast_inputs = mp.param_dtype
+def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
+                 src_rank: int) -> FlatGroup:
+    """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
+    place of the originals, and release the originals."""
+    originals = [r.param for r in spec.records]
+    g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
+                  originals, comm, comm.mesh(), device, spec.compute_dtype,
+                  spec.reduce_dtype)
+    # Parameters partitioned by sharded_init are gathered one group at a time, so no
+    # full-model copy exists at any point.
+    values = [full_value(p) for p in originals]
+    g.fill_local(values if comm.rank == src_rank else None, src_rank)
+    del values
+    for sp in g.params:
+        set_sharded_param(sp.shard, sp)
+        set_sharded_param(sp.full, sp)
+        for m, attr in sp.slots:
+            m._parameters[attr] = sp.shard
+    # Release the originals now, not after the last unit: the old and the new storage of
+    # the whole model must never coexist. The records were the last references.
+    for rec in spec.records:
+        clear_init_piece(rec.param)
+        _retire(rec.param, rec.fqns[0])
+        rec.param = None  # type: ignore[assignment]
+    return g
 
+
+def _materialise_buffers(module: nn.Module, rank: int, device: torch.device,
+                         src_rank: int) -> None:
+    """Put every buffer on ``device``; meta buffers of other ranks become empty tensors,
+    filled by the broadcast from ``src_rank`` that follows."""
     for mod in module.modules():
         for bname, b in mod._buffers.items():
             if b is None:
                 continue
             if b.is_meta:
-                if comm.rank == src_rank:
+                if rank == src_rank:
                     raise ShardwiseError(f"rank {src_rank} (src_rank) holds a meta buffer "
                                          f"{bname!r} of {type(mod).__name__}")
-                # Filled by the broadcast from src_rank just below.
                 mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
             elif b.device != device:
                 mod._buffers[bname] = b.to(device)
-    buffer_sync.broadcast_all()
 
-    state = ModelState(module, comm, built, buffer_sync, src_rank)
-    for unit in built:
+
+def _install_hooks(state: ModelState) -> None:
+    """The forward hooks of every unit, and the hook that queues the end of backward."""
+    for unit in state.units:
         set_unit(unit.module, unit)
-        state.handles.append(unit.module.register_forward_pre_hook(
-            functools.partial(_hooks.pre_forward, unit), prepend=True, with_kwargs=True))
-        state.handles.append(unit.module.register_forward_hook(
-            functools.partial(_hooks.post_forward, unit), with_kwargs=True))
+        unit.module.register_forward_pre_hook(functools.partial(_hooks.pre_forward, unit),
+                                              prepend=True, with_kwargs=True)
+        unit.module.register_forward_hook(functools.partial(_hooks.post_forward, unit),
+                                          with_kwargs=True)
         for sp in unit.params:
             if sp.requires_grad:
-                state.handles.append(sp.full.register_post_accumulate_grad_hook(
-                    lambda _p, s=state: s.ensure_backward_callback()))
-    set_model_state(module, state)
-    _guard_save_pretrained(module)
-    maybe_check(module)
-    return module
+                sp.full.register_post_accumulate_grad_hook(
+                    lambda _p, s=state: s.ensure_backward_callback())
 
 
 def _guard_save_pretrained(module: nn.Module) -> None:

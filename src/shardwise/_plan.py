@@ -1,0 +1,187 @@
+"""The plan of a ``shard()`` call, decided before anything is changed.
+
+Which submodules are units (:func:`choose_units`), every parameter with all its names and
+registrations (:func:`discover_params`), which unit owns each (:func:`assign_units`), and
+how each unit's parameters split into flat groups (:func:`group_specs`). Nothing here
+communicates or modifies the model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._registry import partitioned_as
+from .errors import ShardwiseError
+
+UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | None
+
+
+@dataclass
+class ParamRecord:
+    """One parameter of the model: every name and every place it is registered."""
+
+    param: nn.Parameter
+    fqns: list[str] = field(default_factory=list)
+    slots: list[tuple[nn.Module, str]] = field(default_factory=list)
+    users: set[int] = field(default_factory=set)  # indices of the units whose modules use it
+
+
+@dataclass
+class GroupSpec:
+    """The parameters of one flat group, and the dtypes it computes and reduces in."""
+
+    records: list[ParamRecord]
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+
+def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
+    if isinstance(units, type) or (isinstance(units, tuple) and units
+                                   and all(isinstance(u, type) for u in units)):
+        return lambda name, mod: isinstance(mod, units)
+    if isinstance(units, tuple) and not units:
+        return lambda name, mod: False  # units=(): the root alone, on purpose
+    if callable(units):
+        return lambda name, mod: bool(units(name, mod))
+    raise ShardwiseError(f"units={units!r} is not understood: pass a module class, a tuple of "
+                         f"classes, or a callable (qualified_name, module) -> bool")
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _default_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost entries of ``nn.ModuleList`` s; without any, of ``nn.Sequential`` s.
+
+    Transformer stacks keep their blocks in a ModuleList; convolutional nets (torchvision's
+    ResNets: ``layer1`` ... ``layer4``) and plain ``nn.Sequential`` stacks keep theirs in
+    Sequentials. Entries without parameters (activations, pooling) are not units.
+    """
+    by_name = dict(root.named_modules())
+    for container in (nn.ModuleList, nn.Sequential):
+        chosen: list[tuple[str, nn.Module]] = []
+        for name, mod in by_name.items():
+            if mod is root or any(name.startswith(n + ".") for n, _ in chosen):
+                continue
+            parent = by_name.get(name.rpartition(".")[0])
+            if isinstance(parent, container) and _has_params(mod):
+                chosen.append((name, mod))
+        if chosen:
+            return chosen
+    return []
+
+
+def choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
+    """``("", root)`` followed by every unit ``units`` selects (see :func:`shard`)."""
+    if units is None:
+        return [("", root), *_default_units(root)]
+    pred = _unit_predicate(units)
+    chosen = [(n, m) for n, m in root.named_modules() if m is not root and pred(n, m)]
+    if not chosen and units != ():
+        raise ShardwiseError(
+            f"units={units!r} matched no submodule of {type(root).__name__}, so the whole "
+            f"model would be gathered at once. Pass the class of its blocks (e.g. "
+            f"units=MyBlock), units=None for the default, or units=() if one unit is "
+            f"really what you want")
+    return [("", root), *chosen]
+
+
+# Below this many elements (4 MiB in fp32) gathering a whole model at once is harmless.
+_WARN_MIN_NUMEL = 1 << 20
+
+
+def warn_if_one_unit_dominates(sizes: list[int], names: list[str], world_size: int,
+                                units: UnitSpec) -> None:
+    total = sum(sizes)
+    if world_size == 1 or total < _WARN_MIN_NUMEL or units == ():
+        return
+    biggest = max(range(len(sizes)), key=lambda i: sizes[i])
+    if sizes[biggest] * 2 > total:
+        name = names[biggest] or "<root>"
+        warnings.warn(
+            f"shardwise: unit {name!r} holds {sizes[biggest] / total:.0%} of the model's "
+            f"parameters, so its full parameters are gathered at once and the memory saving "
+            f"of sharding is mostly lost. Pass units=<block class> (or a callable) to "
+            f"sw.shard to split it; units=() silences this warning", stacklevel=3)
+
+
+def _owner(path: str, unit_names: list[str]) -> int:
+    """Index of the innermost unit whose module contains ``path``."""
+    best, best_len = 0, -1
+    for i, n in enumerate(unit_names):
+        if (n == "" or path == n or path.startswith(n + ".")) and len(n) > best_len:
+            best, best_len = i, len(n)
+    return best
+
+
+def _common_unit(indices: set[int], unit_names: list[str]) -> int:
+    """The innermost unit containing all ``indices`` (for shared parameters)."""
+    if len(indices) == 1:
+        return next(iter(indices))
+    paths = [unit_names[i] for i in indices]
+    candidates = [i for i, n in enumerate(unit_names)
+                  if all(n == "" or p == n or p.startswith(n + ".") for p in paths)]
+    return max(candidates, key=lambda i: len(unit_names[i]))
+
+
+def discover_params(root: nn.Module, unit_names: list[str]) -> list[ParamRecord]:
+    """Every parameter of ``root`` once, in order of first appearance, with all its names.
+
+    A weight shared into a module that ``sharded_init`` partitioned is pointed at the
+    partitioned stand-in, so both registrations become one parameter again.
+    """
+    records: dict[int, ParamRecord] = {}
+    for mod_path, mod in root.named_modules(remove_duplicate=False):
+        for pname, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            twin = partitioned_as(p)
+            if twin is not None:
+                mod._parameters[pname] = p = twin
+            rec = records.setdefault(id(p), ParamRecord(p))
+            if (mod, pname) not in rec.slots:
+                rec.slots.append((mod, pname))
+            fqn = f"{mod_path}.{pname}" if mod_path else pname
+            if fqn not in rec.fqns:
+                rec.fqns.append(fqn)
+            rec.users.add(_owner(mod_path, unit_names))
+    return list(records.values())
+
+
+def assign_units(records: list[ParamRecord], unit_names: list[str]) -> list[list[ParamRecord]]:
+    """The parameters each unit owns: a shared one goes to the innermost unit holding
+    every use of it (a tied embedding and head: the root)."""
+    per_unit: list[list[ParamRecord]] = [[] for _ in unit_names]
+    for rec in records:
+        per_unit[_common_unit(rec.users, unit_names)].append(rec)
+    return per_unit
+
+
+def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None) -> list[GroupSpec]:
+    """Split one unit's parameters into flat groups by (dtype, requires_grad, precision).
+
+    A frozen weight never shares a buffer with a trainable one (it is never reduced), and
+    BatchNorm keeps full-precision parameters under mixed precision: its running
+    statistics keep their dtype, and its kernel takes low-precision input only with
+    full-precision weights.
+    """
+    by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRecord]] = {}
+    for rec in records:
+        full_precision = any(isinstance(m, _BatchNorm) for m, _ in rec.slots)
+        kind = (rec.param.dtype, rec.param.requires_grad, full_precision)
+        by_kind.setdefault(kind, []).append(rec)
+    specs = []
+    for (dtype, _, full_precision), recs in by_kind.items():
+        floating = dtype.is_floating_point and not full_precision
+        compute = (param_dtype or dtype) if floating else dtype
+        reduce = (reduce_dtype or compute) if floating else dtype
+        specs.append(GroupSpec(recs, compute, reduce))
+    return specs
