@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
 from shardwise._registry import model_state, sharded_param
+from shardwise._state import Phase
 from shardwise._layout import ALIGN
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
@@ -131,7 +132,7 @@ def _edge_parity(rank, world):
     with torch.no_grad():
         ours(x)
     state = model_state(ours)
-    assert not state._backward_pending and not state._callback_queued
+    assert state.phase is Phase.IDLE
     for u in state.units:
         assert u.state.value == "sharded", u
         assert all(not g.full_is_allocated() for g in u.groups), u

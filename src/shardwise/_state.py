@@ -1,7 +1,14 @@
-"""Per-model runtime state: the units, their order, and one iteration's bookkeeping.
+"""Per-model runtime state: the units, their order, and one iteration's phase.
 
-Lives on the root module (``module._shardwise``); nothing here is global, so any number of
-sharded models, on any groups, can live in one process.
+Lives on the root module (``_registry.model_state``); nothing here is global, so any
+number of sharded models, on any groups, can live in one process. Every hook event is one
+``on_*`` method of :class:`ModelState`; ``_hooks.py`` only forwards to them.
+
+::
+
+    IDLE ──root forward──► FORWARD ──output needs grad──► AWAITING_BACKWARD
+      ▲                       │ (no grad: release all)         │ first gradient
+      └───────────────────────┴──◄── finish_backward ◄── BACKWARD ◄┘
 
 Note [collective order]
 Every rank must issue the same collectives in the same order. Gathers happen in the
@@ -13,45 +20,74 @@ forward first checks, with one tiny all-reduce, that all ranks are about to run 
 unit, and the root's forward ends with one more, so a divergence (a rank skipping the
 first, a middle or the last unit, or running one twice) raises a clear error on every
 rank instead of hanging or mixing up shards. Units pinned by ``gathered()`` compute
-without communicating and are not checked: ranks may run them different numbers of times.
+without communicating and are not checked: ranks may run them different numbers of times
+(``_order_check.py``).
+
+Note [buffer sync point]
+BatchNorm saves its running statistics for backward, so overwriting buffers between a
+forward and its backward would break autograd's version check (and would change what
+backward reads). Buffers are synchronised when the backward finishes, or right away when
+no backward will come.
 """
 
 from __future__ import annotations
 
+import enum
+from typing import Any
+
 import torch
 import torch.nn as nn
 
+from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
-from ._unit import Unit
 from ._env import checks_enabled
+from ._order_check import OrderCheck
+from ._unit import Unit
 from .errors import ShardwiseError
+
+
+class Phase(enum.Enum):
+    """Where one model is in its training iteration."""
+
+    IDLE = "idle"                            # every unit sharded, nothing in flight
+    FORWARD = "forward"                      # inside the root's forward
+    AWAITING_BACKWARD = "awaiting backward"  # a forward whose output needs grad is done
+    BACKWARD = "backward"                    # backward runs; the end callback is queued
 
 
 class ModelState:
     """Everything shardwise knows about one sharded model."""
 
-    def __init__(self, root: nn.Module, comm: Comm, units: list[Unit], buffer_sync,
+    def __init__(self, root: nn.Module, comm: Comm, units: list[Unit], buffer_sync: Any,
                  src_rank: int) -> None:
         self.root = root
         self.comm = comm
         self.units = units  # root first, then in module order
         self.buffers = buffer_sync
         self.src_rank = src_rank
-        self.requires_grad_sync = True
+        self.requires_grad_sync = True  # False inside no_sync
+        self.phase = Phase.IDLE
+        self.order_check: OrderCheck | None = None  # set per forward by SHARDWISE_CHECK
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
-        self._backward_pending = False  # a grad-requiring forward awaits its backward
-        self._pending_at_root_start = False
-        self._callback_queued = False
+        self._joins_pending = False  # this forward started while a backward was awaited
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
-        self.checking = False  # SHARDWISE_CHECK, read once per iteration
-        self._checked_in_forward = 0  # unit checks in the current root forward
         for i, u in enumerate(units):
             u.model = self
             u.index = i
 
-    # -- forward ---------------------------------------------------------------------
+    @property
+    def awaiting_backward(self) -> bool:
+        """Whether a forward's backward has not finished (full parameters may be saved)."""
+        return self.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD)
+
+    def release_all(self) -> None:
+        """Reshard every unit and forget the iteration's bookkeeping."""
+        for u in self.units:
+            u.reshard()
+            u.reset_iteration()
+
     def recover(self) -> None:
         """Start clean if the last iteration cannot complete.
 
@@ -60,19 +96,17 @@ class ModelState:
         leaves units gathered with values an optimizer step has since changed. Either way
         the unfinished iteration is abandoned: no gradient of it reaches the shards.
         """
-        aborted = self._callback_queued
-        stale = self._backward_pending and any(g.is_stale() for u in self.units
-                                               for g in u.groups)
+        aborted = self.phase is Phase.BACKWARD
+        stale = self.phase is Phase.AWAITING_BACKWARD and any(
+            g.is_stale() for u in self.units for g in u.groups)
         if not (aborted or stale):
             return
-        self._callback_queued = False
-        self._backward_pending = False
+        self.phase = Phase.IDLE
         self._reducing = None
         for u in self.units:
             for g in u.trainable_groups:
                 g.drop_reduction()
-            u.reshard()
-            u.reset_iteration()
+        self.release_all()
 
     def check_storage(self) -> None:
         """Raise if a parameter was cast or moved after ``shard`` (see FlatGroup.detached)."""
@@ -87,56 +121,56 @@ class ModelState:
                 f"and compute in low precision with sw.shard(model, mixed_precision="
                 f"sw.MixedPrecision(param_dtype=torch.bfloat16))")
 
-    def on_root_pre_forward(self) -> None:
+    # -- forward events ----------------------------------------------------------------
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
+        """A unit's forward starts: gather it, prefetch the next, wrap its inputs."""
+        if in_backward():  # Note [recompute] in _autograd.py
+            unit.finish_gather()
+            return None
+        if unit.is_root:
+            self._start_root_forward()
+        if self.order_check is not None:
+            self.order_check.unit(unit)
+        unit.finish_gather()
+        self._record_call(unit)
+        return prepare_inputs(unit, args, kwargs)
+
+    def on_post_forward(self, unit: Unit, output: Any) -> None:
+        """A unit's forward ended: hook its outputs for backward, reshard what may go."""
+        if in_backward():  # Note [recompute]
+            return
+        hooked = opaque = False
+        if torch.is_grad_enabled():
+            index = unit.call_index
+            tensors, opaque = output_tensors(output)
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
+                    hooked = True
+        if unit.is_root:
+            self._end_root_forward(hooked, opaque)
+        elif not torch.is_grad_enabled():
+            unit.reshard()
+        elif unit.reshard_after_forward and (hooked or not any(p.requires_grad
+                                                                for p in unit.params)):
+            # Without a hooked output nothing would gather the unit again before its
+            # backward, so an unhooked trainable unit stays gathered until backward ends.
+            unit.reshard()
+
+    def _start_root_forward(self) -> None:
         self.check_storage()
-        self.checking = checks_enabled()
-        self._checked_in_forward = 0
+        self.order_check = OrderCheck(self.comm) if checks_enabled() else None
         self.recover()
-        self._pending_at_root_start = self._backward_pending
-        if not self._backward_pending:
+        self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
+        if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
             if self._order:
                 self._prev_order = self._order
             self._order = []
-            for u in self.units:
-                u.reshard()
-                u.reset_iteration()
+            self.release_all()
+        self.phase = Phase.FORWARD
 
-    def check_unit(self, unit: Unit) -> None:
-        """With ``SHARDWISE_CHECK=1``: raise on every rank unless all ranks are about to
-        run ``unit`` (Note [collective order]).
-
-        A unit pinned by ``gathered()`` (or holding no parameters) runs without
-        communicating, so ranks may run it a different number of times (``generate``
-        stopping at different lengths): it is not checked.
-        """
-        if unit.pins or not unit.groups:
-            return
-        self._checked_in_forward += 1
-        self._agree_on_step(1, unit.index, f"unit {unit.name}")
-
-    def check_forward_end(self) -> None:
-        """With ``SHARDWISE_CHECK=1``: raise on every rank unless all ranks end the
-        forward here. Catches a rank that skips the *last* unit, whose peers would
-        otherwise wait in that unit's check until the timeout."""
-        if self._checked_in_forward:
-            self._checked_in_forward = 0
-            self._agree_on_step(2, len(self._order),
-                                f"the end of the forward after {len(self._order)} unit calls")
-
-    def _agree_on_step(self, kind: int, index: int, what: str) -> None:
-        # Every check is the same 4-integer all-reduce, so mismatched checks still pair
-        # up across ranks, and any difference shows in the maximum.
-        mine = [kind, index, -kind, -index]
-        seen = torch.tensor(mine, dtype=torch.int64, device=self.comm.device)
-        self.comm.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
-        if seen.tolist() != mine:
-            names = self.comm.all_gather_object(what)
-            which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            raise ShardwiseError(f"ranks diverged in the forward ({which}). Every rank must "
-                                 f"run the same units in the same order")
-
-    def record_call(self, unit: Unit) -> None:
+    def _record_call(self, unit: Unit) -> None:
         """Note the call and prefetch the unit that ran next last time."""
         pos = len(self._order)
         unit.call_index = pos
@@ -145,39 +179,33 @@ class ModelState:
         if pos + 1 < len(prev) and prev[pos] is unit:
             prev[pos + 1].start_gather()
 
-    def on_root_post_forward(self, hooked: bool, opaque: bool = False) -> None:
-        if self.checking:
-            self.check_forward_end()
-        # Note [buffer sync point]
-        # BatchNorm saves its running statistics for backward, so overwriting buffers
-        # between a forward and its backward would break autograd's version check (and
-        # would change what backward reads). Buffers are synchronised when the backward
-        # finishes, or right away when no backward will come.
-        self._buffers_due |= self.root.training
-        if hooked or opaque:
+    def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
+        if self.order_check is not None:
+            self.order_check.end_forward(len(self._order))
+        self._buffers_due |= self.root.training  # Note [buffer sync point]
+        if hooked or opaque or self._joins_pending:
             # An output we cannot search may still lead to a backward: keep what it may
             # need gathered rather than free parameters autograd saved.
-            self._backward_pending = True
-        elif not self._pending_at_root_start:
-            # No backward will come: release everything now.
-            self._backward_pending = False
-            for u in self.units:
-                u.reshard()
-                u.reset_iteration()
-            self._sync_buffers_if_due()
+            self.phase = Phase.AWAITING_BACKWARD
+            return
+        self.phase = Phase.IDLE  # no backward will come: release everything now
+        self.release_all()
+        self._sync_buffers_if_due()
 
     def _sync_buffers_if_due(self) -> None:
         if self._buffers_due:
             self._buffers_due = False
             self.buffers.after_training_forward()
 
-    # -- backward --------------------------------------------------------------------
+    # -- backward events ---------------------------------------------------------------
     def ensure_backward_callback(self) -> None:
-        if not self._callback_queued:
+        """Queue :meth:`finish_backward` once per backward (the first gradient's hook)."""
+        if self.phase is not Phase.BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-            self._callback_queued = True
+            self.phase = Phase.BACKWARD
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
+        """Gradients reach a unit's output: gather it, prefetch the one before it."""
         self.ensure_backward_callback()
         unit.finish_gather()
         if call_index > 0:
@@ -186,6 +214,7 @@ class ModelState:
                 prev.start_gather()
 
     def on_post_backward(self, unit: Unit) -> None:
+        """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
         unit.backward_calls += 1
         if unit.backward_calls >= unit.forward_calls and not unit.reduced:
             self._reduce(unit)
@@ -202,39 +231,43 @@ class ModelState:
 
     def finish_backward(self) -> None:
         """End-of-backward callback: reduce what is left, then publish shard gradients."""
-        self._callback_queued = False
         for u in reversed(self.units):
-            # A unit whose backward never ran here may have run on another rank, so it
-            # joins the reduction with zero gradients (see Note [collective order]). So do
-            # units whose gradients came without a counted forward (reentrant checkpointing
-            # recomputes in backward; a second backward through a retained graph), and
-            # units holding gradients accumulated under no_sync.
-            if not u.reduced and (u.forward_calls > 0
-                                  or any(p.full.grad is not None for p in u.params)
-                                  or (self.requires_grad_sync and any(
-                                      g.has_accumulated() for g in u.trainable_groups))):
+            if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
         self._reducing = None
-        reduced = [u for u in self.units if u.reduced]
         if self.requires_grad_sync:
-            groups = [g for u in reduced for g in u.trainable_groups]
-            if groups:
-                # One small all-reduce says which parameters got a gradient anywhere.
-                used = torch.tensor([x for g in groups for x in g.used], dtype=torch.int32,
-                                    device=groups[0].local.device)
-                self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
-                used_list = used.bool().tolist()
-                offset = 0
-                for g in groups:
-                    g.finish_reduce(used_list[offset:offset + len(g.params)])
-                    offset += len(g.params)
+            self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:
-            for p in u.params:
-                if p.full.grad is not None and u.reduced:
-                    raise ShardwiseError(
-                        f"internal: a gradient for {p.fqns[0]} arrived after its unit "
-                        f"{u.name} was reduced; please report this with your model")
-            u.reshard()
-            u.reset_iteration()
-        self._backward_pending = False
+            late = [p.fqns[0] for p in u.params if p.full.grad is not None and u.reduced]
+            if late:
+                raise ShardwiseError(
+                    f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
+                    f"was reduced; please report this with your model")
+        self.release_all()
+        self.phase = Phase.IDLE
         self._sync_buffers_if_due()  # Note [buffer sync point]
+
+    def _needs_reduction(self, u: Unit) -> bool:
+        # A unit whose backward never ran here may have run on another rank, so it joins
+        # the reduction with zero gradients (Note [collective order]). So do units whose
+        # gradients came without a counted forward (reentrant checkpointing recomputes in
+        # backward; a second backward through a retained graph), and units holding
+        # gradients accumulated under no_sync.
+        return (u.forward_calls > 0 or any(p.full.grad is not None for p in u.params)
+                or (self.requires_grad_sync
+                    and any(g.has_accumulated() for g in u.trainable_groups)))
+
+    def _publish_gradients(self, reduced: list[Unit]) -> None:
+        """Wait for the reductions and hand each parameter its gradient shard."""
+        groups = [g for u in reduced for g in u.trainable_groups]
+        if not groups:
+            return
+        # One small all-reduce says which parameters got a gradient anywhere.
+        used = torch.tensor([x for g in groups for x in g.used], dtype=torch.int32,
+                            device=groups[0].local.device)
+        self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
+        used_list = used.bool().tolist()
+        offset = 0
+        for g in groups:
+            g.finish_reduce(used_list[offset:offset + len(g.params)])
+            offset += len(g.params)

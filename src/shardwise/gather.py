@@ -127,7 +127,7 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
                              f"{comm.world_size}")
     for u in units:
         u.model.recover()
-        if u.model._backward_pending:
+        if u.model.awaiting_backward:
             raise ShardwiseError("gathered() was entered between a forward and its backward; "
                                  "use it outside training steps")
         if modifier_rank is not None and any(g.compute_dtype != g.dtype for g in u.groups):
