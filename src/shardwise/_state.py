@@ -105,7 +105,7 @@ class ModelState:
         self._reducing = None
         for u in self.units:
             for g in u.trainable_groups:
-                g.drop_reduction()
+                g.reduction.drop()
         self.release_all()
 
     def check_storage(self) -> None:
@@ -226,7 +226,7 @@ class ModelState:
         # letting them pile up until the end of backward would hold a whole model's.
         if self._reducing is not None:
             for g in self._reducing.trainable_groups:
-                g.wait_reduce()
+                g.reduction.wait()
         self._reducing = unit
 
     def finish_backward(self) -> None:
@@ -255,7 +255,7 @@ class ModelState:
         # gradients accumulated under no_sync.
         return (u.forward_calls > 0 or any(p.full.grad is not None for p in u.params)
                 or (self.requires_grad_sync
-                    and any(g.has_accumulated() for g in u.trainable_groups)))
+                    and any(g.reduction.has_accumulated() for g in u.trainable_groups)))
 
     def _publish_gradients(self, reduced: list[Unit]) -> None:
         """Wait for the reductions and hand each parameter its gradient shard."""
@@ -263,11 +263,11 @@ class ModelState:
         if not groups:
             return
         # One small all-reduce says which parameters got a gradient anywhere.
-        used = torch.tensor([x for g in groups for x in g.used], dtype=torch.int32,
+        used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
                             device=groups[0].local.device)
         self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
         used_list = used.bool().tolist()
         offset = 0
         for g in groups:
-            g.finish_reduce(used_list[offset:offset + len(g.params)])
+            g.reduction.finish(used_list[offset:offset + len(g.params)])
             offset += len(g.params)

@@ -48,7 +48,6 @@ the buffer's version counter is restored around it (Note [version counters] in _
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +56,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ._comm import Comm
+from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
+from ._reduce import GradReduction
 from ._registry import copy_user_attributes
 
 
@@ -95,25 +96,6 @@ class ShardedParam:
                                       stride=self.shard.stride())
 
 
-def _row_regions(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
-                 ) -> list[tuple[torch.Tensor, slice]]:
-    """Where a parameter's flattened elements sit in a rank-major buffer.
-
-    Returns ``(view of buf, slice of the flattened parameter)`` pairs: one block for the
-    ranks holding ``chunk_rows`` rows, one row for a rank holding fewer, if any.
-    """
-    if slot.numel == 0:
-        return []
-    grid = buf.view(layout.world_size, layout.shard_numel)
-    whole = slot.rows // slot.chunk_rows
-    n = whole * slot.chunk_numel
-    out = [(grid[:whole, slot.offset:slot.offset + slot.chunk_numel], slice(0, n))]
-    if n < slot.numel:
-        out.append((grid[whole, slot.offset:slot.offset + slot.numel - n],
-                    slice(n, slot.numel)))
-    return out
-
-
 class FlatGroup:
     """Parameters of one dtype and one ``requires_grad`` value, sharded by rows.
 
@@ -141,8 +123,7 @@ class FlatGroup:
         self._gather_in = (None if compute_dtype == self.dtype else
                            torch.empty(self.layout.shard_numel, dtype=compute_dtype,
                                        device=device))
-        self._gaps = [(r * self.layout.shard_numel + a, r * self.layout.shard_numel + b)
-                      for r in range(comm.world_size) for a, b in self.layout.padding(r)]
+        self.gaps = padding_gaps(self.layout)
         self.params: list[ShardedParam] = []
         for i, orig in enumerate(originals):
             self.params.append(self._make_param(i, orig, names[i], slots[i], mesh))
@@ -150,12 +131,7 @@ class FlatGroup:
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work = None
         self._gathered_version = -1
-        # Gradient reduction state (trainable groups only).
-        self.used = [False] * len(self.params)  # had a local gradient since the last sync
-        self._accum: torch.Tensor | None = None
-        self._reduce_in: torch.Tensor | None = None
-        self._reduce_out: torch.Tensor | None = None
-        self._reduce_work = None
+        self.reduction = GradReduction(self)  # used by trainable groups only
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
                     slots: list[tuple[nn.Module, str]], mesh: DeviceMesh) -> ShardedParam:
@@ -202,45 +178,16 @@ class FlatGroup:
                 out.append(p.fqns[0])
         return out
 
-    def rank_major(self, dtype: torch.dtype) -> torch.Tensor:
-        """A new rank-major buffer (one shard per rank) whose padding is zero."""
-        buf = torch.empty(self.layout.gathered_numel, dtype=dtype, device=self.local.device)
-        for start, end in self._gaps:
-            buf[start:end].zero_()
-        return buf
-
-    def write_rank_major(self, buf: torch.Tensor, index: int, value: torch.Tensor,
-                         op: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-                         ) -> None:
-        """Write parameter ``index``'s full ``value`` into its rows of rank-major ``buf``
-        (``op(dst, src)`` instead of a copy when given)."""
-        flat = value.detach().reshape(-1)
-        for dst, sl in _row_regions(buf, self.layout, self.layout.slots[index]):
-            src = flat[sl].view(dst.shape)
-            if op is None:
-                dst.copy_(src)
-            else:
-                op(dst, src)
-
     def fill_local(self, values: list[torch.Tensor] | None, src: int) -> None:
         """Set every rank's shard from rank ``src``'s full ``values`` (a scatter)."""
         chunks = None
         if self.comm.rank == src:
-            buf = self.rank_major(self.dtype)
-            for i, v in enumerate(values):
-                self.write_rank_major(buf, i, v.to(device=buf.device, dtype=self.dtype))
+            buf = rank_major(self.layout, self.gaps, self.dtype, self.local.device)
+            for slot, v in zip(self.layout.slots, values):
+                write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
             chunks = list(buf.chunk(self.comm.world_size))
         with torch.no_grad():
             self.comm.scatter(self.local, chunks, src)
-
-    def copy_out(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy a rank-major all-gather output into a parameter-major full buffer."""
-        with torch.no_grad():
-            for p in self.params:
-                s = p.slot
-                flat = out[s.full_offset:s.full_offset + s.numel]
-                for region, sl in _row_regions(gathered, self.layout, s):
-                    flat[sl].view(region.shape).copy_(region)
 
     def gather_full(self) -> torch.Tensor:
         """A fresh full buffer with every full parameter, in ``dtype`` (a collective)."""
@@ -248,7 +195,7 @@ class FlatGroup:
                                device=self.local.device)
         self.comm.all_gather(gathered, self.local)
         out = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.local.device)
-        self.copy_out(gathered, out)
+        copy_out(gathered, self.layout, out)
         return out
 
     def full_value(self, p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
@@ -290,96 +237,19 @@ class FlatGroup:
         """Whether the shard changed since the full parameters were gathered."""
         return self.full_is_allocated() and self.shard_version() != self._gathered_version
 
-    def drop_reduction(self) -> None:
-        """Forget an unfinished reduction (its backward was aborted)."""
-        self.wait_reduce()
-        self._reduce_out = None
-
-    def wait_gather(self, copy_out: bool = True) -> None:
-        """Wait for an issued all-gather and, if ``copy_out``, fill the full parameters."""
+    def wait_gather(self, fill: bool = True) -> None:
+        """Wait for an issued all-gather and, if ``fill``, copy it out into the full
+        parameters (``fill=False`` when resharding: the values are not needed)."""
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
         if self._gathered is not None:
-            if copy_out:
+            if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
                 version = self.full._version
-                self.copy_out(self._gathered, self.full)
+                copy_out(self._gathered, self.layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
             self._gathered = None
-
-    # -- reduce ----------------------------------------------------------------------
-    def start_reduce(self, sync: bool) -> None:
-        """Move the full gradients into the reduction buffer; reduce-scatter if ``sync``.
-
-        Outside ``no_sync`` the gradients are scaled by 1/N while copied, then summed, as
-        DistributedDataParallel does, so results match it bit for bit at N=2.
-        """
-        inv_n = 1.0 / self.comm.world_size
-        accumulating = self._accum is not None
-        buf = self._accum if accumulating else self.rank_major(self.reduce_dtype)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                grad = p.full.grad
-                p.full.grad = None
-                seen = self.used[i] and accumulating
-                if grad is not None:
-                    self.used[i] = True
-                if grad is None and not seen:
-                    self.write_rank_major(buf, i, torch.zeros(()).expand(p.shape))
-                elif grad is not None and seen:
-                    self.write_rank_major(buf, i, grad, lambda d, s: d.add_(s))
-                elif grad is not None and sync:
-                    self.write_rank_major(buf, i, grad,
-                                          lambda d, s: torch.mul(s, inv_n, out=d))
-                elif grad is not None:
-                    self.write_rank_major(buf, i, grad)
-                if seen and sync:  # accumulated micro-batches: scale the sum once
-                    for region, _ in _row_regions(buf, self.layout, p.slot):
-                        region.mul_(inv_n)
-        if not sync:
-            self._accum = buf
-            return
-        self._accum = None
-        self._reduce_in = buf
-        self._reduce_out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype,
-                                       device=self.local.device)
-        self._reduce_work = self.comm.reduce_scatter(self._reduce_out, buf, async_op=True)
-
-    def has_accumulated(self) -> bool:
-        """Whether gradients accumulated under ``no_sync`` await their reduction."""
-        return self._accum is not None
-
-    def wait_reduce(self) -> None:
-        if self._reduce_work is not None:
-            self._reduce_work.wait()
-            self._reduce_work = None
-            self._reduce_in = None
-
-    def finish_reduce(self, used_anywhere: list[bool]) -> None:
-        """Accumulate the reduced shard into each parameter's DTensor ``.grad``.
-
-        A parameter no rank computed a gradient for keeps its ``.grad`` untouched, as under
-        DistributedDataParallel with ``find_unused_parameters=True``.
-        """
-        self.wait_reduce()
-        out = self._reduce_out
-        self._reduce_out = None
-        if out is None:
-            return
-        if out.dtype != self.dtype:
-            out = out.to(self.dtype)
-        for i, p in enumerate(self.params):
-            if not used_anywhere[i]:
-                continue
-            off = p.slot.offset
-            g = out[off:off + p.local.numel()].view(p.local.shape)
-            if p.shard.grad is None:
-                p.shard.grad = p.as_dtensor(g)
-            else:
-                with torch.no_grad():
-                    p.shard.grad.to_local().add_(g)
-        self.used = [False] * len(self.params)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -456,7 +326,7 @@ class Unit:
         if self.state is UnitState.SHARDED or self.pins:
             return
         for g in self.groups:
-            g.wait_gather(copy_out=False)  # never free memory a collective still writes
+            g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
         for g in self.groups:
             for p in g.params:
@@ -465,9 +335,9 @@ class Unit:
         self.state = UnitState.SHARDED
 
     def start_reduce(self, sync: bool) -> None:
-        """Hand this backward's full gradients to the reduction; see FlatGroup.start_reduce."""
+        """Hand this backward's full gradients to the reduction; see GradReduction.start."""
         for g in self.trainable_groups:
-            g.start_reduce(sync)
+            g.reduction.start(sync)
         self.reduced = True
 
     def _swap(self, full: bool) -> None:
