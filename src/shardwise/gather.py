@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,6 @@ from ._registry import sharded_param
 from .buffers import named_buffers
 from .consistency import maybe_check
 from .errors import ReadOnlyGatherError, ShardwiseError
-
-
-def _sharded_info(t: torch.Tensor) -> ShardedParam | None:
-    return sharded_param(t)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,6 +58,127 @@ def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -
         with torch.no_grad():
             g.full.copy_(fresh)  # an enclosing gathered() block sees the original values
     return names
+
+
+class _Slot(NamedTuple):
+    """One registration of a gathered parameter: ``module._parameters[attr]``."""
+
+    param: ShardedParam
+    module: nn.Module
+    attr: str
+
+
+class _GatherSession:
+    """One ``gathered()`` block: what it gathers, what it snapshots, how it ends."""
+
+    def __init__(self, target: nn.Module | Iterable[torch.Tensor],
+                 modifier_rank: int | None) -> None:
+        self.module = target if isinstance(target, nn.Module) else None
+        self.modifier_rank = modifier_rank
+        if self.module is not None:
+            self.params = list(self.module.parameters())
+            names = {id(p): n for n, p in self.module.named_parameters()}
+        else:
+            self.params = list(target)  # type: ignore[arg-type]
+            names = {id(p): f"tensor {i}" for i, p in enumerate(self.params)}
+        # Units in order of first appearance among the arguments: the same on every rank.
+        self.units: list[Unit] = []
+        for p in self.params:
+            sp = sharded_param(p)
+            if sp is not None and sp.unit is not None and all(sp.unit is not u
+                                                              for u in self.units):
+                self.units.append(sp.unit)
+        self.plain = [(names.get(id(p), "?"), p) for p in self.params
+                      if sharded_param(p) is None]
+        self.groups = [g for u in self.units for g in u.groups]
+        self.newly: list[Unit] = []
+        self.comm: Comm | None = None
+
+    @property
+    def passthrough(self) -> bool:
+        """Nothing to gather and nobody to talk to: the block just yields its argument."""
+        return not self.units and not dist.is_initialized()
+
+    def value(self) -> object:
+        """What the block yields: the module, or the full tensors in argument order."""
+        if self.module is not None:
+            return self.module
+        return [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
+
+    def enter(self) -> None:
+        """Check the arguments, gather and pin the units, snapshot what may be written."""
+        self.comm = self.units[0].model.comm if self.units else Comm(None)
+        r = self.modifier_rank
+        if r is not None and not 0 <= r < self.comm.world_size:
+            raise ShardwiseError(f"modifier_rank={r} is not a rank of a group of "
+                                 f"{self.comm.world_size}")
+        for u in self.units:
+            u.model.recover()
+            if u.model.awaiting_backward:
+                raise ShardwiseError("gathered() was entered between a forward and its "
+                                     "backward; use it outside training steps")
+            if r is not None and any(g.compute_dtype != g.dtype for g in u.groups):
+                raise ShardwiseError("gathered(..., modifier_rank=...) is not supported "
+                                     "with mixed_precision: full parameters are in "
+                                     "param_dtype")
+        self.newly = [u for u in self.units if u.state is not UnitState.GATHERED]
+        for u in self.newly:
+            u.finish_gather()
+        for u in self.units:
+            u.pins += 1  # a forward inside the block must not reshard what it holds
+        self.group_versions = [g.full._version for g in self.groups]
+        buffers = named_buffers(self.module) if self.module is not None else []
+        self.buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
+                                if r is None else [])
+        self.plain_versions = [(n, p, p._version) for n, p in self.plain]
+
+    def release(self) -> None:
+        """Unpin, and reshard what this block gathered (no communication)."""
+        for u in self.units:
+            u.pins -= 1
+        for u in self.newly:
+            u.reshard()
+
+    def exit(self) -> None:
+        """Verify a read-only block or apply the modifier's edits, then release."""
+        replaced = [_Slot(sp, m, a) for g in self.groups for sp in g.params
+                    for m, a in sp.slots if m._parameters.get(a) is not sp.full]
+        assert self.comm is not None
+        try:
+            if self.modifier_rank is None:
+                self._verify_read_only(replaced)
+            else:
+                _apply_modifications(self.comm, self.groups, replaced, self.module,
+                                     self.plain, self.modifier_rank)
+        finally:
+            for slot in replaced:
+                slot.module._parameters[slot.attr] = slot.param.full
+            self.release()
+        if self.modifier_rank is not None and self.module is not None:
+            maybe_check(self.module)
+
+    def _verify_read_only(self, replaced: list[_Slot]) -> None:
+        """Note [read-only detection]: raise on every rank if any rank wrote."""
+        assert self.comm is not None
+        suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
+        now = dict(named_buffers(self.module)) if self.module is not None else {}
+        local = [f"buffer {n}" for n, b, old in self.buffer_snapshot
+                 if now.get(n) is not b or not _same_bytes(b, old)]
+        local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
+        local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
+        if not _agree(self.comm, bool(local) or any(suspects)):
+            return
+        with torch.no_grad():  # buffers go back to what every rank held on entry
+            for n, b, old in self.buffer_snapshot:
+                if now.get(n) is b and not _same_bytes(b, old):
+                    b.copy_(old)
+        local += [f"parameter {n}" for n in _written_params(self.comm, self.groups, suspects)]
+        everyone = self.comm.all_gather_object(local)
+        msgs = sorted(set().union(*map(set, everyone)))
+        raise ReadOnlyGatherError(
+            "written inside a read-only sw.gathered() block: " + ", ".join(msgs) +
+            ". Pass modifier_rank=<rank> to keep one rank's edits; parameter shards were "
+            "left unchanged")
 
 
 @contextlib.contextmanager
@@ -99,98 +217,21 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
         ...     if dist.get_rank() == 0:
         ...         model.lm_head.weight.zero_()
     """
-    is_module = isinstance(module_or_params, nn.Module)
-    if is_module:
-        params = list(module_or_params.parameters())
-        named_params = dict((id(p), n) for n, p in module_or_params.named_parameters())
-        buffers = named_buffers(module_or_params)
-    else:
-        params = list(module_or_params)
-        named_params = {id(p): f"tensor {i}" for i, p in enumerate(params)}
-        buffers = []
-    infos: list[ShardedParam] = []
-    for p in params:
-        sp = _sharded_info(p)
-        if sp is not None and all(sp is not q for q in infos):
-            infos.append(sp)
-    units: list[Unit] = []
-    for sp in infos:
-        if all(sp.unit is not u for u in units):
-            units.append(sp.unit)
-    plain = [(named_params.get(id(p), "?"), p) for p in params if _sharded_info(p) is None]
-    if not units and not dist.is_initialized():
-        yield module_or_params if is_module else params
+    session = _GatherSession(module_or_params, modifier_rank)
+    if session.passthrough:
+        yield session.value()
         return
-    comm = units[0].model.comm if units else Comm(None)
-    if modifier_rank is not None and not 0 <= modifier_rank < comm.world_size:
-        raise ShardwiseError(f"modifier_rank={modifier_rank} is not a rank of a group of "
-                             f"{comm.world_size}")
-    for u in units:
-        u.model.recover()
-        if u.model.awaiting_backward:
-            raise ShardwiseError("gathered() was entered between a forward and its backward; "
-                                 "use it outside training steps")
-        if modifier_rank is not None and any(g.compute_dtype != g.dtype for g in u.groups):
-            raise ShardwiseError("gathered(..., modifier_rank=...) is not supported with "
-                                 "mixed_precision: full parameters are in param_dtype")
-    # The order of first appearance among the arguments is the same on every rank (SPMD).
-    newly = [u for u in units if u.state is not UnitState.GATHERED]
-    for u in newly:
-        u.finish_gather()
-    for u in units:
-        u.pins += 1  # a forward inside the block must not reshard what it holds
-    groups = [g for u in units for g in u.groups]
-    group_versions = [g.full._version for g in groups]
-    buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
-                       if modifier_rank is None else [])
-    plain_versions = [(n, p, p._version) for n, p in plain]
+    session.enter()
     try:
-        yield module_or_params if is_module else [
-            sp.full if (sp := _sharded_info(p)) is not None else p for p in params]
+        yield session.value()
     except BaseException:
-        for u in units:
-            u.pins -= 1
-        for u in newly:
-            u.reshard()
+        session.release()
         raise
-
-    replaced = [(sp, m, a) for g in groups for sp in g.params for m, a in sp.slots
-                if m._parameters.get(a) is not sp.full]
-    try:
-        if modifier_rank is None:
-            suspects = [g.full._version != v for g, v in zip(groups, group_versions)]
-            now_buffers = dict(named_buffers(module_or_params)) if is_module else {}
-            local = [f"buffer {n}" for n, b, old in buffer_snapshot
-                     if now_buffers.get(n) is not b or not _same_bytes(b, old)]
-            local += [f"parameter {n}" for n, p, v in plain_versions if p._version != v]
-            local += [f"parameter {sp.fqns[0]} (replaced)" for sp, _, _ in replaced]
-            if _agree(comm, bool(local) or any(suspects)):
-                with torch.no_grad():  # buffers go back to what every rank held on entry
-                    for n, b, old in buffer_snapshot:
-                        if now_buffers.get(n) is b and not _same_bytes(b, old):
-                            b.copy_(old)
-                local += [f"parameter {n}" for n in _written_params(comm, groups, suspects)]
-                everyone = comm.all_gather_object(local)
-                msgs = sorted(set().union(*map(set, everyone)))
-                raise ReadOnlyGatherError(
-                    "written inside a read-only sw.gathered() block: " + ", ".join(msgs) +
-                    ". Pass modifier_rank=<rank> to keep one rank's edits; parameter shards "
-                    "were left unchanged")
-        else:
-            _apply_modifications(comm, groups, replaced, module_or_params if is_module else None,
-                                 plain, modifier_rank)
-    finally:
-        for sp, m, a in replaced:
-            m._parameters[a] = sp.full
-        for u in units:
-            u.pins -= 1
-        for u in newly:
-            u.reshard()
-    if modifier_rank is not None and is_module:
-        maybe_check(module_or_params)
+    session.exit()
 
 
-def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced, module, plain,
+def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced: list[_Slot],
+                         module: nn.Module | None, plain: list[tuple[str, torch.Tensor]],
                          src: int) -> None:
     """Make rank ``src``'s full parameters and buffers everyone's, and reshard them."""
     problems = []
