@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,8 @@ from .._comm import Comm
 from .._registry import init_piece, model_state, sharded_param
 from .._unit import ShardedParam, UnitState
 from ..errors import ShardwiseError
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,6 +95,33 @@ def comm_of(module: nn.Module) -> Comm | None:
     if state is not None:
         return state.comm
     return Comm(None) if dist.is_initialized() else None
+
+
+def plan_everywhere(comm: Comm | None, what: str, make_plan: Callable[[], T]) -> T:
+    """Run ``make_plan`` (reads and checks only) and raise on every rank if any failed.
+
+    Loads plan everything first and change the model only once every rank succeeded, so
+    a failure leaves every rank's model as it was.
+    """
+    error, plan = None, None
+    try:
+        plan = make_plan()
+    except ShardwiseError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - a bad input must fail on every rank, cleanly
+        error = f"{type(e).__name__}: {e}"
+    agree(comm, error, what)
+    return plan  # type: ignore[return-value]
+
+
+def apply_values(values: list[tuple[ParamTarget, torch.Tensor]],
+                 buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write planned parameter rows and buffer values into the model."""
+    for t, v in values:
+        t.write_local(v)
+    with torch.no_grad():
+        for b, v in buffer_values:
+            b.copy_(v)
 
 
 def agree(comm: Comm | None, error: str | None, what: str) -> None:

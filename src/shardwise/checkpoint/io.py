@@ -27,7 +27,7 @@ from ..errors import ShardwiseError
 from ._format import (BUFFERS_FILE, FORMAT, FORMAT_VERSION, META, dtype_from_name, dtype_name,
                       fsync_dir, read_json, rank_file, verify_file, write_atomic,
                       write_json_atomic)
-from ._targets import ParamTarget, agree, comm_of, module_targets
+from ._targets import ParamTarget, apply_values, comm_of, module_targets, plan_everywhere
 
 
 def _py_rng() -> list:
@@ -119,10 +119,28 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
-    if comm is not None and not (state is not None and state.buffers.policy is BufferPolicy.LOCAL):
+    if comm is not None and not (state is not None
+                                 and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
     _json_ok(extra, "extra", exact=True)
     params, buffers = module_targets(module)
+    tensors, opt_meta = _local_tensors(params, optimizer)
+    data_dir = _new_data_dir(path, comm, rank, world)
+    mine = _write_data(data_dir, rank, world, tensors, buffers)
+    mine["pieces"] = {t.names[0]: list(t.local_range()) for t in params}
+    everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
+    if rank == 0:
+        meta = _metadata(module, params, buffers, opt_meta, tensors, everyone, extra, world)
+        meta["data"] = os.path.basename(data_dir)
+        _commit(path, data_dir, meta)
+    if comm is not None and world > 1:
+        comm.all_gather_object(None)  # nobody returns before the commit
+
+
+def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
+                   ) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """This rank's parameter pieces, optimizer-state pieces and RNG states, and the
+    optimizer's metadata."""
     name_of: dict[int, str] = {}
     for t in params:
         key = t.sharded.shard if t.sharded is not None else t.plain
@@ -136,8 +154,11 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     tensors["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    pieces = {t.names[0]: list(t.local_range()) for t in params}
+    return tensors, opt_meta
 
+
+def _new_data_dir(path: str, comm, rank: int, world: int) -> str:
+    """A fresh ``data-<id>`` folder, created by rank 0 before anyone writes into it."""
     data_id = uuid.uuid4().hex[:12] if rank == 0 else None
     if comm is not None and world > 1:
         data_id = comm.all_gather_object(data_id)[0]
@@ -145,49 +166,60 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     if rank == 0:
         os.makedirs(data_dir, exist_ok=False)
     if comm is not None and world > 1:
-        comm.all_gather_object(None)  # the folder exists before anyone writes into it
+        comm.all_gather_object(None)
+    return data_dir
+
+
+def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
+                buffers: dict[str, torch.Tensor]) -> dict:
+    """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it."""
     fname = rank_file(rank, world)
     info = write_atomic(os.path.join(data_dir, fname),
                         safetensors.torch.save(tensors, metadata={"format": FORMAT}))
+    files = {fname: info}
     if rank == 0 and buffers:
         buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
-        buffer_info = write_atomic(os.path.join(data_dir, BUFFERS_FILE),
-                                   safetensors.torch.save(buf, metadata={"format": FORMAT}))
-    mine = {"file": fname, "info": info, "pieces": pieces, "python_rng": _py_rng()}
-    everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
-    if rank == 0:
-        step = _step_of(opt_meta, tensors) if opt_meta else None
-        meta = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "data": os.path.basename(data_dir),
-            "world_size": world,
-            "step": step,
-            "module_class": type(module).__name__,
-            "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
-                                    "dtype": dtype_name(t.dtype),
-                                    "pieces": [e["pieces"][t.names[0]] for e in everyone]}
-                       for t in params},
-            "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
-                        for n, b in buffers.items()},
-            "optimizer": opt_meta,
-            "python_rng": [e["python_rng"] for e in everyone],
-            "extra": extra,
-            "files": {e["file"]: e["info"] for e in everyone},
-        }
-        if buffers:
-            meta["files"][BUFFERS_FILE] = buffer_info
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_json_string"):
-            meta["hf_config"] = json.loads(config.to_json_string())
-        write_json_atomic(os.path.join(path, META), meta)  # the commit point
-        fsync_dir(path)
-        for entry in os.listdir(path):  # earlier checkpoints' data and crashed attempts
-            full = os.path.join(path, entry)
-            if entry.startswith("data-") and full != data_dir and os.path.isdir(full):
-                shutil.rmtree(full, ignore_errors=True)
-    if comm is not None and world > 1:
-        comm.all_gather_object(None)  # nobody returns before the commit
+        files[BUFFERS_FILE] = write_atomic(
+            os.path.join(data_dir, BUFFERS_FILE),
+            safetensors.torch.save(buf, metadata={"format": FORMAT}))
+    return {"file": fname, "files": files, "python_rng": _py_rng()}
+
+
+def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
+              opt_meta: dict | None, tensors: dict[str, torch.Tensor], everyone: list[dict],
+              extra: Any, world: int) -> dict:
+    """``checkpoint.json`` (without ``data``), from every rank's report."""
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": world,
+        "step": _step_of(opt_meta, tensors) if opt_meta else None,
+        "module_class": type(module).__name__,
+        "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
+                                "dtype": dtype_name(t.dtype),
+                                "pieces": [e["pieces"][t.names[0]] for e in everyone]}
+                   for t in params},
+        "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+                    for n, b in buffers.items()},
+        "optimizer": opt_meta,
+        "python_rng": [e["python_rng"] for e in everyone],
+        "extra": extra,
+        "files": {name: info for e in everyone for name, info in e["files"].items()},
+    }
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        meta["hf_config"] = json.loads(config.to_json_string())
+    return meta
+
+
+def _commit(path: str, data_dir: str, meta: dict) -> None:
+    """Replace ``checkpoint.json`` (the commit point), then remove other data folders."""
+    write_json_atomic(os.path.join(path, META), meta)
+    fsync_dir(path)
+    for entry in os.listdir(path):  # earlier checkpoints' data and crashed attempts
+        full = os.path.join(path, entry)
+        if entry.startswith("data-") and full != data_dir and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
 
 
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
@@ -219,7 +251,6 @@ class _Checkpoint:
                                  f"is newer than this shardwise reads ({FORMAT_VERSION})")
         self.data = os.path.join(path, self.meta["data"])
         self.world_size = int(self.meta["world_size"])
-        self._verified: set[str] = set()
         self._handles: dict[str, Any] = {}
 
     def file(self, name: str):
@@ -389,20 +420,10 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = os.fspath(path)
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    error, plan = None, None
-    try:
-        plan = _plan_load(path, module, optimizer, rank, world)
-    except ShardwiseError as e:
-        error = str(e)
-    except Exception as e:  # noqa: BLE001 - a bad file must fail on every rank, cleanly
-        error = f"{type(e).__name__}: {e}"
-    agree(comm, error, f"load_checkpoint({path!r}) failed")
-    values, buffer_values, opt_sd, rng, extra = plan
-    for t, v in values:
-        t.write_local(v)
-    with torch.no_grad():
-        for b, v in buffer_values:
-            b.copy_(v)
+    values, buffer_values, opt_sd, rng, extra = plan_everywhere(
+        comm, f"load_checkpoint({path!r}) failed",
+        lambda: _plan_load(path, module, optimizer, rank, world))
+    apply_values(values, buffer_values)
     if optimizer is not None:
         optimizer.load_state_dict(opt_sd)
     if rng is not None:

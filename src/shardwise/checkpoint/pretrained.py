@@ -8,7 +8,7 @@ import torch.nn as nn
 from .._registry import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
-from ._targets import agree, comm_of, module_targets
+from ._targets import apply_values, comm_of, module_targets, plan_everywhere
 from .sources import Rename, open_source, renamer
 
 
@@ -97,20 +97,9 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     comm = comm_of(module)
-    error, plan = None, None
-    try:
-        plan = _plan(module, source, strict, rename)
-    except ShardwiseError as e:
-        error = str(e)
-    except Exception as e:  # noqa: BLE001 - an unreadable source must fail on every rank
-        error = f"{type(e).__name__}: {e}"
-    agree(comm, error, "load_pretrained failed")
-    values, buffer_values = plan
-    for t, v in values:
-        t.write_local(v)
-    with torch.no_grad():
-        for b, v in buffer_values:
-            b.copy_(v)
+    values, buffer_values = plan_everywhere(comm, "load_pretrained failed",
+                                            lambda: _plan(module, source, strict, rename))
+    apply_values(values, buffer_values)
     if comm is not None and comm.world_size > 1:
         # Buffers not in the source (non-persistent ones, or missing under strict=False)
         # may differ per rank; every rank takes src_rank's.

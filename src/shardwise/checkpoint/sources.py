@@ -10,9 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ShardwiseError
-from ._format import _ST_DTYPES, flat_range
-
-_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+from ._format import flat_range
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -27,9 +25,6 @@ class Source:
         raise NotImplementedError
 
     def shape(self, key: str) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def dtype(self, key: str) -> torch.dtype:
         raise NotImplementedError
 
     def read(self, key: str) -> torch.Tensor:
@@ -53,9 +48,6 @@ class DictSource(Source):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._t[key].shape)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self._t[key].dtype
 
     def read(self, key: str) -> torch.Tensor:
         return self._t[key].detach().to("cpu")
@@ -83,10 +75,6 @@ class SafetensorsSource(Source):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._h(key).get_slice(key).get_shape())
-
-    def dtype(self, key: str) -> torch.dtype:
-        name = self._h(key).get_slice(key).get_dtype()
-        return _FROM_ST[name]
 
     def read(self, key: str) -> torch.Tensor:
         return self._h(key).get_tensor(key)
