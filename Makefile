@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 
-.PHONY: install demo test bench bench-memory clean
+.PHONY: install demo test lint bench bench-memory clean
 
 # torch goes in first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -18,8 +18,12 @@ install: $(VENV)/.installed
 demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_gpt.py
 
-test: install
+test: install lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy src
 
 bench: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/step_time.py

@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
+from shardwise._layout import ALIGN
 from shardwise._registry import model_state, sharded_param
 from shardwise._state import Phase
-from shardwise._layout import ALIGN
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 

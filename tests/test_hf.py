@@ -15,8 +15,15 @@ from harness import run_ranks
 import shardwise as sw
 
 transformers = pytest.importorskip("transformers")
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel)
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 
 def llama_config() -> LlamaConfig:

@@ -33,14 +33,14 @@ Example::
     loss = model(x, y); loss.backward(); opt.step()
 """
 
+from ._sharded_init import sharded_init
 from .buffers import BufferPolicy, sync_buffers
-from .consistency import check_consistency
 from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from .consistency import check_consistency
 from .distributed import init_distributed
 from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
-from ._sharded_init import sharded_init
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
 

@@ -27,7 +27,7 @@ class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, unit: "Unit", *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, unit: Unit, *tensors: torch.Tensor):
         ctx.unit = unit
         # Detached aliases, not the inputs themselves: outputs that are inputs would be
         # views made inside a custom Function, which autograd forbids modifying in place
@@ -35,12 +35,12 @@ class PostBackward(torch.autograd.Function):
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):
         ctx.unit.model.on_post_backward(ctx.unit)
         return (None, *grads)
 
 
-def prepare_inputs(unit: "Unit", args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def prepare_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """A unit's inputs, cast for mixed precision and routed through :class:`PostBackward`
     when they require grad; ``None`` when nothing changes. Counts the call."""
     flat, spec = tree_flatten((args, kwargs))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,9 +129,9 @@ class Comm:
             flat.div_(self.world_size)
             _unflatten_into(flat, same_dtype)
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (small metadata only)."""
-        out: list[object] = [None] * self.world_size
+        out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from ._unit import Unit
 
 
-def pre_forward(unit: "Unit", module: torch.nn.Module, args: tuple,
+def pre_forward(unit: Unit, module: torch.nn.Module, args: tuple,
                 kwargs: dict) -> tuple[tuple, dict] | None:
     return unit.model.on_pre_forward(unit, args, kwargs)
 
 
-def post_forward(unit: "Unit", module: torch.nn.Module, args: tuple, kwargs: dict,
+def post_forward(unit: Unit, module: torch.nn.Module, args: tuple, kwargs: dict,
                  output: Any) -> None:
     unit.model.on_post_forward(unit, output)

@@ -26,7 +26,7 @@ class OrderCheck:
     def start_forward(self) -> None:
         self._checked = 0
 
-    def unit(self, unit: "Unit") -> None:
+    def unit(self, unit: Unit) -> None:
         """Raise on every rank unless all ranks are about to run ``unit``.
 
         A unit pinned by ``gathered()`` (or holding no parameters) runs without

@@ -8,9 +8,10 @@ buffer keeps accumulating instead, and the first synchronised backward reduces t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._copies import rank_major, row_regions, write_rank_major
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 class GradReduction:
     """The gradient side of a :class:`~shardwise._unit.FlatGroup`."""
 
-    def __init__(self, group: "FlatGroup") -> None:
+    def __init__(self, group: FlatGroup) -> None:
         self.group = group
         self.used = [False] * len(group.params)  # had a local gradient since the last sync
         self._accum: torch.Tensor | None = None      # no_sync: summed full gradients
@@ -110,5 +111,5 @@ class GradReduction:
                 p.shard.grad = p.as_dtensor(rows)
             else:
                 with torch.no_grad():
-                    p.shard.grad.to_local().add_(rows)
+                    cast(DTensor, p.shard.grad).to_local().add_(rows)
         self.used = [False] * len(g.params)

@@ -44,8 +44,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._comm import Comm
 from ._layout import ShardLayout, build_layout
-from ._registry import (copy_all_attributes, init_piece, partitioned_as, set_init_piece,
-                        set_partitioned_as, sharded_param)
+from ._registry import (
+    copy_all_attributes,
+    init_piece,
+    partitioned_as,
+    set_init_piece,
+    set_partitioned_as,
+    sharded_param,
+)
 from .errors import ShardwiseError
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
@@ -103,7 +109,7 @@ def full_value(p: torch.Tensor) -> torch.Tensor:
 
 
 class _InitMode(TorchFunctionMode):
-    def __init__(self, ctx: "_ShardedInit") -> None:
+    def __init__(self, ctx: _ShardedInit) -> None:
         super().__init__()
         self.ctx = ctx
 
@@ -126,7 +132,7 @@ class _ShardedInit:
         return bool(modes) and modes[-1] is self.mode
 
     # -- partitioning ----------------------------------------------------------------
-    def partition(self, p: nn.Parameter) -> nn.Parameter:
+    def partition(self, p: nn.Parameter) -> torch.Tensor:
         """A partitioned stand-in for ``p``, holding ``src_rank``'s values."""
         if init_piece(p) is not None or sharded_param(p) is not None:
             return p
@@ -157,7 +163,7 @@ class _ShardedInit:
         for mod in child.modules():
             for pname, p in list(mod._parameters.items()):
                 if p is not None:
-                    mod._parameters[pname] = self.partition(p)
+                    mod._parameters[pname] = self.partition(p)  # type: ignore[assignment]
         return None
 
     # -- init code touching partitioned parameters -------------------------------------
@@ -165,7 +171,9 @@ class _ShardedInit:
         if self._pending is not None:
             param, full = self._pending
             self._pending = None
-            init_piece(param).store(full)
+            info = init_piece(param)
+            assert info is not None, "only partitioned parameters are pending"
+            info.store(full)
 
     def call(self, func, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
@@ -219,6 +227,7 @@ class _ShardedInit:
     def repartition(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """``p.data = value`` for a partitioned ``p``: partition ``value`` (src_rank's)."""
         old = init_piece(p)
+        assert old is not None, "only partitioned parameters are repartitioned"
         value = value.detach()
         layout = build_layout([(value.numel(),)], self.comm.world_size, align=1)
         piece = torch.empty(layout.shard_numel, dtype=value.dtype, device=old.piece.device)

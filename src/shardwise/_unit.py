@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -59,6 +60,9 @@ from ._comm import Comm
 from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
 from ._reduce import GradReduction
+
+if TYPE_CHECKING:
+    from ._state import ModelState
 from ._registry import copy_user_attributes
 
 
@@ -82,7 +86,7 @@ class ShardedParam:
     local: torch.Tensor   # this rank's rows, a view of the group's shard buffer
     shard: nn.Parameter   # the DTensor parameter the module and the optimizer hold
     full: nn.Parameter
-    unit: "Unit | None" = None
+    unit: Unit | None = None
 
     @property
     def numel(self) -> int:
@@ -91,7 +95,7 @@ class ShardedParam:
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor sharded like the parameter."""
         with torch.no_grad():
-            return DTensor.from_local(local, self.shard.device_mesh, (Shard(0),),
+            return DTensor.from_local(local, cast(DTensor, self.shard).device_mesh, (Shard(0),),
                                       run_check=False, shape=self.shape,
                                       stride=self.shard.stride())
 
@@ -182,6 +186,7 @@ class FlatGroup:
         """Set every rank's shard from rank ``src``'s full ``values`` (a scatter)."""
         chunks = None
         if self.comm.rank == src:
+            assert values is not None, "src_rank passes the values"
             buf = rank_major(self.layout, self.gaps, self.dtype, self.local.device)
             for slot, v in zip(self.layout.slots, values):
                 write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
@@ -277,7 +282,7 @@ class Unit:
                 p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
-        self.model = None  # the ModelState that owns this unit, set by it
+        self.model: ModelState = None  # type: ignore[assignment]  # set by ModelState
         self.index = 0     # position in the model's units
         self.pins = 0      # open gathered() blocks holding this unit gathered
         self.cast_inputs: torch.dtype | None = None  # MixedPrecision.param_dtype

@@ -8,6 +8,7 @@ unsharded parameter across ranks. ``SHARDWISE_CHECK=1`` runs it after ``shard``,
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -55,7 +56,7 @@ def check_consistency(module: nn.Module, group=None) -> None:
     names = sorted(set().union(*[set(d) for d in everyone]))
     problems = []
     for name in names:
-        versions: dict[object, list[int]] = {}
+        versions: dict[Any, list[int]] = {}
         for rank, d in enumerate(everyone):
             versions.setdefault(d.get(name), []).append(rank)
         if len(versions) > 1:

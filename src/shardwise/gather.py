@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import Comm
-from ._unit import FlatGroup, ShardedParam, Unit, UnitState
 from ._registry import sharded_param
+from ._unit import FlatGroup, ShardedParam, Unit, UnitState
 from .buffers import named_buffers
 from .consistency import maybe_check
 from .errors import ReadOnlyGatherError, ShardwiseError
@@ -88,8 +88,8 @@ class _GatherSession:
             if sp is not None and sp.unit is not None and all(sp.unit is not u
                                                               for u in self.units):
                 self.units.append(sp.unit)
-        self.plain = [(names.get(id(p), "?"), p) for p in self.params
-                      if sharded_param(p) is None]
+        self.plain: list[tuple[str, torch.Tensor]] = [
+            (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
         self.groups = [g for u in self.units for g in u.groups]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None

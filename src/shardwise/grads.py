@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from .errors import ShardwiseError
 from ._registry import model_state
+from .errors import ShardwiseError
 
 
 def _require_state(module: nn.Module, what: str):
@@ -48,7 +50,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
-    grads = [p.shard.grad.to_local() for u in state.units for p in u.params
+    grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
              if p.shard.grad is not None]
     device = state.units[0].groups[0].local.device if state.units[0].groups else \
         (grads[0].device if grads else torch.device("cpu"))

@@ -16,11 +16,29 @@ import torch.nn as nn
 
 from . import _hooks
 from ._comm import Comm
-from ._plan import (GroupSpec, ParamRecord, UnitSpec, assign_units, choose_units,
-                    discover_params, group_specs, warn_if_one_unit_dominates)
-from ._registry import (clear_init_piece, init_piece, model_state, retired_name,
-                        set_instance_method, set_model_state, set_retired_name,
-                        set_sharded_param, set_unit, sharded_param, unit_of)
+from ._plan import (
+    GroupSpec,
+    ParamRecord,
+    UnitSpec,
+    assign_units,
+    choose_units,
+    discover_params,
+    group_specs,
+    warn_if_one_unit_dominates,
+)
+from ._registry import (
+    clear_init_piece,
+    init_piece,
+    model_state,
+    retired_name,
+    set_instance_method,
+    set_model_state,
+    set_retired_name,
+    set_sharded_param,
+    set_unit,
+    sharded_param,
+    unit_of,
+)
 from ._sharded_init import full_value
 from ._state import ModelState
 from ._unit import FlatGroup, Unit
@@ -106,8 +124,9 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
     for t in list(module.parameters()) + list(module.buffers()):
         if t.device.type != "meta":
             return t.device
-        if init_piece(t) is not None:
-            return init_piece(t).home
+        info = init_piece(t)
+        if info is not None:
+            return info.home
     return torch.device("cpu")
 
 

@@ -45,6 +45,7 @@ class ParamTarget:
         """This rank's elements, flattened."""
         if self.sharded is not None:
             return self.sharded.local.detach().reshape(-1)
+        assert self.plain is not None
         return self.plain.detach().reshape(-1)
 
     def write_local(self, values: torch.Tensor) -> None:
@@ -52,6 +53,7 @@ class ParamTarget:
             if self.sharded is not None:
                 self.sharded.local.view(-1).copy_(values.reshape(-1))
             else:
+                assert self.plain is not None
                 self.plain.copy_(values.reshape(self.shape))
 
 
@@ -84,7 +86,8 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
     if state is not None:
         state.recover()
     for t in params.values():
-        if t.sharded is not None and t.sharded.unit.state is not UnitState.SHARDED:
+        unit = t.sharded.unit if t.sharded is not None else None
+        if unit is not None and unit.state is not UnitState.SHARDED:
             raise ShardwiseError("cannot load or save state while the model is inside its "
                                  "forward/backward or a gathered() block")
     return list(params.values()), buffers

@@ -7,8 +7,13 @@ import os
 
 import torch
 
-from ._format import (BUFFERS_FILE, Progress, SafetensorsStreamWriter, dtype_from_name,
-                      write_json_atomic)
+from ._format import (
+    BUFFERS_FILE,
+    Progress,
+    SafetensorsStreamWriter,
+    dtype_from_name,
+    write_json_atomic,
+)
 from .io import _Checkpoint
 
 

@@ -24,9 +24,20 @@ from .._registry import model_state
 from ..buffers import BufferPolicy
 from ..consistency import check_consistency
 from ..errors import ShardwiseError
-from ._format import (BUFFERS_FILE, FORMAT, FORMAT_VERSION, META, dtype_from_name, dtype_name,
-                      fsync_dir, read_json, rank_file, verify_file, write_atomic,
-                      write_json_atomic)
+from ._format import (
+    BUFFERS_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    META,
+    dtype_from_name,
+    dtype_name,
+    fsync_dir,
+    rank_file,
+    read_json,
+    verify_file,
+    write_atomic,
+    write_json_atomic,
+)
 from ._targets import ParamTarget, apply_values, comm_of, module_targets, plan_everywhere
 
 
