@@ -4,12 +4,10 @@ torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in fa
 ``all_gather_single``/``reduce_scatter_single``, which older releases lack: the newer name
 is used where it exists, so no deprecation warning is raised on any release.
 
-Note [version counters]
-Collectives writing into a tensor bump its autograd version counter, and gloo does so on
-its own worker thread at some point before the work completes. Full parameters are
-views of the all-gather output and autograd saves them for backward; re-gathering them
-before backward would make autograd believe they were modified in place. The values
-written are exactly those saved, so the counter is restored around every gather.
+Collectives write only into buffers of their own (the all-gather output is a temporary
+that is copied out, Note [freeing full parameters] in _unit.py), never into tensors
+autograd has saved: gloo bumps an output's version counter on its worker thread, at a
+moment nobody can wait for.
 """
 
 from __future__ import annotations
@@ -81,15 +79,9 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-        """Concatenate every rank's ``inp`` into ``out``; see Note [version counters]."""
+        """Concatenate every rank's ``inp`` into ``out``."""
         self.stats.add("all_gather", inp)
-        version = out._version
-        work = _PreservingWork(_all_gather_flat(out, inp, group=self.group, async_op=True),
-                               out, version)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        return _all_gather_flat(out, inp, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
@@ -134,19 +126,6 @@ class Comm:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
-
-
-class _PreservingWork:
-    """An async all-gather whose ``wait`` leaves the output's version counter alone."""
-
-    def __init__(self, work, out: torch.Tensor, version: int) -> None:
-        self._work = work
-        self._out = out
-        self._version = version  # read before issuing: the bump happens on gloo's thread
-
-    def wait(self) -> None:
-        self._work.wait()
-        torch._C._autograd._unsafe_set_version_counter((self._out,), (self._version,))
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

@@ -41,8 +41,12 @@ Note [freeing full parameters]
 Autograd saves references to full parameters in forward. Freeing them after forward must
 not invalidate those references, so the full buffer's *storage* is resized to zero and
 later refilled in place by the next gather's copy-out: every view, including the saved
-ones, sees the refilled values. The refill writes exactly the values autograd saved, so
-the buffer's version counter is restored around it (Note [version counters] in _comm.py).
+ones, sees the refilled values. The refill bumps the buffer's autograd version counter,
+which would make autograd believe the saved tensors were modified in place; it writes
+exactly the values autograd saved, so the counter is restored around it (``wait_gather``,
+the only place that writes into ``full`` while autograd may hold it). The all-gather
+itself writes into a temporary, never into ``full``: gloo bumps its output's counter on
+a worker thread, at a moment nobody can wait for.
 """
 
 from __future__ import annotations
