@@ -1,7 +1,9 @@
-"""Small reference models used by the demo, the tests and the benchmarks.
+"""Public reference models: a small GPT and a BatchNorm CNN.
 
-They are ordinary ``nn.Module`` s written the way users write models (nanoGPT style), not
-anything shardwise needs.
+Part of the public API (``from shardwise.models import GPT, GPTConfig, SmallCNN``): the
+demo, the tests, the benchmarks and the README's examples use them, so their names and
+constructor arguments stay stable. They are ordinary ``nn.Module`` s written the way
+users write models (nanoGPT style); shardwise itself does not depend on them.
 """
 
 from __future__ import annotations
