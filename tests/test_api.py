@@ -28,10 +28,9 @@ def test_init_distributed_without_torchrun_is_a_world_of_one():
     assert out.stdout.split() == ["1", "nccl" if torch.cuda.is_available() else "gloo"]
 
 
-def _api(rank, world):
-    # shard returns the same object; units by tuple of classes and by callable.
+def _units_by_class_and_callable(rank, world):
     model = GPT(CFG)
-    assert sw.shard(model, units=(Block, nn.LayerNorm)) is model
+    assert sw.shard(model, units=(Block, nn.LayerNorm)) is model  # the same object
     names = [u.name for u in model_state(model).units]
     # Explicit predicates take every match, nested ones too (a LayerNorm inside a Block).
     assert "blocks.0" in names and "ln_f" in names and "blocks.0.ln1" in names
@@ -45,20 +44,31 @@ def _api(rank, world):
     with pytest.raises(sw.ShardwiseError, match="already sharded"):
         sw.shard(model)
 
-    # gathered: unsharded modules and tensors pass through; a parameter list with a modifier.
+
+def test_units_by_class_tuple_and_callable():
+    run_ranks(_units_by_class_and_callable, 2)
+
+
+def _gathered_pass_through_and_lists(rank, world):
     plain = nn.Linear(3, 3)
     with sw.gathered(plain) as m:
         assert m is plain
     t = torch.ones(2)
     with sw.gathered([t]) as (same,):
         assert same is t
+    pick = sw.shard(GPT(CFG))
     with sw.gathered([pick.lm_head.weight], modifier_rank=1) as (full,):
         with torch.no_grad():
             full.fill_(float(rank))
     assert torch.equal(sw.full_state_dict(pick, rank0_only=False)["lm_head.weight"],
                        torch.ones(CFG.vocab_size, CFG.d_model))
 
-    # clip_grad_norm_ with the infinity norm: the global max, identical everywhere.
+
+def test_gathered_passes_unsharded_through_and_takes_parameter_lists():
+    run_ranks(_gathered_pass_through_and_lists, 2)
+
+
+def _inf_norm(rank, world):
     torch.manual_seed(0)
     ref = GPT(CFG)
     ours = sw.shard(copy.deepcopy(ref))
@@ -70,24 +80,35 @@ def _api(rank, world):
         p.grad /= world
     expect = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=float("inf"))
     got = sw.clip_grad_norm_(ours, 1e-3, norm_type=float("inf"))
-    torch.testing.assert_close(got, expect)
+    torch.testing.assert_close(got, expect)  # a maximum: no rounding to allow for
 
-    # full_state_dict on an unsharded module honours rank0_only.
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clip_grad_norm_infinity_norm_is_the_global_max(world):
+    run_ranks(_inf_norm, world)
+
+
+def _unsharded_rank0_only(rank, world):
     sd = sw.full_state_dict(nn.Linear(2, 2))
     assert (sd == {}) == (rank != 0)
 
-    # Mixed precision: buffers keep their dtype; gathered with a modifier is refused.
+
+def test_full_state_dict_of_unsharded_module_honours_rank0_only():
+    run_ranks(_unsharded_rank0_only, 2)
+
+
+def _mixed_precision_dtypes(rank, world):
     mp = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16))
     mp(torch.randn(2, 3, 16, 16)).sum().backward()
-    assert mp.blocks[0].bn.running_mean.dtype == torch.float32
+    assert mp.blocks[0].bn.running_mean.dtype == torch.float32  # buffers keep their dtype
     assert all(p.grad.dtype == torch.float32 for p in mp.parameters() if p.grad is not None)
     with pytest.raises(sw.ShardwiseError, match="mixed_precision"):
         with sw.gathered(mp, modifier_rank=0):
             pass
 
 
-def test_api_details():
-    run_ranks(_api, 2)
+def test_mixed_precision_keeps_buffer_and_master_dtypes():
+    run_ranks(_mixed_precision_dtypes, 2)
 
 
 def _load_pretrained_buffers(rank, world):

@@ -187,3 +187,26 @@ def test_checkpoints_of_format_1_still_load():
     assert sorted(got) == sorted(expect)
     for k, v in expect.items():
         assert torch.equal(got[k], v), k
+
+
+def _clip_without_rows(rank, world):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))  # 1 row: ranks 1, 2 hold none
+    ours = sw.shard(copy.deepcopy(ref))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    ours(x).sum().backward()
+    ref(x).sum().backward()
+    for p in ref.parameters():
+        torch.distributed.all_reduce(p.grad)
+        p.grad /= world
+    for norm_type in (2.0, float("inf")):
+        expect = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type)
+        got = sw.clip_grad_norm_(ours, 1e9, norm_type=norm_type)
+        # One rounding of a sum of squares in another order (2-norm); a max (inf) is exact.
+        torch.testing.assert_close(got, expect, rtol=1e-6, atol=0)
+
+
+def test_sw_clip_grad_norm_handles_ranks_without_rows():
+    # torch.nn.utils.clip_grad_norm_(norm_type=inf) raises on such ranks (its foreach norm
+    # has no identity for an empty tensor), as it does under FSDP2.
+    run_ranks(_clip_without_rows, 3)
