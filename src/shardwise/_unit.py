@@ -34,8 +34,11 @@ cost: a parameter's rows are no longer a contiguous slice of the gathered buffer
 gather copies the gathered (rank-major) buffer out into the full (parameter-major) one,
 one strided copy per parameter, and every reduction copies gradients in the other way
 (which the flat layout paid already: gradients were copied into the reduction buffer
-then too). Measured on the reference workload, see BENCHMARKS.md. Optimizer steps run
-through DTensor's dispatch, on the local tensors.
+then too), and optimizer steps run through DTensor's dispatch. Measured on the reference
+workload (GPT 6x512, 2 CPU ranks, same machine, flat layout then this one): forward
+0.640 -> 0.643 s, backward 1.326 -> 1.359 s (a re-gather's copy-out), optimizer step
+26 -> 39 ms (dispatch): 2.5% per step. Losses stay bit-identical to DDP's at 2 ranks;
+BENCHMARKS.md has the runs.
 
 Note [freeing full parameters]
 Autograd saves references to full parameters in forward. Freeing them after forward must
@@ -64,10 +67,10 @@ from ._comm import Comm
 from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
 from ._reduce import GradReduction
+from ._registry import copy_user_attributes
 
 if TYPE_CHECKING:
     from ._state import ModelState
-from ._registry import copy_user_attributes
 
 
 class UnitState(enum.Enum):
