@@ -234,8 +234,9 @@ class FlatGroup:
         return self.local._version + sum(p.shard._version for p in self.params)
 
     def start_gather(self) -> None:
+        # The full buffer is allocated only at the copy-out: a prefetched unit holds the
+        # all-gather output alone until it is needed.
         self._gathered_version = self.shard_version()
-        self._alloc_full()
         src = self.local
         if self._gather_in is not None:
             src = self._gather_in
@@ -246,8 +247,10 @@ class FlatGroup:
         self._gather_work = self.comm.all_gather(self._gathered, src, async_op=True)
 
     def is_stale(self) -> bool:
-        """Whether the shard changed since the full parameters were gathered."""
-        return self.full_is_allocated() and self.shard_version() != self._gathered_version
+        """Whether the shard changed since the full parameters were gathered (or a
+        prefetch was issued)."""
+        gathered = self.full_is_allocated() or self._gathered is not None
+        return gathered and self.shard_version() != self._gathered_version
 
     def wait_gather(self, fill: bool = True) -> None:
         """Wait for an issued all-gather and, if ``fill``, copy it out into the full
@@ -259,6 +262,7 @@ class FlatGroup:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
                 version = self.full._version
+                self._alloc_full()
                 copy_out(self._gathered, self.layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
             self._gathered = None
