@@ -41,6 +41,7 @@ import torch.nn as nn
 from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
 from ._env import checks_enabled
+from ._guards import check_model
 from ._order_check import OrderCheck
 from ._unit import Unit
 from .errors import ShardwiseError
@@ -108,19 +109,6 @@ class ModelState:
                 g.reduction.drop()
         self.release_all()
 
-    def check_storage(self) -> None:
-        """Raise if a parameter was cast or moved after ``shard`` (see FlatGroup.detached)."""
-        moved = [name for u in self.units for g in u.groups for name in g.detached()]
-        if moved:
-            raise ShardwiseError(
-                f"{len(moved)} parameter(s) ({', '.join(moved[:3])}"
-                f"{', ...' if len(moved) > 3 else ''}) were cast or moved after sw.shard "
-                f"(model.to(...), .half(), .bfloat16(), .cuda(), or p.data = ...), so their "
-                f"shards left shardwise's storage and training would silently use the old "
-                f"values. Cast or move the model before sw.shard, or keep fp32 master weights "
-                f"and compute in low precision with sw.shard(model, mixed_precision="
-                f"sw.MixedPrecision(param_dtype=torch.bfloat16))")
-
     # -- forward events ----------------------------------------------------------------
     def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
         """A unit's forward starts: gather it, prefetch the next, wrap its inputs."""
@@ -129,6 +117,11 @@ class ModelState:
             return None
         if unit.is_root:
             self._start_root_forward()
+        elif self.phase is not Phase.FORWARD and not unit.pins:
+            raise ShardwiseError(
+                f"{unit.name} ({type(unit.module).__name__}) was called outside the forward "
+                f"of the sharded model, so its parameters are not gathered. Call the model "
+                f"itself, or wrap the call in `with sw.gathered(model):`")
         if self.order_check is not None:
             self.order_check.unit(unit)
         unit.finish_gather()
@@ -158,7 +151,7 @@ class ModelState:
             unit.reshard()
 
     def _start_root_forward(self) -> None:
-        self.check_storage()
+        check_model(self)
         self.order_check = OrderCheck(self.comm) if checks_enabled() else None
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD

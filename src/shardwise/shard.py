@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from . import _hooks
 from ._comm import Comm
+from ._guards import guard_ddp, guard_save_pretrained, retire
 from ._plan import (
     GroupSpec,
     ParamRecord,
@@ -30,10 +31,7 @@ from ._registry import (
     clear_init_piece,
     init_piece,
     model_state,
-    retired_name,
-    set_instance_method,
     set_model_state,
-    set_retired_name,
     set_sharded_param,
     set_unit,
     sharded_param,
@@ -83,39 +81,6 @@ def is_sharded(module: nn.Module) -> bool:
     if model_state(module) is not None or unit_of(module) is not None:
         return True
     return any(sharded_param(p) is not None for p in module.parameters())
-
-
-_RETIRED: dict[type, type] = {}
-
-
-def _retired_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``.grad`` raises (made once per class)."""
-    if cls not in _RETIRED:
-        def grad(self: torch.Tensor, value: object = None) -> None:
-            name = retired_name(self) or "a parameter"
-            raise ShardwiseError(
-                f"{name} was replaced by its sharded version in sw.shard, but something "
-                f"(usually an optimizer built before sw.shard) still holds the original, "
-                f"which never gets a gradient: training would silently do nothing. Build "
-                f"the optimizer after sw.shard(model), from model.parameters()")
-        _RETIRED[cls] = type(f"Retired{cls.__name__}", (cls,),
-                             {"grad": property(grad, grad), "__module__": __name__})
-    return _RETIRED[cls]
-
-
-def _retire(original: nn.Parameter, name: str) -> None:
-    """Make a replaced original parameter fail loudly when an optimizer reaches it.
-
-    Optimizers read ``p.grad`` of every parameter they hold (in ``step`` and
-    ``zero_grad``); an optimizer built before ``shard`` holds the originals, which no
-    longer take part in training. A parameter class whose layout forbids the swap is
-    left alone.
-    """
-    set_retired_name(original, name)
-    try:
-        original.__class__ = _retired_class(type(original))
-    except TypeError:
-        pass
 
 
 def _device_for(module: nn.Module, comm: Comm) -> torch.device:
@@ -196,7 +161,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     state = ModelState(module, comm, built, buffer_sync, src_rank)
     _install_hooks(state)
     set_model_state(module, state)
-    _guard_save_pretrained(module)
+    guard_save_pretrained(module)
+    guard_ddp(module)
     maybe_check(module)
     return module
 
@@ -257,7 +223,7 @@ def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
         clear_init_piece(rec.param)
-        _retire(rec.param, rec.fqns[0])
+        retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
     return g
 
@@ -291,27 +257,3 @@ def _install_hooks(state: ModelState) -> None:
             if sp.requires_grad:
                 sp.full.register_post_accumulate_grad_hook(
                     lambda _p, s=state: s.ensure_backward_callback())
-
-
-def _guard_save_pretrained(module: nn.Module) -> None:
-    """Make Hugging Face ``save_pretrained`` on a sharded model loud unless given a state.
-
-    Its default ``self.state_dict()`` holds DTensors, and transformers would write each
-    rank's rows (or gather on rank 0 only, which hangs the others). Passing the
-    consolidated ``state_dict=`` works and is forwarded unchanged.
-    """
-    original = getattr(module, "save_pretrained", None)
-    if not callable(original):
-        return
-
-    @functools.wraps(original)
-    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is None:
-            raise ShardwiseError(
-                f"save_pretrained on a sharded {type(module).__name__} needs the full "
-                f"weights: on every rank, sd = sw.full_state_dict(model); then on rank 0, "
-                f"model.save_pretrained(path, state_dict=sd). Or save a checkpoint and "
-                f"export it: shardwise consolidate CHECKPOINT path/")
-        return original(save_directory, *args, state_dict=state_dict, **kwargs)
-
-    set_instance_method(module, "save_pretrained", save_pretrained)

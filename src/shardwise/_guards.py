@@ -1,0 +1,140 @@
+"""Guards that make misuse of a sharded model loud instead of silently wrong.
+
+- an optimizer built before ``shard`` holds the replaced originals: they are *retired*,
+  and reading their ``.grad`` (every optimizer step and ``zero_grad`` does) raises;
+- Hugging Face ``save_pretrained`` without the consolidated weights raises;
+- wrapping a sharded model in ``DistributedDataParallel`` raises in DDP's constructor;
+- at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
+  changed, or parameters added after ``shard``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+import torch.nn as nn
+
+from ._registry import retired_name, set_instance_method, set_retired_name, sharded_param
+from .errors import ShardwiseError
+
+if TYPE_CHECKING:
+    from ._state import ModelState
+
+
+_RETIRED: dict[type, type] = {}
+
+
+def _retired_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``.grad`` raises (made once per class)."""
+    if cls not in _RETIRED:
+        def grad(self: torch.Tensor, value: object = None) -> None:
+            name = retired_name(self) or "a parameter"
+            raise ShardwiseError(
+                f"{name} was replaced by its sharded version in sw.shard, but something "
+                f"(usually an optimizer built before sw.shard) still holds the original, "
+                f"which never gets a gradient: training would silently do nothing. Build "
+                f"the optimizer after sw.shard(model), from model.parameters()")
+        _RETIRED[cls] = type(f"Retired{cls.__name__}", (cls,),
+                             {"grad": property(grad, grad), "__module__": __name__})
+    return _RETIRED[cls]
+
+
+def retire(original: nn.Parameter, name: str) -> None:
+    """Make a replaced original parameter fail loudly when an optimizer reaches it.
+
+    Optimizers read ``p.grad`` of every parameter they hold (in ``step`` and
+    ``zero_grad``); an optimizer built before ``shard`` holds the originals, which no
+    longer take part in training. A parameter class whose layout forbids the swap is
+    left alone.
+    """
+    set_retired_name(original, name)
+    try:
+        original.__class__ = _retired_class(type(original))
+    except TypeError:
+        pass
+
+
+def guard_save_pretrained(module: nn.Module) -> None:
+    """Make Hugging Face ``save_pretrained`` on a sharded model loud unless given a state.
+
+    Its default ``self.state_dict()`` holds DTensors, and transformers would write each
+    rank's rows (or gather on rank 0 only, which hangs the others). Passing the
+    consolidated ``state_dict=`` works and is forwarded unchanged.
+    """
+    original = getattr(module, "save_pretrained", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ShardwiseError(
+                f"save_pretrained on a sharded {type(module).__name__} needs the full "
+                f"weights: on every rank, sd = sw.full_state_dict(model); then on rank 0, "
+                f"model.save_pretrained(path, state_dict=sd). Or save a checkpoint and "
+                f"export it: shardwise consolidate CHECKPOINT path/")
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    set_instance_method(module, "save_pretrained", save_pretrained)
+
+
+class _NoDDP:
+    """Stands in DDP's ``_ddp_params_and_buffers_to_ignore``: DDP's constructor reads it
+    with ``set(...)``, and iterating raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __iter__(self) -> NoReturn:
+        raise ShardwiseError(
+            f"DistributedDataParallel cannot wrap {self.name}, which sw.shard already "
+            f"shards: shardwise averages gradients across ranks itself, as DDP would. Train "
+            f"the sharded model directly (and with accelerate, do not pass it to "
+            f"accelerator.prepare as a DDP model)")
+
+
+def guard_ddp(module: nn.Module) -> None:
+    """Make ``DistributedDataParallel(module)`` raise a clear error in its constructor."""
+    set_instance_method(module, "_ddp_params_and_buffers_to_ignore",
+                        _NoDDP(type(module).__name__))  # type: ignore[arg-type]
+
+
+def check_model(state: ModelState) -> None:
+    """Raise if the model changed under shardwise since ``shard`` (at each root forward).
+
+    Casting or moving it (``model.to(torch.bfloat16)``, ``.cuda()``, ``p.data = ...``)
+    detaches shards from shardwise's storage; ``requires_grad_`` on a shard would change
+    which gradients exist without changing which are reduced; a parameter added later
+    would be neither sharded nor kept identical across ranks. Each would train silently
+    wrong.
+    """
+    moved, flipped = [], []
+    for u in state.units:
+        for g in u.groups:
+            moved += g.detached()
+            flipped += [p.fqns[0] for p in g.params if p.shard.requires_grad != g.requires_grad]
+    if moved:
+        raise ShardwiseError(
+            f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
+            f"(model.to(...), .half(), .bfloat16(), .cuda(), or p.data = ...), so their "
+            f"shards left shardwise's storage and training would silently use the old "
+            f"values. Cast or move the model before sw.shard, or keep fp32 master weights "
+            f"and compute in low precision with sw.shard(model, mixed_precision="
+            f"sw.MixedPrecision(param_dtype=torch.bfloat16))")
+    if flipped:
+        raise ShardwiseError(
+            f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
+            f"sw.shard; shardwise groups frozen and trainable parameters when it shards. "
+            f"Freeze or unfreeze parameters before sw.shard(model)")
+    added = [n for n, p in state.root.named_parameters() if sharded_param(p) is None]
+    if added:
+        raise ShardwiseError(
+            f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "
+            f"sw.shard: they are not sharded and nothing keeps them identical across ranks. "
+            f"Add every module before sw.shard(model)")
+
+
+def _some(names: list[Any]) -> str:
+    return ", ".join(map(str, names[:3])) + (", ..." if len(names) > 3 else "")

@@ -1,0 +1,71 @@
+"""Misuse after ``shard`` fails loudly, on every rank, with what to do instead.
+
+Each of these trained silently wrong (or failed with a message about something else)
+before its guard.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import shardwise as sw
+from shardwise.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
+
+
+def _x():
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len),
+                      generator=torch.Generator().manual_seed(0))
+    return x, x
+
+
+def _ddp_wrap(rank, world):
+    model = sw.shard(GPT(CFG))
+    with pytest.raises(sw.ShardwiseError, match="DistributedDataParallel cannot wrap GPT"):
+        DDP(model)
+    model(*_x()).backward()  # the model itself is untouched
+    DDP(GPT(CFG))  # and DDP on an ordinary model still works
+
+
+def test_wrapping_a_sharded_model_in_ddp_raises():
+    run_ranks(_ddp_wrap, 2)
+
+
+def _requires_grad_after_shard(rank, world):
+    model = sw.shard(GPT(CFG))
+    model.blocks[0].qkv.weight.requires_grad_(False)  # freezing after shard
+    with pytest.raises(sw.ShardwiseError, match=r"requires_grad .*blocks\.0\.qkv"):
+        model(*_x())
+    model.blocks[0].qkv.weight.requires_grad_(True)
+    model(*_x()).backward()  # undone: trains again
+
+
+def test_changing_requires_grad_after_shard_raises_at_next_forward():
+    run_ranks(_requires_grad_after_shard, 2)
+
+
+def _module_added_after_shard(rank, world):
+    model = sw.shard(GPT(CFG))
+    model.extra = nn.Linear(3, 3)  # each rank's own random values: never kept identical
+    with pytest.raises(sw.ShardwiseError, match="extra.weight, extra.bias.*added"):
+        model(*_x())
+
+
+def test_adding_parameters_after_shard_raises_at_next_forward():
+    run_ranks(_module_added_after_shard, 2)
+
+
+def _submodule_outside_root(rank, world):
+    model = sw.shard(GPT(CFG))
+    h = torch.randn(2, CFG.seq_len, CFG.d_model)
+    with pytest.raises(sw.ShardwiseError, match="blocks.0 .*outside the forward"):
+        model.blocks[0](h)
+    with sw.gathered(model), torch.no_grad():
+        model.blocks[0](h)  # gathered: the block computes on its full weights
+
+
+def test_calling_a_unit_outside_the_root_forward_raises():
+    run_ranks(_submodule_outside_root, 2)
