@@ -174,3 +174,22 @@ def test_save_pretrained_and_num_parameters_on_a_sharded_model(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out)
     for k, v in back.state_dict().items():
         assert torch.equal(v, expect[k]), k
+
+
+def _generate_uneven(rank, world):
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(llama_config()).eval()
+    model = sw.shard(LlamaForCausalLM(llama_config())).eval()
+    sw.load_pretrained(model, ref.state_dict())
+    prompt = torch.arange(1, 5).view(1, 4) + rank
+    # Ranks stop at different lengths: without synced_gpus the early rank would leave
+    # the other waiting in its next forward's all-gather.
+    new = 3 + 4 * rank
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
+        expect = ref.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, expect), (out, expect)
+
+
+def test_generate_with_ranks_stopping_at_different_lengths():
+    run_ranks(_generate_uneven, 2, timeout=120)

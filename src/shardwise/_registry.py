@@ -7,7 +7,11 @@ On modules:
 - ``_shardwise``: the root's :class:`~shardwise._state.ModelState`;
 - ``_shardwise_unit``: the :class:`~shardwise._unit.Unit` a module is the root of;
 - ``save_pretrained``: the guard that replaces a Hugging Face model's method on the
-  instance (``shard.py``).
+  instance (``_guards.py``);
+- ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
+- ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
+  every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
+  stops skipping layers), on every module of a sharded model.
 
 On tensors:
 - ``_shardwise_param``: the :class:`~shardwise._unit.ShardedParam` behind a shard or a
@@ -63,6 +67,13 @@ def set_unit(module: nn.Module, unit: Unit) -> None:
 def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> None:
     """Shadow a method on one instance (its class is left alone)."""
     module.__dict__[name] = fn
+
+
+def mark_collective_forward(module: nn.Module) -> None:
+    """Tell Hugging Face transformers that ``module``'s forward is collective, as it does
+    for FSDP2 models: ``generate`` then defaults to ``synced_gpus=True``, so ranks that
+    finish early keep stepping until every rank is done, instead of hanging the others."""
+    module.__dict__["_is_fsdp_managed_module"] = True
 
 
 # -- tensors -----------------------------------------------------------------------------

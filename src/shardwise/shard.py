@@ -29,6 +29,7 @@ from ._plan import (
 )
 from ._registry import (
     clear_init_piece,
+    mark_collective_forward,
     init_piece,
     model_state,
     set_model_state,
@@ -163,6 +164,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     set_model_state(module, state)
     guard_save_pretrained(module)
     guard_ddp(module)
+    for sub in module.modules():
+        mark_collective_forward(sub)
     maybe_check(module)
     return module
 
