@@ -193,3 +193,27 @@ def _generate_uneven(rank, world):
 
 def test_generate_with_ranks_stopping_at_different_lengths():
     run_ranks(_generate_uneven, 2, timeout=120)
+
+
+def _from_pretrained_under_sharded_init(rank, world, folder):
+    from shardwise._registry import init_piece
+
+    with pytest.raises(sw.ShardwiseError, match="from_config"):
+        with sw.sharded_init():
+            LlamaForCausalLM.from_pretrained(folder)  # would sit whole on every rank
+    # The documented way: build from the config (partitioned as built), load into shards.
+    with sw.sharded_init():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    assert all(init_piece(p) is not None for p in model.model.layers.parameters())
+    model = sw.shard(model)
+    sw.load_pretrained(model, folder)
+    return sw.full_state_dict(model)
+
+
+def test_from_pretrained_under_sharded_init_points_to_from_config(tmp_path):
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(llama_config())
+    ref.save_pretrained(tmp_path / "pretrained")
+    got = run_ranks(_from_pretrained_under_sharded_init, 2, str(tmp_path / "pretrained"))[0]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k

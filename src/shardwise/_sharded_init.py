@@ -125,6 +125,7 @@ class _ShardedInit:
         self.src_rank = src_rank
         self.mode = _InitMode(self)
         self._pending: tuple[nn.Parameter, torch.Tensor] | None = None
+        self.partitioned: list[tuple[nn.Module, str]] = []  # every slot given a stand-in
 
     # -- scope -----------------------------------------------------------------------
     def innermost_here(self) -> bool:
@@ -164,7 +165,27 @@ class _ShardedInit:
             for pname, p in list(mod._parameters.items()):
                 if p is not None:
                     mod._parameters[pname] = self.partition(p)  # type: ignore[assignment]
+                    self.partitioned.append((mod, pname))
         return None
+
+    def check_not_replaced(self) -> None:
+        """Raise if partitioned parameters were later replaced by whole tensors.
+
+        Hugging Face ``from_pretrained`` builds the model and then assigns the loaded
+        tensors, so under ``sharded_init`` it would leave the whole model on every rank.
+        """
+        replaced = sorted({f"{type(m).__name__}.{n}" for m, n in self.partitioned
+                           if (p := m._parameters.get(n)) is not None
+                           and init_piece(p) is None and sharded_param(p) is None})
+        if replaced:
+            raise ShardwiseError(
+                f"parameters partitioned by sw.sharded_init were replaced by whole tensors "
+                f"inside the block ({', '.join(replaced[:3])}"
+                f"{', ...' if len(replaced) > 3 else ''}), so every rank now holds them "
+                f"whole. Hugging Face from_pretrained loads this way. To load a model "
+                f"bigger than one rank, build it from its config and load into the shards: "
+                f"with sw.sharded_init(): model = AutoModelForCausalLM.from_config(config); "
+                f"then model = sw.shard(model); sw.load_pretrained(model, folder)")
 
     # -- init code touching partitioned parameters -------------------------------------
     def flush(self) -> None:
@@ -284,3 +305,4 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
         handle.remove()
         if ok:
             ctx.flush()
+    ctx.check_not_replaced()
