@@ -29,8 +29,8 @@ from ._plan import (
 )
 from ._registry import (
     clear_init_piece,
-    mark_collective_forward,
     init_piece,
+    mark_collective_forward,
     model_state,
     set_model_state,
     set_sharded_param,
