@@ -6,8 +6,11 @@ Process group
     init_distributed(backend=None, timeout=None)
 Sharding
     shard(module, *, group, units, mixed_precision, buffers, src_rank, reshard_after_forward)
+        -> the same module; every parameter becomes a DTensor with its original shape,
+        sharded on dim 0 (``p.to_local()`` is this rank's rows)
     sharded_init(group=None, src_rank=0)       context manager: partition while building
     MixedPrecision(param_dtype, reduce_dtype)
+    BufferPolicy                               "broadcast", "average" or "local"
     is_sharded(module)
     clip_grad_norm_(module, max_norm, norm_type=2.0)
     no_sync(module)
@@ -23,6 +26,8 @@ State and checkpoints
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
 Errors
     ShardwiseError, DivergenceError, ReadOnlyGatherError
+Reference models
+    shardwise.models: GPT, GPTConfig, SmallCNN
 
 Example::
 
