@@ -377,3 +377,73 @@ def _extra_and_local(rank, world, ck):
 
 def test_extra_must_survive_json_and_local_buffers_save(tmp_path):
     run_ranks(_extra_and_local, 2, str(tmp_path / "ck"))
+
+
+def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
+    ck = str(tmp_path / "ck")
+    run_ranks(_save_v1, 2, ck)
+    data = json.load(open(os.path.join(ck, "checkpoint.json")))["data"]
+    variants = {}
+
+    def variant(name, damage):
+        path = str(tmp_path / name)
+        shutil.copytree(ck, path)
+        damage(path)
+        variants[name] = path
+
+    def set_data(value):
+        def damage(path):
+            meta_path = os.path.join(path, "checkpoint.json")
+            meta = json.load(open(meta_path))
+            meta["data"] = value
+            json.dump(meta, open(meta_path, "w"))
+        return damage
+
+    def symlinked_data(path):  # the data folder is a link to another checkpoint's
+        shutil.rmtree(os.path.join(path, data))
+        os.symlink(os.path.join(ck, data), os.path.join(path, data))
+
+    variant("absolute", set_data(os.path.join(ck, data)))
+    variant("relative", set_data(os.path.join("..", "ck", data)))
+    variant("symlink", symlinked_data)
+    messages = run_ranks(_load_broken, 2, variants)[0]  # each loaded before the fix
+    assert "is not a path relative to" in messages["absolute"]
+    assert "leads outside" in messages["relative"]
+    assert "leads outside" in messages["symlink"]
+    assert all("field 'data'" in m for m in messages.values())
+
+
+def _pretrained_escape(rank, world, folders):
+    model = sw.shard(SmallCNN())
+    before = sw.full_state_dict(model, rank0_only=False)
+    out = {}
+    for name, folder in folders.items():
+        with pytest.raises(sw.ShardwiseError) as err:
+            sw.load_pretrained(model, folder)
+        out[name] = str(err.value)
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    return out
+
+
+def test_load_pretrained_index_cannot_point_outside_its_folder(tmp_path):
+    sd = SmallCNN().state_dict()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_file(sd, str(elsewhere / "x.safetensors"))
+    folders = {}
+    for name, target in (("relative", "../elsewhere/x.safetensors"),
+                         ("absolute", str(elsewhere / "x.safetensors")),
+                         ("symlink", "linked.safetensors")):
+        folder = tmp_path / name
+        folder.mkdir()
+        if name == "symlink":
+            os.symlink(elsewhere / "x.safetensors", folder / "linked.safetensors")
+        json.dump({"weight_map": {k: target for k in sd}},
+                  open(folder / "model.safetensors.index.json", "w"))
+        folders[name] = str(folder)
+    messages = run_ranks(_pretrained_escape, 2, folders)[0]
+    assert "leads outside" in messages["relative"]
+    assert "is not a path relative to" in messages["absolute"]
+    assert "leads outside" in messages["symlink"]
+    assert all("weight_map" in m for m in messages.values())

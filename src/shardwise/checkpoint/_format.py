@@ -46,6 +46,24 @@ _FP8 = {getattr(torch, n): s for n, s in (("float8_e4m3fn", "F8_E4M3"), ("float8
 _ST_DTYPES.update(_FP8)
 
 
+def inside(folder: str, relative: object, what: str) -> str:
+    """``folder/relative``, refused unless it stays inside ``folder`` once every symlink
+    is resolved (a metadata file must never make a load read from elsewhere).
+
+    Raises:
+        ShardwiseError: naming ``what`` (the file and field) and the path.
+    """
+    from ..errors import ShardwiseError
+
+    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
+        raise ShardwiseError(f"{what}: {relative!r} is not a path relative to {folder}")
+    root = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(folder, relative))
+    if os.path.commonpath([root, target]) != root:
+        raise ShardwiseError(f"{what}: {relative!r} leads outside {folder} (to {target})")
+    return os.path.join(folder, relative)
+
+
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
 

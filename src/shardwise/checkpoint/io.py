@@ -32,6 +32,7 @@ from ._format import (
     dtype_from_name,
     dtype_name,
     fsync_dir,
+    inside,
     rank_file,
     read_json,
     verify_file,
@@ -260,7 +261,7 @@ class _Checkpoint:
         if self.meta.get("format_version", 0) > FORMAT_VERSION:
             raise ShardwiseError(f"{meta_path}: format version {self.meta['format_version']} "
                                  f"is newer than this shardwise reads ({FORMAT_VERSION})")
-        self.data = os.path.join(path, self.meta["data"])
+        self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
         self.world_size = int(self.meta["world_size"])
         self._handles: dict[str, Any] = {}
 
@@ -268,7 +269,7 @@ class _Checkpoint:
         """An open safetensors file, verified against its size and SHA-256 first."""
         if name not in self._handles:
             expected = self.meta["files"].get(name)
-            full = os.path.join(self.data, name)
+            full = inside(self.data, name, f"{self.data}: data file")
             if expected is None:
                 raise ShardwiseError(f"{full}: not listed in the checkpoint metadata")
             problem = verify_file(full, expected)

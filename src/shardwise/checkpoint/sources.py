@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ShardwiseError
-from ._format import flat_range
+from ._format import flat_range, inside
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -133,7 +133,8 @@ def open_source(source: object) -> Source:
                 weight_map = json.load(f).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ShardwiseError(f"{index}: has no weight_map")
-            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            files = {k: inside(path, v, f"{index}: weight_map[{k!r}]")
+                     for k, v in weight_map.items()}
             missing = sorted({p for p in files.values() if not os.path.isfile(p)})
             if missing:
                 raise ShardwiseError(f"{index} names files that do not exist: {missing}")
