@@ -447,3 +447,55 @@ def test_load_pretrained_index_cannot_point_outside_its_folder(tmp_path):
     assert "is not a path relative to" in messages["absolute"]
     assert "leads outside" in messages["symlink"]
     assert all("weight_map" in m for m in messages.values())
+
+
+def _save_failures(rank, world, root):
+    import errno
+
+    import shardwise.checkpoint.io as io
+
+    model = sw.shard(_gpt(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, range(1))
+    good = os.path.join(root, "good")
+    sw.save_checkpoint(good, model, opt, extra={"step": 1})
+    messages = {}
+    # A path that is a file: rank 0 cannot create the data folder.
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.save_checkpoint(os.path.join(root, "a_file"), model, opt)
+    messages["file"] = str(err.value)
+    # A value JSON cannot hold, on one rank only.
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.save_checkpoint(good, model, opt, extra={"loss": object() if rank == 1 else 1.0})
+    messages["extra"] = str(err.value)
+    # A full disk on rank 1: its write fails half-way.
+    real = io.write_atomic
+
+    def full_disk(path, data):
+        if rank == 1:
+            real(path, data[: len(data) // 2])  # leaves a partial file, as a full disk does
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, data)
+
+    io.write_atomic = full_disk
+    try:
+        with pytest.raises(sw.ShardwiseError) as err:
+            sw.save_checkpoint(good, model, opt, extra={"step": 2})
+        messages["disk"] = str(err.value)
+    finally:
+        io.write_atomic = real
+    torch.distributed.barrier()
+    # The last good checkpoint is intact and alone: the failed save left no data folder.
+    assert sw.load_checkpoint(good, model, opt) == {"step": 1}
+    data_dirs = [e for e in os.listdir(good) if e.startswith("data-")]
+    assert len(data_dirs) == 1, data_dirs
+    return messages
+
+
+def test_save_failures_on_some_ranks_raise_everywhere_and_leave_no_debris(tmp_path):
+    open(tmp_path / "a_file", "w").close()
+    messages = run_ranks(_save_failures, 2, str(tmp_path), timeout=120)
+    for m in messages:  # every rank got the same, named error (before: the others hung)
+        assert "rank(s) [0]: cannot create" in m["file"]
+        assert "rank(s) [1]" in m["extra"] and "extra" in m["extra"]
+        assert "rank(s) [1]: OSError" in m["disk"] and "No space left" in m["disk"]

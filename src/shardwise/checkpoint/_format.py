@@ -95,11 +95,17 @@ def fsync_dir(path: str) -> None:
 def write_atomic(path: str, data: bytes) -> dict[str, Any]:
     """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk must not stay full of our own debris.
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     fsync_dir(os.path.dirname(path) or ".")
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 

@@ -134,19 +134,39 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     if comm is not None and not (state is not None
                                  and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
+    what = f"save_checkpoint({path!r}) failed"
+    # Note [agreed failure]: every step that can fail on one rank only (a non-JSON extra,
+    # a path that is a file, a read-only or full disk) is agreed on before the next
+    # collective, so every rank raises the same error instead of some waiting forever.
+    params, buffers, tensors, opt_meta = plan_everywhere(
+        comm, what, lambda: _prepare(module, optimizer, extra))
+    data_dir = _new_data_dir(path, comm, rank, world, what)
+    try:
+        mine = plan_everywhere(comm, what,
+                               lambda: _write_data(data_dir, rank, world, tensors, buffers))
+        mine["pieces"] = {t.names[0]: list(t.local_range()) for t in params}
+        everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
+
+        def commit() -> None:
+            if rank == 0:
+                meta = _metadata(module, params, buffers, opt_meta, tensors, everyone,
+                                 extra, world)
+                meta["data"] = os.path.basename(data_dir)
+                _commit(path, data_dir, meta)
+
+        plan_everywhere(comm, what, commit)  # nobody returns before the commit
+    except ShardwiseError:
+        if rank == 0:  # the failed save's own data, not the last good checkpoint's
+            shutil.rmtree(data_dir, ignore_errors=True)
+        raise
+
+
+def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any):
+    """This rank's view of what to save (checks included); nothing is written."""
     _json_ok(extra, "extra", exact=True)
     params, buffers = module_targets(module)
     tensors, opt_meta = _local_tensors(params, optimizer)
-    data_dir = _new_data_dir(path, comm, rank, world)
-    mine = _write_data(data_dir, rank, world, tensors, buffers)
-    mine["pieces"] = {t.names[0]: list(t.local_range()) for t in params}
-    everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
-    if rank == 0:
-        meta = _metadata(module, params, buffers, opt_meta, tensors, everyone, extra, world)
-        meta["data"] = os.path.basename(data_dir)
-        _commit(path, data_dir, meta)
-    if comm is not None and world > 1:
-        comm.all_gather_object(None)  # nobody returns before the commit
+    return params, buffers, tensors, opt_meta
 
 
 def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
@@ -169,16 +189,21 @@ def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer |
     return tensors, opt_meta
 
 
-def _new_data_dir(path: str, comm, rank: int, world: int) -> str:
+def _new_data_dir(path: str, comm, rank: int, world: int, what: str) -> str:
     """A fresh ``data-<id>`` folder, created by rank 0 before anyone writes into it."""
     data_id = uuid.uuid4().hex[:12] if rank == 0 else None
     if comm is not None and world > 1:
         data_id = comm.all_gather_object(data_id)[0]
     data_dir = os.path.join(path, f"data-{data_id}")
-    if rank == 0:
-        os.makedirs(data_dir, exist_ok=False)
-    if comm is not None and world > 1:
-        comm.all_gather_object(None)
+
+    def make() -> None:
+        if rank == 0:
+            try:
+                os.makedirs(data_dir, exist_ok=False)
+            except OSError as e:
+                raise ShardwiseError(f"cannot create {data_dir}: {e}") from e
+
+    plan_everywhere(comm, what, make)
     return data_dir
 
 
