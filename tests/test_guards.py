@@ -69,3 +69,44 @@ def _submodule_outside_root(rank, world):
 
 def test_calling_a_unit_outside_the_root_forward_raises():
     run_ranks(_submodule_outside_root, 2)
+
+
+def _shard_disagreements(rank, world):
+    out = {}
+    # src_rank built on meta without sharded_init: only rank 0 can tell.
+    with pytest.raises(sw.ShardwiseError) as err:
+        if rank == 0:
+            with torch.device("meta"):
+                model = GPT(CFG)
+        else:
+            model = GPT(CFG)
+        sw.shard(model)
+    out["meta"] = str(err.value)
+
+    # A units callable that raises on one rank only.
+    def units(name, module):
+        if rank == 1 and name == "blocks.1":
+            raise ValueError("no such block here")
+        return name.startswith("blocks.") and name.count(".") == 1
+
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.shard(GPT(CFG), units=units)
+    out["callable"] = str(err.value)
+    # Different units= per rank, and different widths per rank.
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.shard(GPT(CFG), units=None if rank == 0 else nn.LayerNorm)
+    out["units"] = str(err.value)
+    wide = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16 + 16 * rank)
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.shard(GPT(wide))
+    out["width"] = str(err.value)
+    sw.shard(GPT(CFG))(*_x()).backward()  # and the group still works
+    return out
+
+
+def test_shard_failures_on_one_rank_raise_on_every_rank():
+    for m in run_ranks(_shard_disagreements, 2, timeout=60):  # before: hangs or aborts
+        assert "rank(s) [0]: rank 0 (src_rank) holds meta parameters" in m["meta"]
+        assert "rank(s) [1]: ValueError: no such block here" in m["callable"]
+        assert "sharding different models" in m["units"]
+        assert "sharding different models" in m["width"] and "rank 1:" in m["width"]

@@ -8,6 +8,7 @@ installed. Also the guards that keep replaced originals and ``save_pretrained`` 
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import _hooks
+from ._agree import agreed
 from ._comm import Comm
 from ._guards import guard_ddp, guard_save_pretrained, retire
 from ._plan import (
@@ -140,14 +142,23 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     """
     comm = _check_arguments(module, group, src_rank)
     mp = mixed_precision or MixedPrecision()
-    buffer_sync = BufferSync(module, comm, buffers, src_rank)
-    device = _device_for(module, comm)
-    chosen = choose_units(module, units)
+
+    def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
+                        list[list[ParamRecord]]]:
+        chosen = choose_units(module, units)
+        records = discover_params(module, [n for n, _ in chosen])
+        _check_params(records, comm.rank, src_rank)
+        # Each group releases its originals as it is built (_build_group): only
+        # per_unit may hold the records.
+        return (BufferSync(module, comm, buffers, src_rank), _device_for(module, comm),
+                chosen, assign_units(records, [n for n, _ in chosen]))
+
+    # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
+    # meta tensors, fails every rank here, before the first collective.
+    buffer_sync, device, chosen, per_unit = agreed(
+        comm, f"sw.shard({type(module).__name__}) failed", plan)
+    _agree_structure(comm, chosen, per_unit)
     unit_names = [n for n, _ in chosen]
-    records = discover_params(module, unit_names)
-    _check_params(records, comm.rank, src_rank)
-    per_unit = assign_units(records, unit_names)
-    del records  # each group releases its originals as it is built: see _build_group
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
                                unit_names, comm.world_size, units)
     built = []
@@ -189,6 +200,28 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     return comm
+
+
+def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
+                     per_unit: list[list[ParamRecord]]) -> None:
+    """Raise on every rank unless all ranks chose the same units over the same parameters.
+
+    Ranks that built different models, or passed different ``units=``, would otherwise
+    issue mismatched collectives: a hang, or gloo aborting the process. One all-gather of
+    a short fingerprint per rank, once per ``shard``.
+    """
+    desc = [(name, [(r.fqns[0], tuple(r.param.shape), str(r.param.dtype),
+                     r.param.requires_grad) for r in recs])
+            for (name, _), recs in zip(chosen, per_unit)]
+    digest = hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
+    summary = f"{len(desc)} units, {sum(len(p) for _, p in desc)} parameters"
+    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc]))
+    if len({d for d, _, _ in everyone}) > 1:
+        lines = [f"  rank {r}: {s}, units {names[:6]}{' ...' if len(names) > 6 else ''}"
+                 for r, (_, s, names) in enumerate(everyone)]
+        raise ShardwiseError("ranks are sharding different models (or passed different "
+                             "units=): every rank must build the same model and pass the "
+                             "same arguments to sw.shard\n" + "\n".join(lines))
 
 
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:

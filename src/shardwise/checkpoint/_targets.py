@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,8 +12,6 @@ from .._comm import Comm
 from .._registry import init_piece, model_state, sharded_param
 from .._unit import ShardedParam, UnitState
 from ..errors import ShardwiseError
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -100,23 +96,6 @@ def comm_of(module: nn.Module) -> Comm | None:
     return Comm(None) if dist.is_initialized() else None
 
 
-def plan_everywhere(comm: Comm | None, what: str, make_plan: Callable[[], T]) -> T:
-    """Run ``make_plan`` (reads and checks only) and raise on every rank if any failed.
-
-    Loads plan everything first and change the model only once every rank succeeded, so
-    a failure leaves every rank's model as it was.
-    """
-    error, plan = None, None
-    try:
-        plan = make_plan()
-    except ShardwiseError as e:
-        error = str(e)
-    except Exception as e:  # noqa: BLE001 - a bad input must fail on every rank, cleanly
-        error = f"{type(e).__name__}: {e}"
-    agree(comm, error, what)
-    return plan  # type: ignore[return-value]
-
-
 def apply_values(values: list[tuple[ParamTarget, torch.Tensor]],
                  buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write planned parameter rows and buffer values into the model."""
@@ -125,19 +104,3 @@ def apply_values(values: list[tuple[ParamTarget, torch.Tensor]],
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)
-
-
-def agree(comm: Comm | None, error: str | None, what: str) -> None:
-    """Raise on every rank if any rank hit an error (each rank's message is included)."""
-    if comm is None or comm.world_size == 1:
-        if error:
-            raise ShardwiseError(f"{what}: {error}")
-        return
-    errors = comm.all_gather_object(error)
-    if any(errors):
-        distinct: dict[str, list[int]] = {}
-        for r, e in enumerate(errors):
-            if e:
-                distinct.setdefault(e, []).append(r)
-        lines = [f"  rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
-        raise ShardwiseError(f"{what}; nothing was changed:\n" + "\n".join(lines))

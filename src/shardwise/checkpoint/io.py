@@ -20,6 +20,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
+from .._agree import agreed
 from .._registry import model_state
 from ..buffers import BufferPolicy
 from ..consistency import check_consistency
@@ -39,7 +40,7 @@ from ._format import (
     write_atomic,
     write_json_atomic,
 )
-from ._targets import ParamTarget, apply_values, comm_of, module_targets, plan_everywhere
+from ._targets import ParamTarget, apply_values, comm_of, module_targets
 
 
 def _py_rng() -> list:
@@ -135,14 +136,13 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                                  and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
     what = f"save_checkpoint({path!r}) failed"
-    # Note [agreed failure]: every step that can fail on one rank only (a non-JSON extra,
-    # a path that is a file, a read-only or full disk) is agreed on before the next
-    # collective, so every rank raises the same error instead of some waiting forever.
-    params, buffers, tensors, opt_meta = plan_everywhere(
+    # Note [agreed failure] in _agree.py: a non-JSON extra on one rank, a path that is a
+    # file, a read-only or full disk each become one error on every rank.
+    params, buffers, tensors, opt_meta = agreed(
         comm, what, lambda: _prepare(module, optimizer, extra))
     data_dir = _new_data_dir(path, comm, rank, world, what)
     try:
-        mine = plan_everywhere(comm, what,
+        mine = agreed(comm, what,
                                lambda: _write_data(data_dir, rank, world, tensors, buffers))
         mine["pieces"] = {t.names[0]: list(t.local_range()) for t in params}
         everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
@@ -154,7 +154,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                 meta["data"] = os.path.basename(data_dir)
                 _commit(path, data_dir, meta)
 
-        plan_everywhere(comm, what, commit)  # nobody returns before the commit
+        agreed(comm, what, commit)  # nobody returns before the commit
     except ShardwiseError:
         if rank == 0:  # the failed save's own data, not the last good checkpoint's
             shutil.rmtree(data_dir, ignore_errors=True)
@@ -203,7 +203,7 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str) -> str:
             except OSError as e:
                 raise ShardwiseError(f"cannot create {data_dir}: {e}") from e
 
-    plan_everywhere(comm, what, make)
+    agreed(comm, what, make)
     return data_dir
 
 
@@ -457,7 +457,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = os.fspath(path)
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    values, buffer_values, opt_sd, rng, extra = plan_everywhere(
+    values, buffer_values, opt_sd, rng, extra = agreed(
         comm, f"load_checkpoint({path!r}) failed",
         lambda: _plan_load(path, module, optimizer, rank, world))
     apply_values(values, buffer_values)

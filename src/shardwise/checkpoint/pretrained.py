@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .._agree import agreed
 from .._registry import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
-from ._targets import apply_values, comm_of, module_targets, plan_everywhere
+from ._targets import apply_values, comm_of, module_targets
 from .sources import Rename, open_source, renamer
 
 
@@ -96,7 +97,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     comm = comm_of(module)
-    values, buffer_values = plan_everywhere(comm, "load_pretrained failed",
+    values, buffer_values = agreed(comm, "load_pretrained failed",
                                             lambda: _plan(module, source, strict, rename))
     apply_values(values, buffer_values)
     if comm is not None and comm.world_size > 1:
