@@ -28,6 +28,12 @@ if dist.is_available() and not dist.is_initialized():
     import torch.distributed.nn.functional  # noqa: F401  Note [teardown]
 
 
+# Collectives that wait longer than this fail instead of hanging: torch's defaults (30
+# minutes for gloo, 10 for NCCL) make a diverged run sit idle for half an hour. Ten
+# minutes still covers a slow first checkpoint or a large load on one rank.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
 def init_distributed(backend: str | None = None,
                      timeout: datetime.timedelta | float | None = None) -> None:
     """Initialise ``torch.distributed`` from the environment ``torchrun`` sets.
@@ -39,7 +45,10 @@ def init_distributed(backend: str | None = None,
     Args:
         backend: ``"nccl"`` or ``"gloo"``; default ``"nccl"`` when CUDA is available, else
             ``"gloo"``.
-        timeout: collective timeout, a ``timedelta`` or seconds.
+        timeout: collective timeout, a ``timedelta`` or seconds; default
+            ``DEFAULT_TIMEOUT`` (10 minutes): a rank waiting longer in a collective
+            raises instead of hanging. Raise it if one rank may legitimately work alone
+            for longer (a very large load or save).
 
     Raises:
         ShardwiseError: for a backend this build of torch lacks.
@@ -55,10 +64,10 @@ def init_distributed(backend: str | None = None,
     if backend == "nccl" and not dist.is_nccl_available():
         raise ShardwiseError("backend 'nccl' is not available in this build of torch; use "
                              "'gloo'")
-    kwargs: dict = {}
-    if timeout is not None:
-        kwargs["timeout"] = (timeout if isinstance(timeout, datetime.timedelta)
-                             else datetime.timedelta(seconds=float(timeout)))
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    kwargs: dict = {"timeout": (timeout if isinstance(timeout, datetime.timedelta)
+                                else datetime.timedelta(seconds=float(timeout)))}
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
