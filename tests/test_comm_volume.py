@@ -1,0 +1,62 @@
+"""Bytes each rank sends per training step: the ZeRO-3 theory, up to padding.
+
+Per step every unit is all-gathered for its forward and, unless it stays gathered (the
+root, which runs first and is needed again right at the start of backward), once more for
+its backward; every trainable unit's gradients are reduce-scattered once. ``CommStats``
+counts each collective's input on this rank: a shard for an all-gather, the full
+(padded) gradient buffer for a reduce-scatter.
+"""
+
+import pytest
+import torch
+from harness import run_ranks
+
+import shardwise as sw
+from shardwise._layout import ALIGN
+from shardwise._registry import model_state
+from shardwise.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
+
+
+def _volume(rank, world, reshard_after_forward):
+    torch.manual_seed(0)
+    model = sw.shard(GPT(CFG), reshard_after_forward=reshard_after_forward)
+    state = model_state(model)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    model(x, x).backward()  # the first step records the order prefetching follows
+    stats = state.comm.stats
+    stats.bytes.clear()
+    stats.calls.clear()
+    model(x, x).backward()
+    param_bytes = expect_ag = expect_rs = padding = 0
+    for u in state.units:
+        gathers = 1 if u.is_root or not reshard_after_forward else 2
+        for g in u.groups:
+            size = g.local.element_size()
+            params = sum(p.numel for p in g.params)
+            param_bytes += params * size
+            padding += (g.layout.gathered_numel - params) * size
+            # At most one aligned block per parameter and rank, plus the tail.
+            assert g.layout.gathered_numel - params <= world * ALIGN * (len(g.params) + 1)
+            expect_ag += gathers * g.layout.shard_numel * size
+            expect_rs += g.layout.gathered_numel * size if g.requires_grad else 0
+    assert stats.bytes["all_gather"] == expect_ag, (stats.bytes, expect_ag)
+    assert stats.bytes["reduce_scatter"] == expect_rs, (stats.bytes, expect_rs)
+    # Against the theory on unpadded parameter bytes: all-gathers send 1/N of each
+    # unit's bytes twice (once for the root), the reduce-scatter the unit's bytes once.
+    root = sum(p.numel * g.local.element_size()
+               for g in state.units[0].groups for p in g.params)
+    theory_ag = ((2 if reshard_after_forward else 1) * param_bytes
+                 - (root if reshard_after_forward else 0)) / world
+    assert theory_ag <= expect_ag <= theory_ag + 2 * padding / world
+    assert param_bytes <= expect_rs <= param_bytes + padding
+    return stats.bytes["all_gather"], stats.bytes["reduce_scatter"], param_bytes
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_per_step_match_zero3_theory(world, reshard_after_forward):
+    ag, rs, params = run_ranks(_volume, world, reshard_after_forward)[0]
+    print(f"N={world} reshard={reshard_after_forward}: all-gather {ag / params:.3f}x, "
+          f"reduce-scatter {rs / params:.3f}x the parameter bytes")
