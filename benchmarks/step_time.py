@@ -1,11 +1,13 @@
-"""Step time of shardwise against DDP and PyTorch FSDP2, measured in one run.
+"""Step time of shardwise against DDP and PyTorch FSDP2, in interleaved rounds of one run.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/step_time.py
 
 Reference workload: GPT, 6 layers, d_model 512, 8 heads, vocab 8192, sequence 256, batch 4
-per rank, fp32, AdamW. Every system trains the same initial weights on the same data;
-the script prints each one's median step time over steps 4-20 as a ratio to DDP, and the
-largest loss difference from DDP.
+per rank, fp32, AdamW. Every system trains the same initial weights on the same data.
+All systems are built first; then each round runs ``--steps`` steps of every system in
+turn (the order rotates between rounds), so slow phases of a shared machine hit all of
+them alike. The script prints each system's median step time per round, the per-round
+ratio to DDP and the median of those ratios, and the largest loss difference from DDP.
 """
 
 from __future__ import annotations
@@ -36,28 +38,38 @@ def wrap_fsdp2(model: GPT) -> GPT:
     return model
 
 
-def run(name: str, model, data, steps: int) -> tuple[list[float], list[float]]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    times, losses = [], []
-    for step in range(steps):
-        x, y = data[step]
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if dist.get_rank() == 0:
-            print(f"  {name} step {step + 1:2d}: {times[-1]:.3f} s  loss {losses[-1]:.4f}",
-                  flush=True)
-    return times, losses
+class System:
+    """One system's model, optimizer and record, kept across rounds."""
+
+    def __init__(self, name: str, model) -> None:
+        self.name = name
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        self.times: list[list[float]] = []  # per round
+        self.losses: list[float] = []
+        self.step = 0
+
+    def run(self, data, steps: int) -> None:
+        times = []
+        for _ in range(steps):
+            x, y = data[self.step]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = self.model(x, y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            self.losses.append(loss.item())
+            self.step += 1
+        self.times.append(times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per system and round")
+    parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
     parser.add_argument("--systems", default="ddp,fsdp2,shardwise")
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
@@ -66,28 +78,43 @@ def main() -> None:
     cfg = GPTConfig(n_layer=args.layers)
     g = torch.Generator().manual_seed(100 + rank)
     data = []
-    for _ in range(args.steps):
+    for _ in range(args.rounds * args.steps):
         x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
         data.append((x, torch.roll(x, -1, dims=1)))
 
     makers = {"ddp": lambda: DDP(build(cfg)), "fsdp2": lambda: wrap_fsdp2(build(cfg)),
               "shardwise": lambda: sw.shard(build(cfg))}
-    results = {}
-    for name in args.systems.split(","):
-        results[name] = run(name, makers[name](), data, args.steps)
-
+    systems = [System(name, makers[name]()) for name in args.systems.split(",")]
+    for r in range(args.rounds):
+        # Rotate the order so that no system always runs first (or last) in a round.
+        for s in systems[r % len(systems):] + systems[:r % len(systems)]:
+            s.run(data, args.steps)
+            if rank == 0:
+                print(f"  round {r + 1} {s.name:10s} median "
+                      f"{statistics.median(s.times[-1]):.3f} s/step", flush=True)
     if rank == 0:
-        print(f"\nworld {world}, torch {torch.__version__}, threads {torch.get_num_threads()},"
-              f" steps 4-{args.steps}")
-        base = statistics.median(results["ddp"][0][3:]) if "ddp" in results else None
-        for name, (times, losses) in results.items():
-            med = statistics.median(times[3:])
-            line = f"{name:10s} median {med:.3f} s/step"
-            if base:
-                dl = max(abs(a - b) for a, b in zip(losses, results["ddp"][1]))
-                line += f"  ratio to DDP {med / base:.3f}  max |loss - DDP loss| {dl:.2e}"
-            print(line)
+        report(systems, args, world)
     dist.destroy_process_group()
+
+
+def report(systems: list[System], args, world: int) -> None:
+    """Per-round medians, each round's ratio to DDP, and the median of those ratios."""
+    def med(s: System, r: int) -> float:
+        times = s.times[r][args.warmup:] if r == 0 else s.times[r]
+        return statistics.median(times)
+
+    print(f"\nworld {world}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"{args.rounds} interleaved rounds of {args.steps} steps")
+    ddp = next((s for s in systems if s.name == "ddp"), None)
+    for s in systems:
+        line = f"{s.name:10s} " + "  ".join(f"{med(s, r):.3f}" for r in range(args.rounds))
+        if ddp is not None:
+            ratios = [med(s, r) / med(ddp, r) for r in range(args.rounds)]
+            dl = max(abs(a - b) for a, b in zip(s.losses, ddp.losses))
+            line += (f"  s/step; ratio to DDP per round "
+                     f"{' '.join(f'{x:.3f}' for x in ratios)}, median "
+                     f"{statistics.median(ratios):.3f}; max |loss - DDP loss| {dl:.2e}")
+        print(line)
 
 
 if __name__ == "__main__":
