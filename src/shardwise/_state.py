@@ -33,6 +33,7 @@ no backward will come.
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
 from ._env import checks_enabled
 from ._guards import check_model
+from ._log import logger
 from ._order_check import OrderCheck
 from ._unit import Unit
 from .errors import ShardwiseError
@@ -74,6 +76,7 @@ class ModelState:
         self._joins_pending = False  # this forward started while a backward was awaited
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
+        self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -239,6 +242,20 @@ class ModelState:
         self.release_all()
         self.phase = Phase.IDLE
         self._sync_buffers_if_due()  # Note [buffer sync point]
+        self._log_step()
+
+    def _log_step(self) -> None:
+        """Log this step's communication (bytes fed into each kind of collective)."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        stats = self.comm.stats
+        now = {k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes}
+        last = self._logged
+        parts = [f"{k} {(b - last.get(k, (0, 0))[0]) / 2**20:.1f} MiB in "
+                 f"{c - last.get(k, (0, 0))[1]} calls" for k, (b, c) in sorted(now.items())
+                 if c != last.get(k, (0, 0))[1]]
+        self._logged = now
+        logger.info("step communication: %s", ", ".join(parts))
 
     def _needs_reduction(self, u: Unit) -> bool:
         # A unit whose backward never ran here may have run on another rank, so it joins

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from . import _hooks
 from ._agree import agreed
 from ._comm import Comm
 from ._guards import guard_ddp, guard_save_pretrained, retire
+from ._log import logger
 from ._plan import (
     GroupSpec,
     ParamRecord,
@@ -168,6 +170,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         unit = Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0))
         unit.cast_inputs = mp.param_dtype
         built.append(unit)
+    _log_plan(built, comm)
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
     state = ModelState(module, comm, built, buffer_sync, src_rank)
@@ -200,6 +203,19 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     return comm
+
+
+def _log_plan(units: list[Unit], comm: Comm) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    total = sum(p.numel for u in units for p in u.params)
+    logger.info("sharded %d parameters over %d ranks (%s) in %d units", total,
+                comm.world_size, comm.backend, len(units))
+    for u in units:
+        n = sum(p.numel for p in u.params)
+        padded = sum(g.layout.gathered_numel for g in u.groups)
+        logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
+                    n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))
 
 
 def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
