@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import shardwise as sw
 from shardwise.checkpoint import consolidate, describe
+from shardwise.checkpoint._schema import canonical_sha256
 from shardwise.checkpoint.io import _Checkpoint
 from shardwise.models import GPT, GPTConfig, SmallCNN
 
@@ -396,6 +397,7 @@ def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
             meta_path = os.path.join(path, "checkpoint.json")
             meta = json.load(open(meta_path))
             meta["data"] = value
+            meta["meta_sha256"] = canonical_sha256(meta)  # a writer that lies consistently
             json.dump(meta, open(meta_path, "w"))
         return damage
 
@@ -407,10 +409,9 @@ def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
     variant("relative", set_data(os.path.join("..", "ck", data)))
     variant("symlink", symlinked_data)
     messages = run_ranks(_load_broken, 2, variants)[0]  # each loaded before the fix
-    assert "is not a path relative to" in messages["absolute"]
-    assert "leads outside" in messages["relative"]
-    assert "leads outside" in messages["symlink"]
-    assert all("field 'data'" in m for m in messages.values())
+    assert "field data: expected a data-<hex> folder name" in messages["absolute"]
+    assert "field data: expected a data-<hex> folder name" in messages["relative"]
+    assert "field 'data'" in messages["symlink"] and "leads outside" in messages["symlink"]
 
 
 def _pretrained_escape(rank, world, folders):

@@ -40,6 +40,7 @@ from ._format import (
     write_atomic,
     write_json_atomic,
 )
+from ._schema import CHECKSUM, canonical_sha256, validate
 from ._targets import ParamTarget, apply_values, comm_of, module_targets
 
 
@@ -251,6 +252,7 @@ def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, t
 
 def _commit(path: str, data_dir: str, meta: dict) -> None:
     """Replace ``checkpoint.json`` (the commit point), then remove other data folders."""
+    meta[CHECKSUM] = canonical_sha256(meta)
     write_json_atomic(os.path.join(path, META), meta)
     fsync_dir(path)
     for entry in os.listdir(path):  # earlier checkpoints' data and crashed attempts
@@ -281,13 +283,9 @@ class _Checkpoint:
             self.meta = read_json(meta_path)
         except (OSError, ValueError) as e:
             raise ShardwiseError(f"{meta_path}: unreadable ({e})") from e
-        if self.meta.get("format") != FORMAT:
-            raise ShardwiseError(f"{meta_path}: not a shardwise checkpoint")
-        if self.meta.get("format_version", 0) > FORMAT_VERSION:
-            raise ShardwiseError(f"{meta_path}: format version {self.meta['format_version']} "
-                                 f"is newer than this shardwise reads ({FORMAT_VERSION})")
+        validate(self.meta, meta_path)  # Note [metadata that cannot lie]
         self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
-        self.world_size = int(self.meta["world_size"])
+        self.world_size = self.meta["world_size"]
         self._handles: dict[str, Any] = {}
 
     def file(self, name: str):
@@ -361,6 +359,7 @@ def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
     if problems:
         raise ShardwiseError(f"{path}: " + "; ".join(problems))
 
+    _check_headers(ck, matched)
     values = []
     for t, main, entry in matched:
         lo, n = t.local_range()
@@ -380,6 +379,39 @@ def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
                f.get_tensor("rng/cuda") if "rng/cuda" in f.keys() else None,
                ck.meta["python_rng"][rank])
     return values, buffer_values, opt_sd, rng, ck.meta.get("extra")
+
+
+def _check_headers(ck: _Checkpoint, matched) -> None:
+    """Cross-check the metadata against what the data files hold (their headers only):
+    each rank's piece of each parameter has the recorded length, and every optimizer
+    tensor a file holds is described (a deleted state entry would silently reset it)."""
+    state = (ck.meta.get("optimizer") or {}).get("state") or {}
+    described = {f"optim/{name}/{k}" for name, st in state.items()
+                 for k, info in st.items() if info["kind"] != "value"}
+    pieces = {main: entry["pieces"] for _, main, entry in matched}
+    sharded = {f"optim/{name}/{k}": name for name, st in state.items()
+               for k, info in st.items() if info["kind"] == "sharded"}
+    for r in range(ck.world_size):
+        fname = rank_file(r, ck.world_size)
+        f = ck.file(fname)
+        keys = set(f.keys())
+        for _, main, entry in matched:
+            key = f"param/{main}"
+            length = f.get_slice(key).get_shape()[0] if key in keys else None
+            if length != entry["pieces"][r][1]:
+                raise ShardwiseError(f"{ck.data}/{fname}: {key} holds {length} elements, "
+                                     f"the metadata's piece {entry['pieces'][r]} says "
+                                     f"{entry['pieces'][r][1]}")
+        for key, name in sharded.items():
+            if name in pieces and key in keys:
+                length = f.get_slice(key).get_shape()[0]
+                if length != pieces[name][r][1]:
+                    raise ShardwiseError(f"{ck.data}/{fname}: {key} holds {length} elements, "
+                                         f"the parameter's piece says {pieces[name][r][1]}")
+        stray = sorted(k for k in keys if k.startswith("optim/") and k not in described)
+        if stray and ck.meta.get("optimizer") is not None:
+            raise ShardwiseError(f"{ck.data}/{fname}: holds optimizer state the metadata "
+                                 f"does not describe: {stray[:3]}")
 
 
 def _plan_optimizer(ck: _Checkpoint, optimizer, matched):

@@ -1,0 +1,204 @@
+"""``checkpoint.json`` checked strictly before anything is read or changed.
+
+Note [metadata that cannot lie]
+The data files are protected by their SHA-256, but the metadata says how to read them:
+which flat range of which parameter each rank's piece holds, what each optimizer-state
+tensor is, where the data folder is. A wrong field there would load wrong values without
+any error. So every load validates the whole file first: types and ranges of every
+field, pieces that tile each parameter exactly, known optimizer-state kinds with shapes
+that match, one file entry per rank, RNG states that ``random.setstate`` accepts. A
+checkpoint written since the ``meta_sha256`` field exists also carries the SHA-256 of its
+own canonical JSON, so any edit at all is caught. Every failure names the file, the field
+and the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from typing import Any
+
+from ..errors import ShardwiseError
+from ._format import _ST_DTYPES, FORMAT, FORMAT_VERSION, dtype_name
+
+CHECKSUM = "meta_sha256"
+_DTYPES = {dtype_name(d) for d in _ST_DTYPES}
+_KINDS = ("sharded", "replicated", "value")
+_DATA = re.compile(r"data-[0-9a-f]{1,64}")
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def canonical_sha256(meta: dict[str, Any]) -> str:
+    """SHA-256 of ``meta`` without its checksum field, in a canonical JSON form."""
+    body = {k: v for k, v in meta.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class _Checker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, field: str, problem: str) -> ShardwiseError:
+        return ShardwiseError(f"{self.path}: field {field}: {problem}")
+
+    def int_(self, value: Any, field: str, lo: int = 0) -> int:
+        if type(value) is not int or value < lo:
+            raise self.fail(field, f"expected an integer >= {lo}, got {value!r}")
+        return value
+
+    def str_(self, value: Any, field: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.fail(field, f"expected a non-empty string, got {value!r}")
+        return value
+
+    def dict_(self, value: Any, field: str) -> dict:
+        if not isinstance(value, dict):
+            raise self.fail(field, f"expected an object, got {type(value).__name__}")
+        return value
+
+    def list_(self, value: Any, field: str, length: int | None = None) -> list:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            want = "a list" if length is None else f"a list of {length}"
+            raise self.fail(field, f"expected {want}, got {value!r:.80}")
+        return value
+
+    def dtype(self, value: Any, field: str) -> str:
+        if value not in _DTYPES:
+            raise self.fail(field, f"unknown dtype {value!r}")
+        return value
+
+    def shape(self, value: Any, field: str) -> tuple[int, ...]:
+        return tuple(self.int_(d, f"{field}[{i}]")
+                     for i, d in enumerate(self.list_(value, field)))
+
+
+def validate(meta: Any, path: str) -> None:
+    """Check ``meta`` (a parsed ``checkpoint.json``) completely; raise on the first lie.
+
+    Raises:
+        ShardwiseError: naming ``path``, the field and the problem.
+    """
+    c = _Checker(path)
+    meta = c.dict_(meta, "(top level)")
+    if meta.get("format") != FORMAT:
+        raise c.fail("format", f"not a shardwise checkpoint ({meta.get('format')!r})")
+    version = c.int_(meta.get("format_version"), "format_version", lo=1)
+    if version > FORMAT_VERSION:
+        raise c.fail("format_version", f"{version} is newer than this shardwise reads "
+                                       f"({FORMAT_VERSION})")
+    if CHECKSUM in meta and meta[CHECKSUM] != canonical_sha256(meta):
+        raise c.fail(CHECKSUM, "does not match the file's contents: it was edited or "
+                               "corrupted after it was written")
+    if not isinstance(meta.get("data"), str) or not _DATA.fullmatch(meta["data"]):
+        raise c.fail("data", f"expected a data-<hex> folder name, got {meta.get('data')!r}")
+    world = c.int_(meta.get("world_size"), "world_size", lo=1)
+    if meta.get("step") is not None:
+        c.int_(meta["step"], "step")
+    _files(c, meta, world)
+    shapes = _params(c, meta, world)
+    buffers = c.dict_(meta.get("buffers", {}), "buffers")
+    for name, e in buffers.items():
+        e = c.dict_(e, f"buffers.{name}")
+        c.shape(e.get("shape"), f"buffers.{name}.shape")
+        c.dtype(e.get("dtype"), f"buffers.{name}.dtype")
+    if buffers and "buffers.safetensors" not in meta["files"]:
+        raise c.fail("files", "buffers are listed but buffers.safetensors is not")
+    if meta.get("optimizer") is not None:
+        _optimizer(c, meta["optimizer"], shapes)
+    rngs = c.list_(meta.get("python_rng"), "python_rng", length=world)
+    for r, s in enumerate(rngs):
+        _python_rng(c, s, f"python_rng[{r}]")
+
+
+def _files(c: _Checker, meta: dict, world: int) -> None:
+    from ._format import rank_file
+
+    files = c.dict_(meta.get("files"), "files")
+    for name, info in files.items():
+        info = c.dict_(info, f"files.{name}")
+        c.int_(info.get("bytes"), f"files.{name}.bytes")
+        if not isinstance(info.get("sha256"), str) or not _SHA.fullmatch(info["sha256"]):
+            raise c.fail(f"files.{name}.sha256", f"not a SHA-256: {info.get('sha256')!r}")
+    for r in range(world):
+        if rank_file(r, world) not in files:
+            raise c.fail("files", f"{rank_file(r, world)} (rank {r}'s data) is not listed")
+
+
+def _params(c: _Checker, meta: dict, world: int) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    seen_names: set[str] = set()
+    for main, e in c.dict_(meta.get("params"), "params").items():
+        f = f"params.{main}"
+        e = c.dict_(e, f)
+        names = c.list_(e.get("names"), f"{f}.names")
+        if not names or names[0] != main:
+            raise c.fail(f"{f}.names", f"must start with {main!r}, got {names!r:.80}")
+        for n in names:
+            if c.str_(n, f"{f}.names") in seen_names:
+                raise c.fail(f"{f}.names", f"{n!r} is listed twice")
+            seen_names.add(n)
+        shape = c.shape(e.get("shape"), f"{f}.shape")
+        c.dtype(e.get("dtype"), f"{f}.dtype")
+        pieces = c.list_(e.get("pieces"), f"{f}.pieces", length=world)
+        spans = []
+        for r, piece in enumerate(pieces):
+            off, cnt = c.list_(piece, f"{f}.pieces[{r}]", length=2)
+            spans.append((c.int_(off, f"{f}.pieces[{r}][0]"),
+                          c.int_(cnt, f"{f}.pieces[{r}][1]"), r))
+        _tile(c, f"{f}.pieces", spans, math.prod(shape))
+        shapes[main] = shape
+    return shapes
+
+
+def _tile(c: _Checker, field: str, spans: list[tuple[int, int, int]], numel: int) -> None:
+    """The non-empty pieces must cover ``[0, numel)`` exactly, without gap or overlap."""
+    cursor = 0
+    for off, cnt, r in sorted(s for s in spans if s[1] > 0):
+        if off != cursor:
+            what = "overlaps the piece before it" if off < cursor else f"leaves elements " \
+                f"{cursor}..{off - 1} in no piece"
+            raise c.fail(field, f"rank {r}'s piece at {off} {what}")
+        cursor = off + cnt
+    if cursor != numel:
+        raise c.fail(field, f"the pieces cover {cursor} elements, the parameter has {numel}")
+
+
+def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    opt = c.dict_(opt, "optimizer")
+    c.str_(opt.get("class"), "optimizer.class")
+    for i, g in enumerate(c.list_(opt.get("param_groups"), "optimizer.param_groups")):
+        g = c.dict_(g, f"optimizer.param_groups[{i}]")
+        for n in c.list_(g.get("params"), f"optimizer.param_groups[{i}].params"):
+            if n not in shapes:
+                raise c.fail(f"optimizer.param_groups[{i}].params", f"unknown parameter {n!r}")
+    for name, st in c.dict_(opt.get("state"), "optimizer.state").items():
+        if name not in shapes:
+            raise c.fail("optimizer.state", f"state for unknown parameter {name!r}")
+        for k, info in c.dict_(st, f"optimizer.state.{name}").items():
+            f = f"optimizer.state.{name}.{k}"
+            info = c.dict_(info, f)
+            kind = info.get("kind")
+            if kind not in _KINDS:
+                raise c.fail(f"{f}.kind", f"unknown kind {kind!r} (expected one of {_KINDS})")
+            if kind == "value":
+                if "value" not in info:
+                    raise c.fail(f, "a value entry without its value")
+                continue
+            c.dtype(info.get("dtype"), f"{f}.dtype")
+            # A sharded tensor's pieces are the parameter's; their lengths are checked
+            # against the data files' headers when it is read (io._check_headers).
+            c.shape(info.get("shape"), f"{f}.shape")
+
+
+def _python_rng(c: _Checker, s: Any, field: str) -> None:
+    """A state ``random.setstate`` accepts: [version, 625 ints, gauss or None]."""
+    s = c.list_(s, field, length=3)
+    if type(s[0]) is not int:
+        raise c.fail(field, "version is not an integer")
+    state = c.list_(s[1], f"{field}[1]", length=625)
+    if any(type(x) is not int or not 0 <= x < 2**32 for x in state):
+        raise c.fail(f"{field}[1]", "not a list of 32-bit unsigned integers")
+    if s[2] is not None and not isinstance(s[2], float):
+        raise c.fail(f"{field}[2]", f"expected a float or null, got {s[2]!r:.40}")
