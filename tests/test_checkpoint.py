@@ -369,6 +369,8 @@ def _extra_and_local(rank, world, ck):
     model = sw.shard(SmallCNN(), buffers="local")
     with pytest.raises(sw.ShardwiseError, match="would not come back from JSON"):
         sw.save_checkpoint(ck, model, extra={"pair": (1, 2)})
+    with pytest.raises(sw.ShardwiseError, match="NaN and infinity are not"):
+        sw.save_checkpoint(ck, model, extra={"loss": float("nan")})
     model.blocks[0].bn.running_mean.fill_(float(rank))  # per-rank by design under "local"
     sw.save_checkpoint(ck, model, extra={"pair": [1, 2]})
     again = sw.shard(SmallCNN(), buffers="local")

@@ -56,8 +56,13 @@ def _set_py_rng(saved: list) -> None:
 def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
     """``obj`` must serialise to JSON; with ``exact``, come back exactly as it is."""
     try:
-        same = json.loads(json.dumps(obj)) == obj
-    except (TypeError, ValueError) as e:
+        # NaN and infinity are not JSON: Python would write them anyway, as tokens other
+        # readers refuse.
+        same = json.loads(json.dumps(obj, allow_nan=False)) == obj
+    except ValueError as e:
+        raise ShardwiseError(f"{what} must be JSON: NaN and infinity are not ({e}); store "
+                             f"them as strings or None") from e
+    except TypeError as e:
         raise ShardwiseError(f"{what} must be JSON-serialisable: {e}") from e
     if exact and not same:
         raise ShardwiseError(f"{what} would not come back from JSON as saved (tuples become "
