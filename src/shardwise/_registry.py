@@ -65,7 +65,7 @@ def set_unit(module: nn.Module, unit: Unit) -> None:
 
 
 def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> None:
-    """Shadow a method on one instance (its class is left alone)."""
+    """Shadow a method (or attribute) on one instance; its class is left alone."""
     module.__dict__[name] = fn
 
 

@@ -135,7 +135,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         ShardwiseError: when torch.distributed is not initialised, the module or one of
             its submodules is already sharded, ``src_rank`` is out of range, a policy or
             ``units`` is invalid, ``units`` matches no submodule, a parameter is 0-dim,
-            or ``src_rank`` holds meta tensors.
+            or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
+            any of these, or ranks built different models or passed different
+            ``units=``): then every rank raises the same error.
 
     Example:
         >>> sw.init_distributed()
