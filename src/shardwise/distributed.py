@@ -16,8 +16,11 @@ group in every one of those functions), so the group dies at ``destroy_process_g
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,13 +37,36 @@ if dist.is_available() and not dist.is_initialized():
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+def _die_with_agent() -> None:
+    """Note [orphaned workers]: end this worker when its torchrun agent dies.
+
+    torchrun's agent watches its workers, but nothing watches the agent: killed alone
+    (SIGKILL, an OOM killer), it leaves its worker running, and the job goes on without
+    anyone to restart or stop it (measured: to the end of the job). Linux can send a
+    signal to a process when its parent dies; the worker then stops, its peers' next
+    collective fails within seconds, and their agents end the job. Linux only; a no-op
+    elsewhere or if the agent is already gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the agent died before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def init_distributed(backend: str | None = None,
                      timeout: datetime.timedelta | float | None = None) -> None:
     """Initialise ``torch.distributed`` from the environment ``torchrun`` sets.
 
     Without that environment (a plain ``python script.py``) this makes a world of one
     process, so the same script runs unchanged on one process. A no-op when
-    ``torch.distributed`` is already initialised.
+    ``torch.distributed`` is already initialised. Under torchrun the worker also asks
+    Linux to stop it if its agent dies (Note [orphaned workers]).
 
     Args:
         backend: ``"nccl"`` or ``"gloo"``; default ``"nccl"`` when CUDA is available, else
@@ -68,6 +94,8 @@ def init_distributed(backend: str | None = None,
         timeout = DEFAULT_TIMEOUT
     kwargs: dict = {"timeout": (timeout if isinstance(timeout, datetime.timedelta)
                                 else datetime.timedelta(seconds=float(timeout)))}
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_agent()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -1,0 +1,36 @@
+"""A few training steps under torchrun; prints a digest of the losses and final state.
+
+Run by tests/test_multinode.py once as two agents (``--nnodes 2``) and once as one agent
+with two processes: the digests must be identical.
+"""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+import shardwise as sw
+from shardwise.models import GPT, GPTConfig
+
+sw.init_distributed()
+rank = dist.get_rank()
+torch.manual_seed(0)
+cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+model = sw.shard(GPT(cfg))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+losses = []
+for step in range(4):
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * step + rank))
+    loss = model(x, x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    losses.append(loss.detach())
+sd = sw.full_state_dict(model)
+if rank == 0:
+    h = hashlib.sha256(torch.stack(losses).numpy().tobytes())
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].numpy().tobytes())
+    print(f"digest {h.hexdigest()} world {dist.get_world_size()}", flush=True)
+dist.destroy_process_group()
