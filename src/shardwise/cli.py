@@ -37,6 +37,33 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.planner import build_on_meta, plan, to_json, uniform_plan
+
+    dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
+    activations = int(args.activation_gib * 2**30)
+    if args.model:
+        try:
+            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
+        result = plan(model, args.world, args.optimizer, dtype, activation_bytes=activations)
+    elif args.params and args.layers:
+        compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
+        result = uniform_plan(int(args.params), args.layers, args.world, 4, args.optimizer,
+                              compute, activations)
+    else:
+        raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
+                             "or --params and --layers")
+    print(to_json(result) if args.json else result.table())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardwise`` console script.
 
@@ -50,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     Example:
         $ shardwise inspect ckpt/latest
         $ shardwise consolidate ckpt/latest export/
+        $ shardwise plan --params 7e9 --layers 32 --world 8
     """
     parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -65,6 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
     i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
     i.set_defaults(func=_inspect)
+    p = sub.add_parser("plan", help="estimate memory per rank before building a model")
+    p.add_argument("--model", help="package.module:callable building the model, or a "
+                                   "folder holding a Hugging Face config.json")
+    p.add_argument("--kwargs", help="JSON keyword arguments for the callable")
+    p.add_argument("--params", type=float, help="parameter count, without --model")
+    p.add_argument("--layers", type=int, help="number of equal blocks, without --model")
+    p.add_argument("--world", type=int, required=True, help="ranks to shard over")
+    p.add_argument("--optimizer", default="adamw",
+                   choices=["adamw", "adam", "sgd", "sgd-momentum"])
+    p.add_argument("--param-dtype", help="compute dtype of gathered units, e.g. bfloat16")
+    p.add_argument("--activation-gib", type=float, default=0.0,
+                   help="activations per rank (depends on batch and sequence; default 0)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     if args.version:
         from shardwise import __version__

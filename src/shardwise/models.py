@@ -109,3 +109,9 @@ class SmallCNN(nn.Module):
         for block in self.blocks:
             x = F.max_pool2d(block(x), 2) if x.shape[-1] > 4 else block(x)
         return self.head(x.mean(dim=(2, 3)))
+
+
+def gpt(**config: int | float) -> GPT:
+    """A :class:`GPT` from :class:`GPTConfig` keyword arguments (for ``shardwise plan
+    --model shardwise.models:gpt --kwargs '{"n_layer": 24}'``)."""
+    return GPT(GPTConfig(**config))  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The memory plan against what the engine allocates, at real and simulated world sizes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import run_ranks
+
+import shardwise as sw
+from shardwise.memory import state_bytes
+from shardwise.models import GPT, GPTConfig
+from shardwise.planner import plan
+
+CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
+
+
+def _measured(rank, world):
+    with torch.device("meta"):
+        planned = plan(GPT(CFG), world)  # no communication, no memory
+    torch.manual_seed(0)
+    model = sw.shard(GPT(CFG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    model(x, x).backward()
+    opt.step()
+    return planned, state_bytes(model, opt)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_plan_equals_what_the_engine_allocates(world):
+    planned, got = run_ranks(_measured, world)[0]  # rank 0 holds the most rows
+    assert (planned.parameters, planned.gradients, planned.optimizer) == \
+        (got["params"], got["grads"], got["optimizer"])
+
+
+SIMULATED = """
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import shardwise as sw
+from shardwise.memory import state_bytes
+from shardwise.models import GPT, GPTConfig
+from shardwise.planner import plan
+world = int(sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+cfg = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
+with torch.device("meta"):
+    planned = plan(GPT(cfg), world)
+model = sw.shard(GPT(cfg))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+x = torch.randint(0, 96, (2, 16))
+model(x, x).backward()
+opt.step()
+got = state_bytes(model, opt)
+print(json.dumps([planned.parameters, planned.gradients, planned.optimizer,
+                  got["params"], got["grads"], got["optimizer"]]))
+"""
+
+
+@pytest.mark.parametrize("world", [8, 64])
+def test_plan_equals_the_engine_on_a_simulated_world(world):
+    # torch's fake process group: collectives do nothing, shapes are real.
+    out = subprocess.run([sys.executable, "-c", SIMULATED, str(world)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    values = json.loads(out.stdout.strip().splitlines()[-1])
+    assert values[:3] == values[3:], values
+
+
+def test_plan_command_prints_a_table_and_json():
+    cmd = [sys.executable, "-m", "shardwise.cli", "plan", "--world", "4"]
+    table = subprocess.run(cmd + ["--params", "7e9", "--layers", "32"], capture_output=True,
+                           text=True, check=True).stdout
+    assert "optimizer state (shard)" in table and "world size 4" in table
+    out = subprocess.run(cmd + ["--model", "shardwise.models:gpt", "--kwargs",
+                                json.dumps({"n_layer": 3, "d_model": 32, "n_head": 2,
+                                            "vocab_size": 96, "seq_len": 16}), "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["units"] == 4
+    bad = subprocess.run(cmd, capture_output=True, text=True)
+    assert bad.returncode == 1 and "--params and --layers" in bad.stderr
