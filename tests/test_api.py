@@ -99,6 +99,13 @@ def test_full_state_dict_of_unsharded_module_honours_rank0_only():
 
 def _mixed_precision_dtypes(rank, world):
     mp = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16))
+    groups = [g for u in model_state(mp).units for g in u.groups]
+    assert {g.reduce_dtype for g in groups} == {torch.float32}  # fp32 reduction by default
+    assert torch.bfloat16 in {g.compute_dtype for g in groups}
+    low = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16,
+                                                                 torch.bfloat16))
+    assert torch.bfloat16 in {g.reduce_dtype for u in model_state(low).units
+                              for g in u.groups}
     mp(torch.randn(2, 3, 16, 16)).sum().backward()
     assert mp.blocks[0].bn.running_mean.dtype == torch.float32  # buffers keep their dtype
     assert all(p.grad.dtype == torch.float32 for p in mp.parameters() if p.grad is not None)

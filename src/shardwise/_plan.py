@@ -182,6 +182,8 @@ def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
     for (dtype, _, full_precision), recs in by_kind.items():
         floating = dtype.is_floating_point and not full_precision
         compute = (param_dtype or dtype) if floating else dtype
-        reduce = (reduce_dtype or compute) if floating else dtype
+        # Gradients are summed across ranks in the master dtype unless asked otherwise:
+        # a bf16 sum over many ranks loses the low bits that fp32 master weights keep.
+        reduce = (reduce_dtype or dtype) if floating else dtype
         specs.append(GroupSpec(recs, compute, reduce))
     return specs
