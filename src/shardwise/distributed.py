@@ -11,6 +11,7 @@ finalizing interpreter refuses by ending the thread; C++ then calls ``std::termi
 ("terminate called without an active exception", SIGABRT) after the program's last line.
 Importing the module while no group exists binds ``None`` instead (which means the same
 group in every one of those functions), so the group dies at ``destroy_process_group``.
+A ``DeviceMesh`` holds its group the same way; see ``Comm.mesh``.
 ``tests/test_teardown.py`` checks that no gloo thread survives it.
 """
 
@@ -44,8 +45,8 @@ def _die_with_agent() -> None:
     (SIGKILL, an OOM killer), it leaves its worker running, and the job goes on without
     anyone to restart or stop it (measured: to the end of the job). Linux can send a
     signal to a process when its parent dies; the worker then stops, its peers' next
-    collective fails within seconds, and their agents end the job. Linux only; a no-op
-    elsewhere or if the agent is already gone.
+    collective fails within seconds, and their agents end the job. Linux only (a no-op
+    elsewhere); if the agent is already gone, the worker stops at once.
     """
     if not sys.platform.startswith("linux"):
         return
