@@ -200,17 +200,26 @@ def _load_broken(rank, world, variants):
     return messages
 
 
-def test_corrupt_truncated_missing_and_mismatched(tmp_path):
+def _damaged_copies(tmp_path):
+    """A good checkpoint, its data folder's name, and ``variant(name, damage)``, which
+    copies it and applies ``damage(copy, copy's data folder)``; the copies collect in
+    the returned dict."""
     ck = str(tmp_path / "ck")
     run_ranks(_save_v1, 2, ck)
     data = json.load(open(os.path.join(ck, "checkpoint.json")))["data"]
-    variants = {}
+    variants: dict[str, str] = {}
 
     def variant(name, damage):
         path = str(tmp_path / name)
         shutil.copytree(ck, path)
         damage(path, os.path.join(path, data))
         variants[name] = path
+
+    return ck, data, variant, variants
+
+
+def test_corrupt_truncated_missing_and_mismatched(tmp_path):
+    ck, data, variant, variants = _damaged_copies(tmp_path)
 
     def truncate(p, d):
         f = os.path.join(d, "rank-00001-of-00002.safetensors")
@@ -383,19 +392,10 @@ def test_extra_must_survive_json_and_local_buffers_save(tmp_path):
 
 
 def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
-    ck = str(tmp_path / "ck")
-    run_ranks(_save_v1, 2, ck)
-    data = json.load(open(os.path.join(ck, "checkpoint.json")))["data"]
-    variants = {}
-
-    def variant(name, damage):
-        path = str(tmp_path / name)
-        shutil.copytree(ck, path)
-        damage(path)
-        variants[name] = path
+    ck, data, variant, variants = _damaged_copies(tmp_path)
 
     def set_data(value):
-        def damage(path):
+        def damage(path, _data_dir):
             meta_path = os.path.join(path, "checkpoint.json")
             meta = json.load(open(meta_path))
             meta["data"] = value
@@ -403,7 +403,7 @@ def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
             json.dump(meta, open(meta_path, "w"))
         return damage
 
-    def symlinked_data(path):  # the data folder is a link to another checkpoint's
+    def symlinked_data(path, _data_dir):  # the data folder links to another checkpoint's
         shutil.rmtree(os.path.join(path, data))
         os.symlink(os.path.join(ck, data), os.path.join(path, data))
 
