@@ -210,3 +210,23 @@ def test_sw_clip_grad_norm_handles_ranks_without_rows():
     # torch.nn.utils.clip_grad_norm_(norm_type=inf) raises on such ranks (its foreach norm
     # has no identity for an empty tensor), as it does under FSDP2.
     run_ranks(_clip_without_rows, 3)
+
+
+def _autocast(rank, world):
+    ddp, ours = _ddp_and_ours(rank)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, ours)]
+    losses = [[], []]
+    for step in range(3):
+        for i, (m, opt) in enumerate(zip((ddp, ours), opts)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = m(*_batch(rank, step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(loss.item())
+    assert losses[1] == losses[0], losses  # the same bf16 ops on the same weights
+    _full_states_equal(ours, ddp, exact=True)
+
+
+def test_bf16_autocast_matches_ddp_exactly_at_2_ranks():
+    run_ranks(_autocast, 2)
