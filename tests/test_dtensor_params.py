@@ -230,3 +230,36 @@ def _autocast(rank, world):
 
 def test_bf16_autocast_matches_ddp_exactly_at_2_ranks():
     run_ranks(_autocast, 2)
+
+
+def _grad_scaler(rank, world):
+    ddp, ours = _ddp_and_ours(rank)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, ours)]
+    # A scale that overflows fp32 gradients at first: the scaler skips steps and halves
+    # the scale until the gradients are finite, then steps, in both systems alike.
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1)
+               for _ in range(2)]
+    for step in range(4):
+        for m, opt, scaler in zip((ddp, ours), opts, scalers):
+            scaler.scale(m(*_batch(rank, step))).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert scalers[1].get_scale() == scalers[0].get_scale() < 2.0**127
+    _full_states_equal(ours, ddp, exact=True)
+
+    # An overflow in one rank's rows only: every rank must skip the step, or they diverge.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    scaler.scale(ours(*_batch(rank, 9))).backward()
+    if rank == 1:
+        ours.lm_head.weight.grad.to_local()[0, 0] = float("inf")
+    before = sw.full_state_dict(ours, rank0_only=False)
+    scaler.step(opts[1])
+    scaler.update()
+    after = sw.full_state_dict(ours, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # skipped everywhere
+    assert scaler.get_scale() == 2.0**3
+
+
+def test_torch_grad_scaler_works_with_shards():
+    run_ranks(_grad_scaler, 2)
