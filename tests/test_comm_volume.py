@@ -60,3 +60,36 @@ def test_bytes_per_step_match_zero3_theory(world, reshard_after_forward):
     ag, rs, params = run_ranks(_volume, world, reshard_after_forward)[0]
     print(f"N={world} reshard={reshard_after_forward}: all-gather {ag / params:.3f}x, "
           f"reduce-scatter {rs / params:.3f}x the parameter bytes")
+
+
+def _prefetch_depths(rank, world):
+    out = {}
+    for depth in (0, 1, 3):
+        torch.manual_seed(0)
+        model = sw.shard(GPT(CFG), prefetch=depth)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = model_state(model)
+        stats = state.comm.stats
+        seen: list[list[str]] = []  # unit states when blocks.0 starts computing
+        model.blocks[0].register_forward_pre_hook(
+            lambda *_: seen.append([u.state.value for u in state.units]))
+        losses = []
+        for step in range(3):
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len),
+                              generator=torch.Generator().manual_seed(rank + step))
+            loss = model(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        ahead = [s == "gathering" for s in seen[-1][2:]]  # blocks.1, blocks.2
+        assert ahead == [depth >= 1, depth >= 2], (depth, seen[-1])
+        out[depth] = (losses, stats.bytes["all_gather"], stats.calls["all_gather"])
+    with pytest.raises(sw.ShardwiseError, match="prefetch"):
+        sw.shard(GPT(CFG), prefetch=-1)
+    return out
+
+
+def test_prefetch_depth_changes_when_units_are_gathered_not_what_or_how_often():
+    out = run_ranks(_prefetch_depths, 3)[0]
+    assert out[0] == out[1] == out[3], out  # same losses, same bytes, same calls

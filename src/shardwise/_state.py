@@ -69,6 +69,7 @@ class ModelState:
         self.buffers = buffer_sync
         self.src_rank = src_rank
         self.requires_grad_sync = True  # False inside no_sync
+        self.prefetch = 1  # units gathered ahead of the one computing (shard(prefetch=))
         self.phase = Phase.IDLE
         self.order_check: OrderCheck | None = None  # set per forward by SHARDWISE_CHECK
         self._prev_order: list[Unit] = []
@@ -167,13 +168,14 @@ class ModelState:
         self.phase = Phase.FORWARD
 
     def _record_call(self, unit: Unit) -> None:
-        """Note the call and prefetch the unit that ran next last time."""
+        """Note the call and prefetch the ``prefetch`` units that ran next last time."""
         pos = len(self._order)
         unit.call_index = pos
         self._order.append(unit)
         prev = self._prev_order
-        if pos + 1 < len(prev) and prev[pos] is unit:
-            prev[pos + 1].start_gather()
+        if pos < len(prev) and prev[pos] is unit:
+            for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
+                nxt.start_gather()
 
     def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
         if self.order_check is not None:
@@ -204,8 +206,7 @@ class ModelState:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
         self.ensure_backward_callback()
         unit.finish_gather()
-        if call_index > 0:
-            prev = self._order[call_index - 1]
+        for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
             if prev.forward_calls > prev.backward_calls and not prev.reduced:
                 prev.start_gather()
 

@@ -105,7 +105,8 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
 def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: UnitSpec = None,
           mixed_precision: MixedPrecision | None = None,
           buffers: str | BufferPolicy = "broadcast",
-          src_rank: int = 0, reshard_after_forward: bool = True) -> nn.Module:
+          src_rank: int = 0, reshard_after_forward: bool = True,
+          prefetch: int = 1) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
     Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
@@ -132,6 +133,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         src_rank: rank (in ``group``) whose initial state everyone takes.
         reshard_after_forward: free non-root units after forward (ZeRO-3) or keep them
             until their backward (less communication, more memory).
+        prefetch: how many units ahead to gather while one computes, in forward and in
+            backward (0: none). Each costs one more unit of full parameters in memory;
+            more than 1 helps when all-gathers are slow next to compute.
 
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
@@ -147,6 +151,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     """
     comm = _check_arguments(module, group, src_rank)
+    if type(prefetch) is not int or prefetch < 0:
+        raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
     mp = mixed_precision or MixedPrecision()
 
     def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
@@ -178,6 +184,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
     state = ModelState(module, comm, built, buffer_sync, src_rank)
+    state.prefetch = prefetch
     _install_hooks(state)
     set_model_state(module, state)
     guard_save_pretrained(module)
