@@ -13,6 +13,7 @@ ratio to DDP and the median of those ratios, and the largest loss difference fro
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -50,6 +51,12 @@ class System:
         self.step = 0
 
     def run(self, data, steps: int) -> None:
+        # "unchecked" is shardwise without the collective-order check (on by default
+        # under gloo), to measure what the check costs.
+        if self.name == "unchecked":
+            os.environ["SHARDWISE_CHECK"] = "0"
+        else:
+            os.environ.pop("SHARDWISE_CHECK", None)
         times = []
         for _ in range(steps):
             x, y = data[self.step]
@@ -70,7 +77,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="steps per system and round")
     parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
-    parser.add_argument("--systems", default="ddp,fsdp2,shardwise")
+    parser.add_argument("--systems", default="ddp,fsdp2,shardwise",
+                        help="of ddp, fsdp2, shardwise and unchecked (shardwise with "
+                             "SHARDWISE_CHECK=0)")
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
     sw.init_distributed()
@@ -83,7 +92,8 @@ def main() -> None:
         data.append((x, torch.roll(x, -1, dims=1)))
 
     makers = {"ddp": lambda: DDP(build(cfg)), "fsdp2": lambda: wrap_fsdp2(build(cfg)),
-              "shardwise": lambda: sw.shard(build(cfg))}
+              "shardwise": lambda: sw.shard(build(cfg)),
+              "unchecked": lambda: sw.shard(build(cfg))}
     systems = [System(name, makers[name]()) for name in args.systems.split(",")]
     for r in range(args.rounds):
         # Rotate the order so that no system always runs first (or last) in a round.

@@ -25,7 +25,7 @@ State and checkpoints
     load_checkpoint(path, module, optimizer=None) -> extra
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
 Errors
-    ShardwiseError, DivergenceError, ReadOnlyGatherError
+    ShardwiseError, DivergenceError, ReadOnlyGatherError, CollectiveError
 Reference models
     shardwise.models: GPT, GPTConfig, SmallCNN
 
@@ -43,7 +43,7 @@ from .buffers import BufferPolicy, sync_buffers
 from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from .consistency import check_consistency
 from .distributed import init_distributed
-from .errors import DivergenceError, ReadOnlyGatherError, ShardwiseError
+from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
 from .shard import MixedPrecision, is_sharded, shard
@@ -53,6 +53,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BufferPolicy",
+    "CollectiveError",
     "DivergenceError",
     "MixedPrecision",
     "ReadOnlyGatherError",

@@ -40,7 +40,7 @@ def agree(comm: Comm | None, error: str | None, what: str) -> None:
         if error:
             raise ShardwiseError(f"{what}: {error}")
         return
-    errors = comm.all_gather_object(error)
+    errors = comm.all_gather_object(error, what=f"the agreement on errors ({what})")
     if any(errors):
         distinct: dict[str, list[int]] = {}
         for r, e in enumerate(errors):

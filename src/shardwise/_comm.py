@@ -8,6 +8,12 @@ Collectives write only into buffers of their own (the all-gather output is a tem
 that is copied out, Note [freeing full parameters] in _unit.py), never into tensors
 autograd has saved: gloo bumps an output's version counter on its worker thread, at a
 moment nobody can wait for.
+
+Note [stuck collectives]: every collective carries a description of what it is for
+("the all-gather of unit 'blocks.3'"). When it fails, because a peer died or because no
+peer joined it before the process group's timeout (ranks that diverged), the error names
+that collective and this rank, so that a hang ends in a message saying where each rank
+was waiting, not in an anonymous gloo timeout.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -78,54 +86,95 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                   what: str = "an all-gather"):
         """Concatenate every rank's ``inp`` into ``out``."""
         self.stats.add("all_gather", inp)
-        return _all_gather_flat(out, inp, group=self.group, async_op=async_op)
+        return self._run(what, async_op, _all_gather_flat, out, inp)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
+                       what: str = "a reduce-scatter"):
         """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
         self.stats.add("reduce_scatter", inp)
-        return _reduce_scatter_flat(out, inp, group=self.group, async_op=async_op)
+        return self._run(what, async_op, _reduce_scatter_flat, out, inp)
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
+                   what: str = "an all-reduce"):
         self.stats.add("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._run(what, async_op, dist.all_reduce, tensor, op=op)
 
-    def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int) -> None:
+    def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int,
+                what: str = "a scatter") -> None:
         """Rank ``src`` sends ``chunks[r]`` to rank r (``chunks`` is ignored elsewhere)."""
         self.stats.add("scatter", out)
-        dist.scatter(out, chunks if self.rank == src else None, src=self.global_rank(src),
-                     group=self.group)
+        self._run(what, False, dist.scatter, out, chunks if self.rank == src else None,
+                  src=self.global_rank(src))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "a broadcast") -> None:
         self.stats.add("broadcast", tensor)
-        dist.broadcast(tensor, src=self.global_rank(src), group=self.group)
+        self._run(what, False, dist.broadcast, tensor, src=self.global_rank(src))
 
-    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
+    def _run(self, what: str, async_op: bool, collective, *args, **kwargs):
+        """Issue ``collective``; Note [stuck collectives] for the errors."""
+        try:
+            work = collective(*args, group=self.group, async_op=async_op, **kwargs)
+        except RuntimeError as err:
+            raise self.stuck(what, err) from err
+        return _Pending(work, self, what) if async_op else None
+
+    def stuck(self, what: str, err: BaseException) -> CollectiveError:
+        """The error for ``what``, which failed on this rank with ``err``."""
+        return CollectiveError(
+            f"rank {self.rank}: {what} did not complete ({err}). Another rank failed or "
+            f"never joined it within the process group's timeout: look for another rank's "
+            f"error first. If none raised, the ranks diverged (ran different code, or one "
+            f"stopped early); rerun with SHARDWISE_CHECK=1 to see where. The timeout is "
+            f"sw.init_distributed(timeout=...)")
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src: int,
+                          what: str = "a broadcast") -> None:
         """Make every rank's ``tensors`` equal to rank ``src``'s, one message per dtype.
 
         Tensors are updated in place, and only on ranks other than ``src``.
         """
         for same_dtype in _by_dtype(tensors).values():
             flat = _flatten(same_dtype)
-            self.broadcast(flat, src)
+            self.broadcast(flat, src, what)
             if self.rank != src:
                 _unflatten_into(flat, same_dtype)
 
-    def average_tensors(self, tensors: list[torch.Tensor]) -> None:
+    def average_tensors(self, tensors: list[torch.Tensor],
+                        what: str = "an all-reduce") -> None:
         """Replace floating ``tensors`` in place by their mean over ranks."""
         for same_dtype in _by_dtype(tensors).values():
             flat = _flatten(same_dtype)
-            self.all_reduce(flat)
+            self.all_reduce(flat, what=what)
             flat.div_(self.world_size)
             _unflatten_into(flat, same_dtype)
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, what: str = "an exchange of metadata") -> list[Any]:
         """Every rank's ``obj``, in rank order (small metadata only)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as err:
+            raise self.stuck(what, err) from err
         return out
+
+
+class _Pending:
+    """An issued collective, whose ``wait`` names it when it fails."""
+
+    def __init__(self, work: Any, comm: Comm, what: str) -> None:
+        self._work = work
+        self._comm = comm
+        self._what = what
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as err:
+            raise self._comm.stuck(self._what, err) from err
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

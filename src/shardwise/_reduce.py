@@ -54,7 +54,9 @@ class GradReduction:
         self._in = buf
         self._out = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype,
                                 device=g.local.device)
-        self._work = g.comm.reduce_scatter(self._out, buf, async_op=True)
+        self._work = g.comm.reduce_scatter(
+            self._out, buf, async_op=True,
+            what=f"the reduce-scatter of unit {g.unit_name!r}'s gradients")
 
     def _take(self, buf: torch.Tensor, i: int, grad: torch.Tensor | None, seen: bool,
               sync: bool) -> None:

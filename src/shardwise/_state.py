@@ -15,13 +15,13 @@ Every rank must issue the same collectives in the same order. Gathers happen in 
 order units run (forward, then backward, which autograd executes deterministically), and
 prefetches follow the order recorded in the previous iteration, which is identical on
 every rank when every rank runs the same code (SPMD). Reductions left for the end of
-backward run in the fixed order of ``units``. With ``SHARDWISE_CHECK=1`` every unit's
-forward first checks, with one tiny all-reduce, that all ranks are about to run the same
-unit, and the root's forward ends with one more, so a divergence (a rank skipping the
-first, a middle or the last unit, or running one twice) raises a clear error on every
-rank instead of hanging or mixing up shards. Units pinned by ``gathered()`` compute
-without communicating and are not checked: ranks may run them different numbers of times
-(``_order_check.py``).
+backward run in the fixed order of ``units``. Under gloo (or with ``SHARDWISE_CHECK=1``)
+every unit's forward first checks, with one tiny all-reduce, that all ranks are about to
+run the same unit, the root's forward ends with one more and a backward starts with one,
+so a divergence (a rank skipping the first, a middle or the last unit, or running one
+twice) raises a clear error on every rank instead of hanging, aborting or mixing up
+shards. Units pinned by ``gathered()`` compute without communicating and are not
+checked: ranks may run them different numbers of times (``_order_check.py``).
 
 Note [buffer sync point]
 BatchNorm saves its running statistics for backward, so overwriting buffers between a
@@ -41,10 +41,9 @@ import torch.nn as nn
 
 from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
-from ._env import checks_enabled
 from ._guards import check_model
 from ._log import logger
-from ._order_check import OrderCheck
+from ._order_check import OrderCheck, order_checks_enabled
 from ._unit import Unit
 from .errors import ShardwiseError
 
@@ -71,7 +70,7 @@ class ModelState:
         self.requires_grad_sync = True  # False inside no_sync
         self.prefetch = 1  # units gathered ahead of the one computing (shard(prefetch=))
         self.phase = Phase.IDLE
-        self.order_check: OrderCheck | None = None  # set per forward by SHARDWISE_CHECK
+        self.order_check: OrderCheck | None = None  # set per forward (order_checks_enabled)
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
@@ -156,7 +155,7 @@ class ModelState:
 
     def _start_root_forward(self) -> None:
         check_model(self)
-        self.order_check = OrderCheck(self.comm) if checks_enabled() else None
+        self.order_check = OrderCheck(self.comm) if order_checks_enabled(self.comm) else None
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
         if not self._joins_pending:
@@ -201,6 +200,8 @@ class ModelState:
         if self.phase is not Phase.BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
+            if self.order_check is not None:
+                self.order_check.backward()
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
@@ -276,7 +277,8 @@ class ModelState:
         # One small all-reduce says which parameters got a gradient anywhere.
         used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
                             device=groups[0].local.device)
-        self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX)
+        self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
+                             what="the exchange of used-parameter flags ending the backward")
         used_list = used.bool().tolist()
         offset = 0
         for g in groups:

@@ -143,6 +143,7 @@ class FlatGroup:
         self._gather_work = None
         self._gathered_version = -1
         self.reduction = GradReduction(self)  # used by trainable groups only
+        self.unit_name = "?"  # set by its Unit; names the group's collectives
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
                     slots: list[tuple[nn.Module, str]], mesh: DeviceMesh) -> ShardedParam:
@@ -244,7 +245,8 @@ class FlatGroup:
                 src.copy_(self.local)
         self._gathered = torch.empty(self.layout.gathered_numel, dtype=self.compute_dtype,
                                      device=self.local.device)
-        self._gather_work = self.comm.all_gather(self._gathered, src, async_op=True)
+        self._gather_work = self.comm.all_gather(
+            self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
 
     def is_stale(self) -> bool:
         """Whether the shard changed since the full parameters were gathered (or a
@@ -289,6 +291,7 @@ class Unit:
         self.name = name or "<root>"
         self.groups = groups
         for g in groups:
+            g.unit_name = self.name
             for p in g.params:
                 p.unit = self
         self.reshard_after_forward = reshard_after_forward

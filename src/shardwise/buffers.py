@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import Comm
+from ._order_check import announce
 from ._registry import model_state
 from .errors import ShardwiseError
 
@@ -62,7 +63,8 @@ class BufferSync:
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
-        self.comm.broadcast_tensors([b for _, b in named_buffers(self.root)], self.src_rank)
+        self.comm.broadcast_tensors([b for _, b in named_buffers(self.root)], self.src_rank,
+                                    "the broadcast of buffers")
 
     def after_training_forward(self) -> None:
         if self.policy is BufferPolicy.LOCAL:
@@ -71,12 +73,14 @@ class BufferSync:
         if not buffers:
             return
         if self.policy is BufferPolicy.BROADCAST:
-            self.comm.broadcast_tensors(buffers, self.src_rank)
+            self.comm.broadcast_tensors(buffers, self.src_rank,
+                                        "the broadcast of buffers after the forward")
             return
         floating = [b for b in buffers if b.is_floating_point() or b.is_complex()]
         exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
-        self.comm.average_tensors(floating)
-        self.comm.broadcast_tensors(exact, self.src_rank)
+        self.comm.average_tensors(floating, "the averaging of buffers after the forward")
+        self.comm.broadcast_tensors(exact, self.src_rank,
+                                    "the broadcast of buffers after the forward")
 
 
 def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
@@ -107,6 +111,7 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         >>> sw.sync_buffers(tokenizer)      # now every rank has rank 0's statistics
     """
     comm = comm_for(module, group)
+    announce(comm, "sync_buffers")
     if not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")

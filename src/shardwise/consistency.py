@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ._env import checks_enabled
+from ._order_check import announce
 from ._registry import sharded_param
 from .buffers import comm_for, named_buffers
 from .errors import DivergenceError
@@ -50,6 +51,7 @@ def check_consistency(module: nn.Module, group=None) -> None:
         >>> sw.check_consistency(model)   # after training steps, before saving
     """
     comm = comm_for(module, group)
+    announce(comm, "check_consistency")
     mine = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_digest(t))
             for n, t in _replicated(module)}
     everyone = comm.all_gather_object(mine)

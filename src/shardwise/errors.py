@@ -13,3 +13,11 @@ class DivergenceError(ShardwiseError):
 
 class ReadOnlyGatherError(ShardwiseError):
     """A tensor was written inside a read-only ``sw.gathered(...)`` block."""
+
+
+class CollectiveError(ShardwiseError):
+    """A collective failed or timed out; the message names it and the rank.
+
+    Raised when a peer rank died, or when ranks diverged so that no peer joined the
+    collective within the process group's timeout.
+    """

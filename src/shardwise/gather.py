@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import Comm
+from ._order_check import announce
 from ._registry import sharded_param
 from ._unit import FlatGroup, ShardedParam, Unit, UnitState
 from .buffers import named_buffers
@@ -108,6 +109,7 @@ class _GatherSession:
     def enter(self) -> None:
         """Check the arguments, gather and pin the units, snapshot what may be written."""
         self.comm = self.units[0].model.comm if self.units else Comm(None)
+        announce(self.comm, "gathered()")
         r = self.modifier_rank
         if r is not None and not 0 <= r < self.comm.world_size:
             raise ShardwiseError(f"modifier_rank={r} is not a rank of a group of "

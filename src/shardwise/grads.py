@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._order_check import announce
 from ._registry import model_state
 from .errors import ShardwiseError
 
@@ -50,6 +51,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
+    announce(state.comm, "clip_grad_norm_")
     grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
              if p.shard.grad is not None]
     device = state.units[0].groups[0].local.device if state.units[0].groups else \
@@ -64,11 +66,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         norms = torch.zeros(1, device=device)
     if math.isinf(norm_type):
         local = norms.max()
-        state.comm.all_reduce(local, op=dist.ReduceOp.MAX)
+        state.comm.all_reduce(local, op=dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce")
         total = local
     else:
         local = norms.pow(norm_type).sum()
-        state.comm.all_reduce(local)
+        state.comm.all_reduce(local, what="clip_grad_norm_'s all-reduce")
         total = local.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

@@ -242,7 +242,8 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
             for (name, _), recs in zip(chosen, per_unit)]
     digest = hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
     summary = f"{len(desc)} units, {sum(len(p) for _, p in desc)} parameters"
-    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc]))
+    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc]),
+                                      what="shard()'s structure check")
     if len({d for d, _, _ in everyone}) > 1:
         lines = [f"  rank {r}: {s}, units {names[:6]}{' ...' if len(names) > 6 else ''}"
                  for r, (_, s, names) in enumerate(everyone)]

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._order_check import announce
 from ._registry import model_state, sharded_param
 
 
@@ -36,6 +37,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         keep = not rank0_only or state.comm.rank == 0
     else:
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    announce(state.comm if state is not None else None, "full_state_dict")
     sd = module.state_dict(keep_vars=True)
     full: dict[int, torch.Tensor] = {}
     if state is not None:

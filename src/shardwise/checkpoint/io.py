@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from .._agree import agreed
+from .._order_check import announce
 from .._registry import model_state
 from ..buffers import BufferPolicy
 from ..consistency import check_consistency
@@ -136,6 +137,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     """
     path = os.fspath(path)
     comm = comm_of(module)
+    announce(comm, "save_checkpoint")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
     if comm is not None and not (state is not None
@@ -493,6 +495,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     """
     path = os.fspath(path)
     comm = comm_of(module)
+    announce(comm, "load_checkpoint")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     values, buffer_values, opt_sd, rng, extra = agreed(
         comm, f"load_checkpoint({path!r}) failed",

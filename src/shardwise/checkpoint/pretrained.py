@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from .._agree import agreed
+from .._order_check import announce
 from .._registry import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
@@ -97,6 +98,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     comm = comm_of(module)
+    announce(comm, "load_pretrained")
     values, buffer_values = agreed(comm, "load_pretrained failed",
                                             lambda: _plan(module, source, strict, rename))
     apply_values(values, buffer_values)

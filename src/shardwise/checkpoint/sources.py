@@ -91,10 +91,16 @@ def _safetensors_files(paths: list[str]) -> dict[str, str]:
     for path in paths:
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for k in f.keys():
-                    files[k] = path
+                keys = list(f.keys())
         except Exception as e:  # noqa: BLE001
             raise ShardwiseError(f"{path}: not a readable safetensors file ({e})") from e
+        for k in keys:
+            if k in files:
+                raise ShardwiseError(
+                    f"{k!r} is stored twice, in {files[k]} and in {path}: which one to load "
+                    f"is ambiguous. Remove it from one file (and from the index), or "
+                    f"re-save the folder with save_pretrained")
+            files[k] = path
     return files
 
 
@@ -129,10 +135,13 @@ def open_source(source: object) -> Source:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f).get("weight_map")
+            except (ValueError, AttributeError) as e:
+                raise ShardwiseError(f"{index}: not a JSON object ({e})") from e
             if not isinstance(weight_map, dict):
-                raise ShardwiseError(f"{index}: has no weight_map")
+                raise ShardwiseError(f"{index}: has no weight_map object")
             files = {k: inside(path, v, f"{index}: weight_map[{k!r}]")
                      for k, v in weight_map.items()}
             missing = sorted({p for p in files.values() if not os.path.isfile(p)})

@@ -1,0 +1,150 @@
+"""Ranks that diverge get one clear error each: never a SIGABRT, never a long hang.
+
+Two mechanisms, each tested here without ``SHARDWISE_CHECK`` set:
+
+* the collective-order check, on by default under gloo (_order_check.py): ranks that do
+  different things raise a ``ShardwiseError`` naming what each rank was doing. Before it,
+  each of these cases aborted a process inside gloo (SIGABRT) or hung;
+* Note [stuck collectives] in _comm.py: a rank whose peers never come raises a
+  ``CollectiveError`` naming the collective, its unit and itself, at the process group's
+  timeout. Each such case gets its own group with a 3 s timeout (a hang would otherwise
+  last the default 10 minutes).
+"""
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import run_ranks
+
+import shardwise as sw
+
+TIMEOUT = datetime.timedelta(seconds=3)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _model(group):
+    torch.manual_seed(0)
+    return sw.shard(Stack(), group=group)
+
+
+def _wait_out(rank):
+    """Rank 1 stays alive (a dead peer gives a different, faster error) past the timeout."""
+    if rank == 1:
+        time.sleep(TIMEOUT.total_seconds() + 2)
+
+
+def _hangs(rank, world):
+    x = torch.ones(2, 4)
+    os.environ["SHARDWISE_CHECK"] = "0"  # so that the first collective is the all-gather
+
+    # A rank stops before a forward: its peer waits in the first unit's all-gather.
+    group = dist.new_group(timeout=TIMEOUT)
+    model = _model(group)
+    if rank == 0:
+        with pytest.raises(sw.CollectiveError,
+                           match=r"rank 0: the all-gather of unit 'blocks\.0' did not complete"):
+            model(x)
+    _wait_out(rank)
+    dist.barrier()
+
+    # A rank runs the forward but not the backward: its peer waits in a gradient
+    # reduce-scatter (or the backward's prefetch), named with its unit.
+    group = dist.new_group(timeout=TIMEOUT)
+    model = _model(group)
+    loss = model(x).sum()
+    if rank == 0:
+        with pytest.raises(sw.CollectiveError,
+                           match=r"rank 0: the (reduce-scatter|all-gather) of unit "
+                                 r"'blocks\.\d'.* did not complete.*SHARDWISE_CHECK=1"):
+            loss.backward()
+    _wait_out(rank)
+    dist.barrier()
+
+    # Only rank 0 asks for the full state dict, and rank 1 does nothing more.
+    del os.environ["SHARDWISE_CHECK"]
+    group = dist.new_group(timeout=TIMEOUT)
+    model = _model(group)
+    if rank == 0:
+        with pytest.raises(sw.CollectiveError, match=r"rank 0: the order check before "
+                                                     r"full_state_dict did not complete"):
+            sw.full_state_dict(model)
+    _wait_out(rank)
+    dist.barrier()
+
+
+def test_hangs_end_in_an_error_naming_the_collective():
+    run_ranks(_hangs, 2, timeout=60)
+
+
+class Raising(Stack):
+    def forward(self, x, fail: bool = False):
+        for i, b in enumerate(self.blocks):
+            if fail and i == 1:
+                raise ValueError("a bad batch")
+            x = b(x)
+        return x
+
+
+def _step(model, x):
+    model(x).sum().backward()
+
+
+def _diverged(rank, world):
+    os.environ.pop("SHARDWISE_CHECK", None)
+    x = torch.ones(2, 4)
+    model = sw.shard(Raising())
+    _step(model, x)
+
+    # Rank 1 catches an exception raised in the forward before blocks.1 and starts its
+    # next step; rank 0, which never failed, reaches blocks.1.
+    with pytest.raises(sw.ShardwiseError,
+                       match=r"ranks diverged \(rank 0: unit blocks\.1, rank 1: unit <root>\)"):
+        if rank == 1:
+            try:
+                model(x, fail=True)
+            except ValueError:
+                pass
+        _step(model, x)
+    _step(model, x)  # both ranks start over together: training goes on
+
+    # Only rank 0 asks for the full state dict; rank 1 goes on training.
+    with pytest.raises(sw.ShardwiseError,
+                       match=r"rank 0: full_state_dict, rank 1: unit <root>"):
+        if rank == 0:
+            sw.full_state_dict(model)
+        else:
+            _step(model, x)
+    _step(model, x)
+
+    # Rank 1 drops a step's backward (a skipped batch) and starts the next forward.
+    with pytest.raises(sw.ShardwiseError,
+                       match=r"rank 0: the backward, rank 1: unit <root>"):
+        loss = model(x).sum()
+        if rank == 0:
+            loss.backward()
+        else:
+            _step(model, x)
+    _step(model, x)
+
+    # Ranks that built different widths are stopped by shard()'s structure check.
+    with pytest.raises(sw.ShardwiseError, match="different model"):
+        sw.shard(nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 4)))
+
+
+def test_divergent_ranks_raise_instead_of_aborting():
+    run_ranks(_diverged, 2, timeout=60)
