@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_gpt.py
+	$(VENV)/bin/shardwise demo
 
 test: install lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest

@@ -64,6 +64,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from shardwise.demo import config_from, run
+
+    run(config_from(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardwise`` console script.
 
@@ -107,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
+    from shardwise.demo import add_arguments
+
+    d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks "
+                                    "(about a minute)")
+    add_arguments(d)
+    d.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     if args.version:
         from shardwise import __version__

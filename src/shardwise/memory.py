@@ -38,3 +38,21 @@ def state_bytes(module: nn.Module,
         out["optimizer"] = _unique_bytes(v for s in optimizer.state.values() for v in s.values())
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def gathered_unit_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes each unit's full parameters take while it is gathered, by unit name.
+
+    For a module that is not sharded, the whole module is one unit (``"<root>"``).
+
+    Example:
+        >>> max(gathered_unit_bytes(model).values())   # the largest all-gather's output
+        1051136
+    """
+    from ._registry import model_state
+
+    state = model_state(module)
+    if state is None:
+        return {"<root>": sum(p.numel() * p.element_size() for p in module.parameters())}
+    return {u.name: sum(g.layout.full_numel * g.full.element_size() for g in u.groups)
+            for u in state.units}

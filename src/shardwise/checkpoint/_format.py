@@ -197,30 +197,21 @@ class SafetensorsStreamWriter:
 
 
 class Progress:
-    """A one-line progress bar on stderr, shown only for long work on a terminal or when
-    forced; never more than one redraw per percent."""
+    """A byte-counting tqdm progress bar on stderr, shown only for long work on a terminal
+    or when forced."""
 
     def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.done = 0
-        self.enabled = (sys.stderr.isatty() if enabled is None else enabled)
-        self._last = -1
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=max(total, 1), desc=label, unit="B", unit_scale=True,
+                         unit_divisor=1024, file=sys.stderr,
+                         disable=not (sys.stderr.isatty() if enabled is None else enabled))
 
     def advance(self, amount: int) -> None:
-        self.done += amount
-        pct = int(100 * self.done / self.total)
-        if self.enabled and pct != self._last:
-            self._last = pct
-            bar = "#" * (pct // 4)
-            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% "
-                             f"({self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB)")
-            sys.stderr.flush()
+        self._bar.update(amount)
 
     def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self._bar.close()
 
 
 def read_json(path: str) -> dict[str, Any]:
