@@ -1,0 +1,169 @@
+"""``ShardwiseAccelerator``: accelerate's ``Accelerator``, sharding models with shardwise.
+
+accelerate wraps every model it prepares in ``DistributedDataParallel``; a sharded model
+must not be (shardwise already averages gradients), and its gradient clipping,
+accumulation and state saving must go through shardwise. This subclass changes exactly
+those points and nothing else:
+
+- ``prepare`` shards each model it is given (units from the model's
+  ``_no_split_modules`` when it has them), never wraps one in DDP, and points optimizers
+  built on the unsharded model at the sharded parameters;
+- ``clip_grad_norm_`` returns the global norm over every rank's shards, identical on
+  every rank;
+- ``no_sync`` (used by ``accumulate``) is ``sw.no_sync``;
+- ``save_state``/``load_state`` write and read a shardwise checkpoint (loadable at any
+  world size) plus the schedulers' and the step's state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..errors import ShardwiseError
+from ..grads import clip_grad_norm_, no_sync
+from ..shard import is_sharded, shard
+from ._units import no_split_units
+
+_CHECKPOINT = "shardwise"            # the shardwise checkpoint inside a state folder
+_SCHEDULERS = "schedulers.pt"
+
+
+class ShardwiseAccelerator(Accelerator):
+    """An ``Accelerator`` whose models are sharded by shardwise (ZeRO-3), not DDP-wrapped.
+
+    Takes the same arguments as ``accelerate.Accelerator``, plus ``shard_kwargs``:
+    keyword arguments for :func:`shardwise.shard` (``units``, ``mixed_precision``,
+    ``buffers``, ...) used for models ``prepare`` shards.
+
+    Raises:
+        ShardwiseError: from ``prepare``, for an optimizer that already has state for the
+            unsharded parameters; from ``save_state``/``load_state``, with more than one
+            sharded model or optimizer.
+
+    Example:
+        >>> accelerator = ShardwiseAccelerator()
+        >>> model, opt, loader = accelerator.prepare(model, opt, loader)
+        >>> for x, y in loader:
+        ...     with accelerator.accumulate(model):
+        ...         accelerator.backward(model(x, y))
+        ...         accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        ...         opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, *args: Any, shard_kwargs: dict | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard_kwargs = dict(shard_kwargs or {})
+
+    # -- prepare -----------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        remap: dict[int, nn.Parameter] = {}
+        for obj in args:
+            if isinstance(obj, nn.Module) and not is_sharded(obj):
+                remap.update(self._shard(obj))
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer) and remap:
+                _repoint(obj, remap)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _shard(self, model: nn.Module) -> dict[int, nn.Parameter]:
+        """Shard ``model``; map each original parameter's id to its sharded parameter."""
+        before = dict(model.named_parameters(remove_duplicate=False))
+        kwargs = dict(self.shard_kwargs)
+        kwargs.setdefault("units", no_split_units(model))
+        if self.device.type != "cpu":
+            model.to(self.device)
+        shard(model, **kwargs)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        return {id(p): after[name] for name, p in before.items()}
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if is_sharded(model):
+            # evaluation_mode skips the DDP wrapper and nothing else (autocast, compile):
+            # shardwise reduces gradients itself, and placed the shards at shard().
+            return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    # -- training ----------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        params = list(parameters)
+        model = self._sharded_model_of(params)
+        if model is None:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        self.unscale_gradients()
+        return clip_grad_norm_(model, max_norm, norm_type)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        if is_sharded(self.unwrap_model(model)):
+            return no_sync(self.unwrap_model(model))
+        return super().no_sync(model)
+
+    def _sharded_model_of(self, params: list) -> nn.Module | None:
+        ids = {id(p) for p in params}
+        for model in self._models:
+            model = self.unwrap_model(model)
+            if is_sharded(model) and ids == {id(p) for p in model.parameters()}:
+                return model
+        return None
+
+    # -- state -------------------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
+        """Save the sharded model, its optimizer, the schedulers and the step.
+
+        Returns the folder; ``load_state`` reads it back at any world size.
+        """
+        if output_dir is None:
+            return super().save_state(output_dir, **kwargs)  # accelerate's automatic naming
+        model, optimizer = self._sharded_state()
+        save_checkpoint(os.path.join(output_dir, _CHECKPOINT), model, optimizer,
+                        extra={"step": self.step})
+        if self.is_main_process:
+            torch.save([s.state_dict() for s in self._schedulers],
+                       os.path.join(output_dir, _SCHEDULERS))
+        self.wait_for_everyone()
+        return output_dir
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """Load what :meth:`save_state` wrote (at this or another world size)."""
+        if input_dir is None or not os.path.isdir(os.path.join(input_dir, _CHECKPOINT)):
+            return super().load_state(input_dir, **kwargs)
+        model, optimizer = self._sharded_state()
+        extra = load_checkpoint(os.path.join(input_dir, _CHECKPOINT), model, optimizer)
+        self.step = int(extra["step"])
+        states = torch.load(os.path.join(input_dir, _SCHEDULERS), weights_only=False)
+        for scheduler, state in zip(self._schedulers, states):
+            scheduler.load_state_dict(state)
+
+    def _sharded_state(self) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        models = [self.unwrap_model(m) for m in self._models]
+        if len(models) != 1 or not is_sharded(models[0]):
+            raise ShardwiseError(
+                f"ShardwiseAccelerator.save_state/load_state handle one sharded model; "
+                f"{len(models)} model(s) were prepared. Save each with sw.save_checkpoint")
+        if len(self._optimizers) > 1:
+            raise ShardwiseError("ShardwiseAccelerator.save_state/load_state handle one "
+                                 "optimizer; save each with sw.save_checkpoint")
+        optimizer = None
+        if self._optimizers:
+            optimizer = self._optimizers[0]
+            while isinstance(optimizer, AcceleratedOptimizer):
+                optimizer = optimizer.optimizer
+        return models[0], optimizer
+
+
+def _repoint(optimizer: torch.optim.Optimizer, remap: dict[int, nn.Parameter]) -> None:
+    """Make an optimizer built on an unsharded model use the sharded parameters."""
+    if optimizer.state:
+        raise ShardwiseError(
+            "an optimizer that has already stepped was passed to prepare() with an unsharded "
+            "model: its state belongs to the full parameters. Build the optimizer after "
+            "sharding (or before any step)")
+    for group in optimizer.param_groups:
+        group["params"] = [remap.get(id(p), p) for p in group["params"]]

@@ -1,0 +1,140 @@
+"""``ShardwiseTrainer``: Hugging Face ``Trainer`` training a model sharded by shardwise.
+
+The Trainer's own accelerator becomes a :class:`~shardwise.integrations.accelerate.
+ShardwiseAccelerator` (no DDP wrapper, global-norm clipping, ``sw.no_sync`` for gradient
+accumulation), and the Trainer's saving and loading go through shardwise:
+
+- the model is sharded when the Trainer is built, before the optimizer exists, with
+  units from the model's ``_no_split_modules`` (its decoder layers); a model built under
+  ``sw.sharded_init()`` works the same;
+- ``save_model`` writes a normal Hugging Face folder (``from_pretrained`` loads it);
+- a Trainer checkpoint (``checkpoint-N/``) holds that folder plus a shardwise checkpoint
+  of the parameters and optimizer state, so ``train(resume_from_checkpoint=...)`` works
+  at any world size;
+- evaluation works, and ``generate`` turns on ``synced_gpus`` by itself.
+
+Only the Trainer methods that read or write weights are overridden; each falls back to
+the Trainer's own when the folder holds no shardwise checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers import Trainer
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..distributed import init_distributed
+from ..shard import is_sharded, shard
+from ..state_dict import full_state_dict
+from ._units import no_split_units
+from .accelerate import ShardwiseAccelerator
+
+CHECKPOINT = "shardwise"       # the shardwise checkpoint inside a Trainer checkpoint folder
+_SCHEDULER = "scheduler.pt"    # the Trainer's own name for it
+
+
+class ShardwiseTrainer(Trainer):
+    """A ``transformers.Trainer`` whose model is sharded by shardwise (ZeRO-3).
+
+    Args:
+        model: a ``PreTrainedModel`` (or PEFT model), sharded or not; an unsharded one is
+            sharded here.
+        *args, **kwargs: as for ``Trainer``.
+        shard_kwargs: keyword arguments for :func:`shardwise.shard`; ``units`` defaults
+            to the model's ``_no_split_modules``.
+
+    Raises:
+        ShardwiseError: as :func:`shardwise.shard` does.
+
+    Example:
+        >>> trainer = ShardwiseTrainer(model=model, args=TrainingArguments("out"),
+        ...                            train_dataset=ds)
+        >>> trainer.train()
+        >>> trainer.save_model("final")     # a Hugging Face folder
+    """
+
+    def __init__(self, model: nn.Module | None = None, *args: Any,
+                 shard_kwargs: dict | None = None, **kwargs: Any) -> None:
+        if model is None:
+            raise TypeError("ShardwiseTrainer needs a model (model_init is not supported)")
+        if not is_sharded(model):
+            training_args = kwargs.get("args") or (args[0] if args else None)
+            init_distributed()
+            options = dict(shard_kwargs or {})
+            options.setdefault("units", no_split_units(model))
+            device = getattr(training_args, "device", None)
+            if device is not None and device.type != "cpu":
+                model.to(device)  # before shard: the structure is fixed there
+            shard(model, **options)
+        super().__init__(model, *args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # The Trainer builds its Accelerator itself, with arguments that change between
+        # transformers releases; ShardwiseAccelerator only overrides methods and adds one
+        # attribute, so the instance is switched to it instead of being rebuilt.
+        self.accelerator.__class__ = ShardwiseAccelerator
+        self.accelerator.shard_kwargs = {}
+
+    @property
+    def _sharded(self) -> nn.Module:
+        assert self.model is not None  # set in __init__
+        return self.model
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if is_sharded(model):
+            # The shards were placed at shard(). A move, even a no-op in intent such as
+            # "cpu" to "cpu:0" (the Trainer's CPU device), copies them out of
+            # shardwise's storage, which the next forward refuses.
+            return
+        super()._move_model_to_device(model, device)
+
+    # -- weights out -------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write a Hugging Face folder of the full model (every rank must call it)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = full_state_dict(self._sharded)  # collective; the full tensors on rank 0
+        self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT), self._sharded,
+                        _plain_optimizer(self.optimizer))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    # -- weights in --------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: nn.Module | None = None) -> None:
+        path = os.path.join(resume_from_checkpoint, CHECKPOINT)
+        if not os.path.isdir(path):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_checkpoint(path, self._sharded)  # the parameters; the optimizer comes later
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, CHECKPOINT)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT), self._sharded,
+                        _plain_optimizer(self.optimizer))
+        scheduler = os.path.join(checkpoint, _SCHEDULER)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None or not os.path.isdir(os.path.join(best, CHECKPOINT)):
+            return super()._load_best_model()
+        load_checkpoint(os.path.join(best, CHECKPOINT), self._sharded)
+
+
+def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's wrapper (itself an Optimizer subclass)."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
