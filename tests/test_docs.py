@@ -35,6 +35,10 @@ def blocks(page: Path, language: str) -> list[str]:
 
 def _run_python(rank, world, page: str, sources: list[str], workdir: str):
     os.chdir(workdir)
+    # What torchrun sets; accelerate reads it (the process group itself already exists).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT="29557")
     namespace: dict = {"__name__": "__doc__"}
     for i, source in enumerate(sources):
         try:

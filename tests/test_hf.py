@@ -217,3 +217,22 @@ def test_from_pretrained_under_sharded_init_points_to_from_config(tmp_path):
     got = run_ranks(_from_pretrained_under_sharded_init, 2, str(tmp_path / "pretrained"))[0]
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def _one_call_loader(rank, world, folder):
+    from shardwise.memory import gathered_unit_bytes
+
+    model = sw.from_pretrained(AutoModelForCausalLM, folder)
+    assert sw.is_sharded(model)
+    # Units from _no_split_modules: each LlamaDecoderLayer.
+    assert set(gathered_unit_bytes(model)) == {"<root>", "model.layers.0", "model.layers.1"}
+    return sw.full_state_dict(model)
+
+
+def test_sw_from_pretrained_builds_partitioned_and_loads(tmp_path):
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(llama_config())
+    ref.save_pretrained(tmp_path)
+    got = run_ranks(_one_call_loader, 3, str(tmp_path), timeout=120)[0]
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k

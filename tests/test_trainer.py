@@ -99,6 +99,9 @@ def _train_both(rank, world, root):
                              eval_dataset=data[:8])
     ours.train()
     assert sw.is_sharded(ours.model)
+    from shardwise.memory import gathered_unit_bytes  # units: each LlamaDecoderLayer
+
+    assert set(gathered_unit_bytes(ours.model)) == {"<root>", "model.layers.0", "model.layers.1"}
     full_count = sum(p.numel() for p in _model().parameters())
     assert get_model_param_count(ours.model, trainable_only=True) == full_count
 

@@ -24,6 +24,10 @@ State and checkpoints
     save_checkpoint(path, module, optimizer=None, extra=None)
     load_checkpoint(path, module, optimizer=None) -> extra
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
+Hugging Face (optional: transformers, accelerate)
+    from_pretrained(model_class, folder, **shard_kwargs) -> a sharded, loaded model
+    shardwise.integrations.transformers.ShardwiseTrainer
+    shardwise.integrations.accelerate.ShardwiseAccelerator
 Errors
     ShardwiseError, DivergenceError, ReadOnlyGatherError, CollectiveError
 Reference models
@@ -38,6 +42,8 @@ Example::
     loss = model(x, y); loss.backward(); opt.step()
 """
 
+from typing import Any
+
 from ._sharded_init import sharded_init
 from .buffers import BufferPolicy, sync_buffers
 from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
@@ -51,6 +57,20 @@ from .state_dict import full_state_dict
 
 __version__ = "0.1.0"
 
+
+def from_pretrained(model_class: Any, folder: str, **kwargs: Any) -> Any:
+    """Build a Hugging Face model partitioned from the start, shard it and load its
+    weights from ``folder``; see :func:`shardwise.integrations.transformers.from_pretrained`
+    (imported here lazily: transformers is an optional extra).
+
+    Example:
+        >>> model = sw.from_pretrained(AutoModelForCausalLM, "/models/llama-1b")
+    """
+    from .integrations.transformers import from_pretrained as load
+
+    return load(model_class, folder, **kwargs)
+
+
 __all__ = [
     "BufferPolicy",
     "CollectiveError",
@@ -60,6 +80,7 @@ __all__ = [
     "ShardwiseError",
     "check_consistency",
     "clip_grad_norm_",
+    "from_pretrained",
     "full_state_dict",
     "gathered",
     "init_distributed",

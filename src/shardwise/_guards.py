@@ -91,8 +91,10 @@ class _NoDDP:
         raise ShardwiseError(
             f"DistributedDataParallel cannot wrap {self.name}, which sw.shard already "
             f"shards: shardwise averages gradients across ranks itself, as DDP would. Train "
-            f"the sharded model directly (and with accelerate, do not pass it to "
-            f"accelerator.prepare as a DDP model)")
+            f"the sharded model directly; with accelerate, use shardwise.integrations."
+            f"accelerate.ShardwiseAccelerator, whose prepare() does not wrap it in DDP, and "
+            f"with the Hugging Face Trainer, shardwise.integrations.transformers."
+            f"ShardwiseTrainer")
 
 
 def guard_ddp(module: nn.Module) -> None:

@@ -27,7 +27,8 @@ import torch.nn as nn
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from .._sharded_init import sharded_init
+from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from ..distributed import init_distributed
 from ..shard import is_sharded, shard
 from ..state_dict import full_state_dict
@@ -138,3 +139,41 @@ def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
+
+
+def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
+                    **shard_kwargs: Any) -> nn.Module:
+    """Build a Hugging Face model partitioned from the start and load its weights.
+
+    The model is built from its config under :func:`shardwise.sharded_init` (no rank
+    ever holds it whole), sharded with units from its ``_no_split_modules``, and loaded
+    with :func:`shardwise.load_pretrained`, each rank reading only its rows of the
+    folder's safetensors files. Every rank must call it.
+
+    Args:
+        model_class: an ``AutoModel*`` class or a concrete model class
+            (``LlamaForCausalLM``).
+        folder: a local folder written by ``save_pretrained`` (config and safetensors).
+        config: a config to use instead of the folder's ``config.json``.
+        **shard_kwargs: passed to :func:`shardwise.shard` (``mixed_precision``, ...).
+
+    Raises:
+        ShardwiseError: when the folder's weights do not match the model (missing,
+            unexpected or mis-shaped keys, listed), as ``load_pretrained`` does.
+
+    Example:
+        >>> model = sw.from_pretrained(AutoModelForCausalLM, "/models/llama-1b")
+    """
+    from transformers import AutoConfig
+
+    init_distributed()
+    config = config if config is not None else AutoConfig.from_pretrained(folder)
+    with sharded_init():
+        if hasattr(model_class, "from_config"):   # the Auto* classes
+            model = model_class.from_config(config)
+        else:
+            model = model_class(config)
+    shard_kwargs.setdefault("units", no_split_units(model))
+    shard(model, **shard_kwargs)
+    load_pretrained(model, folder)
+    return model
