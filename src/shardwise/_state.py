@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
-from ._guards import check_model
+from ._guards import check_model, warn_if_compiled_whole
 from ._log import logger
 from ._order_check import OrderCheck, order_checks_enabled
 from ._unit import Unit
@@ -77,6 +77,7 @@ class ModelState:
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
+        self._compile_checked = False  # warn_if_compiled_whole ran
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -155,6 +156,9 @@ class ModelState:
 
     def _start_root_forward(self) -> None:
         check_model(self)
+        if not self._compile_checked:
+            self._compile_checked = True
+            warn_if_compiled_whole(self.root)
         self.order_check = OrderCheck(self.comm) if order_checks_enabled(self.comm) else None
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
