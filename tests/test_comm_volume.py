@@ -93,3 +93,26 @@ def _prefetch_depths(rank, world):
 def test_prefetch_depth_changes_when_units_are_gathered_not_what_or_how_often():
     out = run_ranks(_prefetch_depths, 3)[0]
     assert out[0] == out[1] == out[3], out  # same losses, same bytes, same calls
+
+
+def _reduce_scatter_without_clone(rank, world):
+    import torch.distributed as dist
+
+    from shardwise._comm import Comm
+
+    comm = Comm(None)
+    g = torch.Generator().manual_seed(rank)
+    inp = torch.randn(world * 1000, generator=g)
+    expect = torch.empty(1000)
+    dist.reduce_scatter_tensor(expect, inp.clone())  # torch's own (gloo: clone + all-reduce)
+    out = torch.empty(1000)
+    pending = comm.reduce_scatter(out, inp, async_op=True)
+    pending.wait()
+    assert torch.equal(out, expect)  # the same bits, computed in the input's own memory
+    out2 = torch.empty(1000)
+    comm.reduce_scatter(out2, torch.randn(world * 1000, generator=g))  # synchronous
+    assert comm.stats.calls["reduce_scatter"] == 2
+
+
+def test_gloo_reduce_scatter_in_place_gives_torchs_result():
+    run_ranks(_reduce_scatter_without_clone, 3)

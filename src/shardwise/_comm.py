@@ -94,9 +94,22 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                        what: str = "a reduce-scatter"):
-        """Sum ``inp`` over ranks and keep this rank's chunk in ``out``."""
+        """Sum ``inp`` over ranks and keep this rank's chunk in ``out``.
+
+        ``inp`` is consumed: under gloo it is overwritten with the sum. gloo has no
+        reduce-scatter: torch implements it by cloning the input, all-reducing the clone
+        and copying one chunk out. Doing the same on ``inp`` itself gives the same bits
+        and the same traffic without the clone, a unit-sized buffer at every reduction.
+        """
         self.stats.add("reduce_scatter", inp)
-        return self._run(what, async_op, _reduce_scatter_flat, out, inp)
+        if "gloo" not in self.backend:
+            return self._run(what, async_op, _reduce_scatter_flat, out, inp)
+        work = self._run(what, True, dist.all_reduce, inp)
+        pending = _ChunkOut(work, out, inp, self.rank, self.world_size)
+        if not async_op:
+            pending.wait()
+            return None
+        return pending
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    what: str = "an all-reduce"):
@@ -160,6 +173,25 @@ class Comm:
         except RuntimeError as err:
             raise self.stuck(what, err) from err
         return out
+
+
+class _ChunkOut:
+    """An all-reduce whose ``wait`` also copies this rank's chunk of the sum out."""
+
+    def __init__(self, work: Any, out: torch.Tensor, summed: torch.Tensor, rank: int,
+                 world_size: int) -> None:
+        self._work = work
+        self._out: torch.Tensor | None = out
+        self._summed = summed
+        self._rank = rank
+        self._world_size = world_size
+
+    def wait(self) -> None:
+        self._work.wait()
+        if self._out is not None:
+            self._out.copy_(self._summed.chunk(self._world_size)[self._rank])
+            self._out = None
+            del self._summed  # the caller drops its own reference after the wait
 
 
 class _Pending:

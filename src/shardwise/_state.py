@@ -222,6 +222,11 @@ class ModelState:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
+        # Free the full parameters before the gradients are copied into the reduction
+        # buffer, not after: at the root's reduction, at the end of the backward, that
+        # is the difference between holding the root's parameters, gradients and buffer
+        # at once or only the last two (BENCHMARKS.md, live tensor bytes).
+        unit.reshard(keep_grads=True)
         unit.start_reduce(self.requires_grad_sync)
         unit.reshard()
         # At most two reductions in flight: each holds a unit-sized gradient buffer, and

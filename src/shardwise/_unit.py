@@ -337,8 +337,9 @@ class Unit:
         self._swap(full=True)
         self.state = UnitState.GATHERED
 
-    def reshard(self) -> None:
-        """-> SHARDED: expose shards again and free the full parameters.
+    def reshard(self, keep_grads: bool = False) -> None:
+        """-> SHARDED: expose shards again and free the full parameters (and, unless
+        ``keep_grads``, their gradients).
 
         A unit pinned by an open ``gathered()`` block stays gathered.
         """
@@ -348,8 +349,9 @@ class Unit:
             g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
         for g in self.groups:
-            for p in g.params:
-                p.full.grad = None
+            if not keep_grads:
+                for p in g.params:
+                    p.full.grad = None
             g._free_full()
         self.state = UnitState.SHARDED
 
