@@ -25,9 +25,13 @@ Measures:
   every block of 128 KiB or more with its own mmap, returned to the OS when freed (by
   default glibc raises that threshold dynamically, so freed large blocks stay in the
   heap and in RSS);
-- ``live``: the peak of live tensor bytes (torch's CPU allocator total, read from the
-  profiler's allocation events over building and two steps), with the phase and the
-  operator where it happened. Independent of the allocator's caching.
+- ``heap`` (from the ``rss`` run): the peak of malloc'd bytes in use, every thread's,
+  polled from glibc every half millisecond (``HeapPeak``): live tensors and little
+  else, without the allocator's cached free memory;
+- ``live``: where the peak is, from torch.profiler's allocation events (replayed by
+  address), with the phase, operator and the largest allocation sites at the peak. The
+  events miss frees done on gloo's worker threads, so its total can run high; ``heap``
+  is the figure to compare.
 """
 
 from __future__ import annotations
@@ -52,6 +56,47 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+class HeapPeak:
+    """The peak of malloc'd bytes in use (glibc ``mallinfo2``: heap plus mmapped blocks),
+    polled every half millisecond from a thread, minus what was in use at the start.
+
+    Counts every thread's allocations and frees (gloo's worker threads free tensors the
+    main thread allocated, which the profiler's allocation events do not see) and none
+    of the allocator's cached free memory, which RSS includes.
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+        import threading
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        self._info = libc.mallinfo2
+        self.base = self._in_use()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _in_use(self) -> int:
+        m = self._info()
+        return m.uordblks + m.hblkhd
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.0005):
+            self.peak = max(self.peak, self._in_use())
+
+    def stop_mib(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return (max(self.peak, self._in_use()) - self.base) / 2**20
+
+
 def worker(config: str, model_name: str, steps: int, live: bool) -> None:
     import contextlib
 
@@ -67,6 +112,7 @@ def worker(config: str, model_name: str, steps: int, live: bool) -> None:
     cfg = GPTConfig(**MODELS[model_name])
     profiler = (profile(activities=[ProfilerActivity.CPU], profile_memory=True) if live
                 else contextlib.nullcontext())
+    heap = HeapPeak()
     with profiler as prof:
         with record_function("build"):
             model = build(config, cfg)
@@ -84,7 +130,7 @@ def worker(config: str, model_name: str, steps: int, live: bool) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     report = {"config": config, "rank": rank, "built_mib": built, "peak_mib": peak_mib(),
-              "params": n_params}
+              "params": n_params, "heap_mib": heap.stop_mib()}
     if live:
         report.update(live_peak(prof))
     print("RESULT " + json.dumps(report), flush=True)
@@ -124,25 +170,55 @@ def build(config: str, cfg):
 
 
 def live_peak(prof) -> dict:
-    """The largest total of live tensor bytes any allocation reached, and where."""
+    """The peak of live tensor bytes, and what was live then.
+
+    Replays the profiler's allocation and free events in time order, matched by address,
+    so every live byte at the peak has an allocation site. (The allocator's running
+    total in the same events also counts blocks that gloo's threads allocate and free
+    out of the profiler's sight; on ``sharded_init``'s source rank it read 300 MiB
+    above the replay, with no matching allocation event and no trace in RSS.)
+    """
     from torch._C._profiler import _EventType
 
-    best = None
+    events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
-        if e.typed[0] == _EventType.Allocation and e.extra_fields.alloc_size > 0:
-            if best is None or e.extra_fields.total_allocated > best.extra_fields.total_allocated:
-                best = e
-    path, parent = [], best.parent if best is not None else None
+        if e.typed[0] == _EventType.Allocation:
+            events.append(e)
+    events.sort(key=lambda e: e.start_time_ns)
+    live: dict[int, tuple[int, object]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, object]] = {}
+    for e in events:
+        f = e.extra_fields
+        if f.alloc_size > 0:
+            live[f.ptr] = (f.alloc_size, e)
+            total += f.alloc_size
+            if total > peak:
+                peak, at_peak, peak_event = total, dict(live), e
+        elif f.ptr in live:
+            total -= live.pop(f.ptr)[0]
+    sites: dict[str, int] = {}
+    for size, e in at_peak.values():
+        sites[_site(e)] = sites.get(_site(e), 0) + size
+    top = sorted(sites.items(), key=lambda kv: -kv[1])[:int(os.environ.get("SITES", "6"))]
+    return {"live_mib": peak / 2**20, "live_phase": _site(peak_event).split(":")[0],
+            "live_op": _site(peak_event),
+            "live_sites": [(name, round(b / 2**20, 1)) for name, b in top]}
+
+
+def _site(event) -> str:
+    """'phase: innermost op < its caller' for an allocation event."""
+    names, phase, parent = [], "?", event.parent
     while parent is not None:
-        path.append(parent.name)
+        if parent.name in ("build", "forward", "backward", "optimizer step"):
+            phase = parent.name
+        elif len(names) < 2:
+            names.append(parent.name)
         parent = parent.parent
-    phase = next((p for p in reversed(path) if p in ("build", "forward", "backward",
-                                                    "optimizer step")), "?")
-    return {"live_mib": best.extra_fields.total_allocated / 2**20 if best else 0.0,
-            "live_phase": phase, "live_op": " < ".join(path[:3])}
+    return f"{phase}: {' < '.join(names)}"
 
 
 def main() -> None:
@@ -180,7 +256,9 @@ def main() -> None:
                 r0 = results[0]
                 detail = (f"live {r0['live_mib']:.0f} MiB in {r0['live_phase']} "
                           f"({r0['live_op']})" if measure == "live" else
-                          f"peak RSS {r0['peak_mib']:.0f} / {results[1]['peak_mib']:.0f} MiB")
+                          f"peak RSS {r0['peak_mib']:.0f} / {results[1]['peak_mib']:.0f} MiB"
+                          f", heap in use {r0['heap_mib']:.0f} / "
+                          f"{results[1]['heap_mib']:.0f} MiB")
                 print(f"{model_name} {config} {measure}: {detail}", flush=True)
         report(model_name, rows)
 
@@ -188,10 +266,13 @@ def main() -> None:
 def report(model_name: str, rows: dict[str, dict[str, list]]) -> None:
     """One table per model: each measure's rank maximum and its ratio to DDP's."""
     def value(results: list, measure: str) -> float:
-        key = "live_mib" if measure == "live" else "peak_mib"
+        key = {"live": "live_mib", "heap": "heap_mib"}.get(measure, "peak_mib")
         return max(r[key] for r in results)
 
-    measures = [m for m in MEASURES if any(m in v for v in rows.values())]
+    for by in rows.values():  # the heap peak comes from the plain (rss) run
+        if "rss" in by:
+            by["heap"] = by["rss"]
+    measures = [m for m in MEASURES + ["heap"] if any(m in v for v in rows.values())]
     print(f"\n{model_name}: " + ", ".join(f"{m} MiB (x DDP)" for m in measures))
     for config, by in rows.items():
         cells = []
