@@ -132,7 +132,7 @@ def _worker(cfg: DemoConfig, out: str) -> None:
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.steps, unit="step", dynamic_ncols=True, mininterval=0.5)
     data = _batches(train, cfg, rank)
     first = last = float("nan")
     start = time.perf_counter()
