@@ -110,6 +110,17 @@ def _resume(rank, world, root):
     acc.backward(_loss(model, _batches(rank)[0]))  # and training goes on
     opt.step()
 
+    # A model and its optimizer prepared in separate calls: the optimizer still gets
+    # the sharded parameters.
+    late = GPT(CFG)
+    late_opt = torch.optim.SGD(late.parameters(), lr=0.1)
+    late = acc.prepare(late)
+    late_opt = acc.prepare(late_opt)
+    assert {id(p) for g in late_opt.param_groups for p in g["params"]} == {
+        id(p) for p in late.parameters()}
+    acc.backward(_loss(late, _batches(rank)[0]))
+    late_opt.step()
+
     # Plain accelerate would wrap the sharded model in DDP: a clear error instead.
     from accelerate import Accelerator
 

@@ -104,7 +104,7 @@ def _worker(cfg: DemoConfig, out: str) -> None:
 
     import shardwise as sw
 
-    from .memory import gathered_unit_bytes, state_bytes
+    from .memory import gathered_unit_bytes
     from .models import GPT
 
     torch.set_num_threads(1)
@@ -114,7 +114,6 @@ def _worker(cfg: DemoConfig, out: str) -> None:
     codec = CharCodec(text)
     tokens = codec.encode(text)
     split = int(0.9 * len(tokens))
-    train, val = tokens[:split], tokens[split:]
     mcfg = _model_config(cfg, len(codec.chars))
 
     torch.manual_seed(0)
@@ -127,37 +126,8 @@ def _worker(cfg: DemoConfig, out: str) -> None:
               f"{len(text) / 1e3:.0f} KB of Shakespeare, sharded over {world} CPU ranks "
               f"(vocabulary {len(codec.chars)}; chance loss {math.log(len(codec.chars)):.2f})",
               flush=True)
-
-    bar = None
-    if rank == 0 and cfg.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, unit="step", dynamic_ncols=True, mininterval=0.5)
-    data = _batches(train, cfg, rank)
-    first = last = float("nan")
-    start = time.perf_counter()
-    mem: dict[str, int] = {}
-    for step in range(1, cfg.steps + 1):
-        x, y = next(data)
-        loss = model(x, y)
-        loss.backward()
-        sw.clip_grad_norm_(model, 1.0)
-        opt.step()
-        if step == cfg.steps:
-            mem = state_bytes(model, opt)  # before zero_grad, so gradients count
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach()
-        dist.all_reduce(mean)
-        value = mean.item() / world
-        first = value if step == 1 else first
-        last = value
-        if bar is not None:
-            tokens_per_s = step * cfg.batch * cfg.seq_len * world / (time.perf_counter() - start)
-            bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-            bar.update()
-    if bar is not None:
-        bar.close()
-    val_loss = _validation_loss(model, val, cfg)
+    first, last, mem = _train(model, opt, _batches(tokens[:split], cfg, rank), cfg)
+    val_loss = _validation_loss(model, tokens[split:], cfg)
 
     mem["unit"] = max(gathered_unit_bytes(model).values())
     everyone = [None] * world
@@ -174,6 +144,47 @@ def _worker(cfg: DemoConfig, out: str) -> None:
               f"each rank holding its own rows by design")
         _consolidate_and_sample(out, cfg, codec, mcfg)
     dist.destroy_process_group()
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data, cfg: DemoConfig
+           ) -> tuple[float, float, dict[str, int]]:
+    """Train ``cfg.steps`` steps with a progress bar on rank 0. Returns the first and last
+    mean loss over ranks, and what this rank stores at the last step (gradients included)."""
+    import torch.distributed as dist
+
+    import shardwise as sw
+
+    from .memory import state_bytes
+
+    world = dist.get_world_size()
+    bar = None
+    if dist.get_rank() == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, unit="step", dynamic_ncols=True, mininterval=0.5)
+    first = last = float("nan")
+    start = time.perf_counter()
+    mem: dict[str, int] = {}
+    for step in range(1, cfg.steps + 1):
+        x, y = next(data)
+        loss = model(x, y)
+        loss.backward()
+        sw.clip_grad_norm_(model, 1.0)
+        opt.step()
+        if step == cfg.steps:
+            mem = state_bytes(model, opt)  # before zero_grad, so gradients count
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach()
+        dist.all_reduce(mean)
+        last = mean.item() / world
+        first = last if step == 1 else first
+        if bar is not None:
+            tokens_per_s = step * cfg.batch * cfg.seq_len * world / (time.perf_counter() - start)
+            bar.set_postfix(loss=f"{last:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return first, last, mem
 
 
 @torch.no_grad()

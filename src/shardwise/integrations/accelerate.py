@@ -63,7 +63,8 @@ class ShardwiseAccelerator(Accelerator):
 
     # -- prepare -----------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
-        remap: dict[int, nn.Parameter] = {}
+        # Kept across calls: an optimizer may be prepared after its model, separately.
+        remap: dict[int, nn.Parameter] = self.__dict__.setdefault("_shardwise_remap", {})
         for obj in args:
             if isinstance(obj, nn.Module) and not is_sharded(obj):
                 remap.update(self._shard(obj))
@@ -160,6 +161,8 @@ class ShardwiseAccelerator(Accelerator):
 
 def _repoint(optimizer: torch.optim.Optimizer, remap: dict[int, nn.Parameter]) -> None:
     """Make an optimizer built on an unsharded model use the sharded parameters."""
+    if not any(id(p) in remap for g in optimizer.param_groups for p in g["params"]):
+        return  # built on the sharded model already, or on another model
     if optimizer.state:
         raise ShardwiseError(
             "an optimizer that has already stepped was passed to prepare() with an unsharded "
