@@ -7,30 +7,19 @@ import warnings
 import pytest
 import torch
 from harness import run_ranks
+from parity import GPT_CFG, gpt_batches, gpt_loss, train
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig
-
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+from shardwise.models import GPT
 
 
 def _train(model, rank, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(steps):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        loss = model(x, x.roll(-1, 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, gpt_batches(rank, steps), gpt_loss).tolist()
 
 
 def _compiled(rank, world):
     torch.manual_seed(0)
-    base = GPT(CFG)
+    base = GPT(GPT_CFG)
     eager = _train(sw.shard(copy.deepcopy(base)), rank)
 
     per_block = copy.deepcopy(base)
