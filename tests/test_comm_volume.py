@@ -95,24 +95,49 @@ def test_prefetch_depth_changes_when_units_are_gathered_not_what_or_how_often():
     assert out[0] == out[1] == out[3], out  # same losses, same bytes, same calls
 
 
-def _reduce_scatter_without_clone(rank, world):
+def _exchanges_match_gloos_collectives(rank, world):
     import torch.distributed as dist
 
     from shardwise._comm import Comm
 
     comm = Comm(None)
+    a, b = Comm(None), Comm(None)  # two models over one group, exchanging at once
     g = torch.Generator().manual_seed(rank)
-    inp = torch.randn(world * 1000, generator=g)
-    expect = torch.empty(1000)
-    dist.reduce_scatter_tensor(expect, inp.clone())  # torch's own (gloo: clone + all-reduce)
-    out = torch.empty(1000)
-    pending = comm.reduce_scatter(out, inp, async_op=True)
-    pending.wait()
-    assert torch.equal(out, expect)  # the same bits, computed in the input's own memory
-    out2 = torch.empty(1000)
-    comm.reduce_scatter(out2, torch.randn(world * 1000, generator=g))  # synchronous
+    inputs = [torch.randn(world * 1000, generator=g) for _ in range(3)]
+    everyone = torch.empty(world * world * 1000)
+    dist.all_gather_into_tensor(everyone, inputs[0].clone())
+    # Issued together, waited for in reverse: tags keep each exchange's messages apart.
+    outs = [torch.empty(1000) for _ in inputs]
+    works = [comm.reduce_scatter(outs[0], inputs[0], async_op=True),
+             a.reduce_scatter(outs[1], inputs[1], async_op=True),
+             b.reduce_scatter(outs[2], inputs[2], async_op=True)]
+    for w in reversed(works):
+        w.wait()
+    for out, inp in zip(outs, inputs):
+        expect = torch.empty(1000)
+        dist.reduce_scatter_tensor(expect, inp.clone())  # torch's own (gloo: an all-reduce)
+        if world == 2:
+            assert torch.equal(out, expect)  # one addition: gloo's bits exactly
+        else:
+            torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+    rank_order = everyone.view(world, world, 1000)[:, rank].clone()
+    total = rank_order[0].clone()
+    for r in range(1, world):
+        total.add_(rank_order[r])
+    assert torch.equal(outs[0], total)  # the sum in rank order, the same on every run
+    shard = torch.randn(777, generator=g)
+    gathered, expect = torch.empty(world * 777), torch.empty(world * 777)
+    pending = [comm.all_gather(gathered, shard, async_op=True),
+               a.all_gather(torch.empty(world * 5), torch.ones(5), async_op=True)]
+    for w in reversed(pending):
+        w.wait()
+    dist.all_gather_into_tensor(expect, shard)
+    assert torch.equal(gathered, expect)
+    comm.reduce_scatter(torch.empty(1000), torch.randn(world * 1000, generator=g))  # sync
     assert comm.stats.calls["reduce_scatter"] == 2
+    assert comm.stats.calls["all_gather"] == 1
 
 
-def test_gloo_reduce_scatter_in_place_gives_torchs_result():
-    run_ranks(_reduce_scatter_without_clone, 3)
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_exchanges_give_the_collectives_results(world):
+    run_ranks(_exchanges_match_gloos_collectives, world)
