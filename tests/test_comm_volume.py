@@ -3,8 +3,8 @@
 Per step every unit is all-gathered for its forward and, unless it stays gathered (the
 root, which runs first and is needed again right at the start of backward), once more for
 its backward; every trainable unit's gradients are reduce-scattered once. ``CommStats``
-counts each collective's input on this rank: a shard for an all-gather, the full
-(padded) gradient buffer for a reduce-scatter.
+counts each collective's input on this rank (a shard for an all-gather, the full
+(padded) gradient buffer for a reduce-scatter) and the bytes gloo's exchanges send.
 """
 
 import pytest
@@ -26,8 +26,7 @@ def _volume(rank, world, reshard_after_forward):
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     model(x, x).backward()  # the first step records the order prefetching follows
     stats = state.comm.stats
-    stats.bytes.clear()
-    stats.calls.clear()
+    stats.clear()
     model(x, x).backward()
     param_bytes = expect_ag = expect_rs = padding = 0
     for u in state.units:
@@ -51,6 +50,11 @@ def _volume(rank, world, reshard_after_forward):
                  - (root if reshard_after_forward else 0)) / world
     assert theory_ag <= expect_ag <= theory_ag + 2 * padding / world
     assert param_bytes <= expect_rs <= param_bytes + padding
+    # On the wire (gloo's exchanges count what they send): every all-gather sends this
+    # rank's shard to N-1 peers, every reduce-scatter N-1 of its input's N chunks, which
+    # is the ring algorithm's (N-1)/N of a unit per pass.
+    assert stats.sent["all_gather"] == (world - 1) * expect_ag, (stats.sent, expect_ag)
+    assert stats.sent["reduce_scatter"] * world == (world - 1) * expect_rs, stats.sent
     return stats.bytes["all_gather"], stats.bytes["reduce_scatter"], param_bytes
 
 

@@ -56,10 +56,18 @@ _WIRE_DTYPE = {torch.bool: torch.uint8}
 
 @dataclass
 class CommStats:
-    """Bytes sent into each kind of collective (this rank's input), and call counts."""
+    """Per kind of collective: this rank's input bytes (``bytes``), call counts, and the
+    bytes this rank put on the wire itself (``sent``: gloo's exchanges, Note [gloo
+    exchanges]; a backend's own collectives do not say what they send)."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
+    sent: Counter = field(default_factory=Counter)
+
+    def clear(self) -> None:
+        """Start counting from zero."""
+        for counter in (self.bytes, self.calls, self.sent):
+            counter.clear()
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
         self.bytes[kind] += tensor.numel() * tensor.element_size()
@@ -115,7 +123,7 @@ class Comm:
         parts = out.chunk(self.world_size)
         peers = self._peers()
         work = self._exchange([(p, inp) for p, _ in peers], [(p, parts[p]) for _, p in peers],
-                              what)
+                              what, "all_gather")
         parts[self.rank].copy_(inp)
         return self._finish(work, async_op)
 
@@ -141,7 +149,8 @@ class Comm:
             recvs = [(p, inbox[i]) for i, (_, p) in enumerate(peers)]
             parts = {p: t for p, t in recvs}
             parts[self.rank] = chunks[self.rank]
-        work = self._exchange([(p, chunks[p]) for p, _ in peers], recvs, what)
+        work = self._exchange([(p, chunks[p]) for p, _ in peers], recvs, what,
+                              "reduce_scatter")
 
         def add_up() -> None:
             if parts is None:
@@ -178,7 +187,7 @@ class Comm:
         return [((self.rank + k) % n, (self.rank - k) % n) for k in range(1, n)]
 
     def _exchange(self, sends: list[tuple[int, torch.Tensor]],
-                  recvs: list[tuple[int, torch.Tensor]], what: str) -> _Pending:
+                  recvs: list[tuple[int, torch.Tensor]], what: str, kind: str) -> _Pending:
         """Issue point-to-point sends and receives under one tag (Note [gloo exchanges])."""
         group = self.group if self.group is not None else dist.group.WORLD
         name = group.group_name if group is not None else ""
@@ -187,6 +196,7 @@ class Comm:
         works = []
         try:
             for peer, tensor in sends:
+                self.stats.sent[kind] += tensor.numel() * tensor.element_size()
                 works.append(dist.isend(tensor, self.global_rank(peer), group=self.group,
                                         tag=tag))
             for peer, tensor in recvs:
