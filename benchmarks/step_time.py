@@ -8,6 +8,11 @@ All systems are built first; then each round runs ``--steps`` steps of every sys
 turn (the order rotates between rounds), so slow phases of a shared machine hit all of
 them alike. The script prints each system's median step time per round, the per-round
 ratio to DDP and the median of those ratios, and the largest loss difference from DDP.
+
+``--systems`` also takes ``ddp_compiled``, ``fsdp2_compiled`` and ``compiled`` (shardwise):
+each block is compiled with ``torch.compile`` (inductor) before the model is wrapped or
+sharded, the path shardwise documents. Their ratios are also given against
+``ddp_compiled`` when it runs, and their losses are compared with its losses.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ def wrap_fsdp2(model: GPT) -> GPT:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    return model
+
+
+def compile_blocks(model: GPT) -> GPT:
+    for block in model.blocks:
+        block.compile()
     return model
 
 
@@ -78,8 +89,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per system and round")
     parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
     parser.add_argument("--systems", default="ddp,fsdp2,shardwise",
-                        help="of ddp, fsdp2, shardwise and unchecked (shardwise with "
-                             "SHARDWISE_CHECK=0)")
+                        help="of ddp, fsdp2, shardwise, unchecked (shardwise with "
+                             "SHARDWISE_CHECK=0), ddp_compiled, fsdp2_compiled, compiled")
     parser.add_argument("--layers", type=int, default=6)
     args = parser.parse_args()
     sw.init_distributed()
@@ -93,7 +104,10 @@ def main() -> None:
 
     makers = {"ddp": lambda: DDP(build(cfg)), "fsdp2": lambda: wrap_fsdp2(build(cfg)),
               "shardwise": lambda: sw.shard(build(cfg)),
-              "unchecked": lambda: sw.shard(build(cfg))}
+              "unchecked": lambda: sw.shard(build(cfg)),
+              "ddp_compiled": lambda: DDP(compile_blocks(build(cfg))),
+              "fsdp2_compiled": lambda: wrap_fsdp2(compile_blocks(build(cfg))),
+              "compiled": lambda: sw.shard(compile_blocks(build(cfg)))}
     systems = [System(name, makers[name]()) for name in args.systems.split(",")]
     for r in range(args.rounds):
         # Rotate the order so that no system always runs first (or last) in a round.
@@ -115,15 +129,20 @@ def report(systems: list[System], args, world: int) -> None:
 
     print(f"\nworld {world}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
-    ddp = next((s for s in systems if s.name == "ddp"), None)
+    by_name = {s.name: s for s in systems}
     for s in systems:
-        line = f"{s.name:10s} " + "  ".join(f"{med(s, r):.3f}" for r in range(args.rounds))
-        if ddp is not None:
-            ratios = [med(s, r) / med(ddp, r) for r in range(args.rounds)]
-            dl = max(abs(a - b) for a, b in zip(s.losses, ddp.losses))
-            line += (f"  s/step; ratio to DDP per round "
+        line = f"{s.name:14s} " + "  ".join(f"{med(s, r):.3f}" for r in range(args.rounds))
+        line += " s/step"
+        refs = ["ddp"] + (["ddp_compiled"] if "compiled" in s.name else [])
+        for ref_name in refs:
+            ref = by_name.get(ref_name)
+            if ref is None or ref is s:
+                continue
+            ratios = [med(s, r) / med(ref, r) for r in range(args.rounds)]
+            dl = max(abs(a - b) for a, b in zip(s.losses, ref.losses))
+            line += (f"; ratio to {ref_name} per round "
                      f"{' '.join(f'{x:.3f}' for x in ratios)}, median "
-                     f"{statistics.median(ratios):.3f}; max |loss - DDP loss| {dl:.2e}")
+                     f"{statistics.median(ratios):.3f}, max |loss - its loss| {dl:.2e}")
         print(line)
 
 

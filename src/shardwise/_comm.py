@@ -11,9 +11,11 @@ moment nobody can wait for.
 
 Note [gloo exchanges]: under gloo, the all-gathers and reduce-scatters of units travel as
 point-to-point messages (each rank sends every peer its part and receives theirs), not as
-gloo's own collectives. Measured on 2 CPU ranks (``benchmarks/collectives.py``): gloo's
-all-gather moves about 550 MB/s and its "reduce-scatter" is an all-reduce (twice the
-traffic, a chunk copied out); the exchange moves the same bytes 2.5-3.6x and 2-3x faster.
+gloo's own collectives. gloo's all-gather is slow, and it has no reduce-scatter: torch
+all-reduces a clone of the input (twice the traffic) and copies a chunk out. Measured
+with idle ranks (``benchmarks/collectives.py``, 2 and 3 CPU ranks, units of 4-50 MB), the
+exchange is 1.2-3.5x faster for an all-gather and 1.7-4.2x for a reduce-scatter; on the
+reference workload it takes about 2% off a training step (BENCHMARKS.md).
 The result is the same: an all-gather is a copy; a reduce-scatter's sum is taken in rank
 order, and at N=2 it is one addition, which is commutative, so every bit equals gloo's
 all-reduce (and DDP's). At N>2 the order may differ from gloo's ring in the last bits.
