@@ -13,6 +13,16 @@ ratio to DDP and the median of those ratios, and the largest loss difference fro
 each block is compiled with ``torch.compile`` (inductor) before the model is wrapped or
 sharded, the path shardwise documents. Their ratios are also given against
 ``ddp_compiled`` when it runs, and their losses are compared with its losses.
+
+World of one, the hook overhead (issue 12's GPU measure; it runs on the CPU as well):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/step_time.py --systems plain,shardwise,fsdp2
+
+``plain`` is the unsharded model with no wrapper; ratios are against ``--reference``
+(default ``ddp``, else ``plain``). ``--device cuda`` (the default when a GPU is present)
+runs on the GPU with NCCL, synchronises before reading the clock and reports each
+system's peak ``torch.cuda.max_memory_allocated``; ``--layers``, ``--d-model``,
+``--batch`` and ``--seq`` scale the workload up to fill it.
 """
 
 from __future__ import annotations
@@ -53,13 +63,19 @@ def compile_blocks(model: GPT) -> GPT:
 class System:
     """One system's model, optimizer and record, kept across rounds."""
 
-    def __init__(self, name: str, model) -> None:
+    def __init__(self, name: str, model, device: torch.device) -> None:
         self.name = name
         self.model = model
+        self.device = device
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
         self.times: list[list[float]] = []  # per round
         self.losses: list[float] = []
         self.step = 0
+        self.peak = 0  # bytes, CUDA only
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def run(self, data, steps: int) -> None:
         # "unchecked" is shardwise without the collective-order check (on by default
@@ -69,18 +85,42 @@ class System:
         else:
             os.environ.pop("SHARDWISE_CHECK", None)
         times = []
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(steps):
-            x, y = data[self.step]
+            x, y = (t.to(self.device) for t in data[self.step])
+            self.sync()
             dist.barrier()
             t0 = time.perf_counter()
             loss = self.model(x, y)
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
+            self.sync()
             times.append(time.perf_counter() - t0)
             self.losses.append(loss.item())
             self.step += 1
         self.times.append(times)
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+
+
+def _on(device: torch.device, model: GPT) -> GPT:
+    return model.to(device)
+
+
+# Every system starts from the same weights, built on the CPU (shardwise moves its shards
+# to the process group's device itself).
+MAKERS = {
+    "plain": lambda cfg, dev: _on(dev, build(cfg)),
+    "ddp": lambda cfg, dev: DDP(_on(dev, build(cfg))),
+    "fsdp2": lambda cfg, dev: wrap_fsdp2(_on(dev, build(cfg))),
+    "shardwise": lambda cfg, dev: sw.shard(build(cfg)),
+    "unchecked": lambda cfg, dev: sw.shard(build(cfg)),
+    "ddp_compiled": lambda cfg, dev: DDP(compile_blocks(_on(dev, build(cfg)))),
+    "fsdp2_compiled": lambda cfg, dev: wrap_fsdp2(compile_blocks(_on(dev, build(cfg)))),
+    "compiled": lambda cfg, dev: sw.shard(compile_blocks(build(cfg))),
+}
 
 
 def main() -> None:
@@ -90,25 +130,34 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
     parser.add_argument("--systems", default="ddp,fsdp2,shardwise",
                         help="of ddp, fsdp2, shardwise, unchecked (shardwise with "
-                             "SHARDWISE_CHECK=0), ddp_compiled, fsdp2_compiled, compiled")
+                             "SHARDWISE_CHECK=0), ddp_compiled, fsdp2_compiled, compiled, "
+                             "plain (the unsharded model, unwrapped)")
+    parser.add_argument("--reference", default=None,
+                        help="the system ratios are taken against (default: ddp if it "
+                             "runs, else plain)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4, help="per rank")
+    parser.add_argument("--seq", type=int, default=256)
     args = parser.parse_args()
-    sw.init_distributed()
+    names = args.systems.split(",")
+    args.reference = args.reference or ("ddp" if "ddp" in names else "plain")
+    unknown = set(names) - set(MAKERS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {sorted(MAKERS)}")
+    sw.init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(n_layer=args.layers)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, seq_len=args.seq)
     g = torch.Generator().manual_seed(100 + rank)
     data = []
     for _ in range(args.rounds * args.steps):
-        x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
+        x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
         data.append((x, torch.roll(x, -1, dims=1)))
-
-    makers = {"ddp": lambda: DDP(build(cfg)), "fsdp2": lambda: wrap_fsdp2(build(cfg)),
-              "shardwise": lambda: sw.shard(build(cfg)),
-              "unchecked": lambda: sw.shard(build(cfg)),
-              "ddp_compiled": lambda: DDP(compile_blocks(build(cfg))),
-              "fsdp2_compiled": lambda: wrap_fsdp2(compile_blocks(build(cfg))),
-              "compiled": lambda: sw.shard(compile_blocks(build(cfg)))}
-    systems = [System(name, makers[name]()) for name in args.systems.split(",")]
+    systems = [System(name, MAKERS[name](cfg, device), device) for name in names]
     for r in range(args.rounds):
         # Rotate the order so that no system always runs first (or last) in a round.
         for s in systems[r % len(systems):] + systems[:r % len(systems)]:
@@ -127,13 +176,15 @@ def report(systems: list[System], args, world: int) -> None:
         times = s.times[r][args.warmup:] if r == 0 else s.times[r]
         return statistics.median(times)
 
-    print(f"\nworld {world}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"{args.rounds} interleaved rounds of {args.steps} steps")
+    print(f"\nworld {world}, torch {torch.__version__}, device {systems[0].device}, threads "
+          f"{torch.get_num_threads()}, {args.rounds} interleaved rounds of {args.steps} steps")
     by_name = {s.name: s for s in systems}
     for s in systems:
         line = f"{s.name:14s} " + "  ".join(f"{med(s, r):.3f}" for r in range(args.rounds))
         line += " s/step"
-        refs = ["ddp"] + (["ddp_compiled"] if "compiled" in s.name else [])
+        if s.peak:
+            line += f", peak allocated {s.peak / 2**20:.0f} MiB"
+        refs = [args.reference] + (["ddp_compiled"] if "compiled" in s.name else [])
         for ref_name in refs:
             ref = by_name.get(ref_name)
             if ref is None or ref is s:

@@ -22,7 +22,7 @@ all-reduce (and DDP's). At N>2 the order may differ from gloo's ring in the last
 Each exchange carries a tag that every rank draws from one counter per process group, so
 two models' (or one model's two) exchanges in flight at once never take each other's
 messages; ranks issue exchanges in the same order, which is what a collective requires
-anyway.
+anyway. In a world of one, under any backend, the same code only copies.
 
 Note [stuck collectives]: every collective carries a description of what it is for
 ("the all-gather of unit 'blocks.3'"). When it fails, because a peer died or because no
@@ -141,6 +141,9 @@ class Comm:
             return self._run(what, async_op, _reduce_scatter_flat, out, inp)
         chunks = inp.chunk(self.world_size)
         peers = self._peers()
+        if self.world_size == 1:
+            out.copy_(inp)
+            return self._finish(_Pending([], self, what), async_op)
         if self.world_size == 2:
             # One addition, received straight into ``out``: a + b equals b + a bit for bit.
             recvs = [(p, out) for _, p in peers]
@@ -181,7 +184,8 @@ class Comm:
 
     @property
     def _exchanges(self) -> bool:
-        return "gloo" in self.backend and self.world_size > 1
+        # A world of one exchanges nothing: its "collectives" are local copies.
+        return "gloo" in self.backend or self.world_size == 1
 
     def _peers(self) -> list[tuple[int, int]]:
         """(rank to send to, rank to receive from) for each step around the ring."""
