@@ -51,6 +51,9 @@ class GradReduction:
             self._accum = buf
             return
         self._accum = None
+        if g.comm.world_size == 1:
+            self._out = buf  # the sum over one rank, already in this rank's layout
+            return
         self._in = buf
         self._out = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype,
                                 device=g.local.device)

@@ -243,6 +243,10 @@ class FlatGroup:
             src = self._gather_in
             with torch.no_grad():
                 src.copy_(self.local)
+        if self.comm.world_size == 1:
+            # The rank-major buffer of a world of one is the shard itself: copied out as is.
+            self._gathered = src
+            return
         self._gathered = torch.empty(self.layout.gathered_numel, dtype=self.compute_dtype,
                                      device=self.local.device)
         self._gather_work = self.comm.all_gather(
