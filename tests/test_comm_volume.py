@@ -140,6 +140,19 @@ def _exchanges_match_gloos_collectives(rank, world):
     comm.reduce_scatter(torch.empty(1000), torch.randn(world * 1000, generator=g))  # sync
     assert comm.stats.calls["reduce_scatter"] == 2
     assert comm.stats.calls["all_gather"] == 1
+    if world == 3:  # a sub-group whose ranks are not the world's: peers are mapped
+        sub = dist.new_group([1, 2])
+        if rank in (1, 2):
+            sub_comm = Comm(sub)
+            inp = torch.randn(2 * 500, generator=g)
+            out, expect = torch.empty(500), torch.empty(500)
+            sub_comm.reduce_scatter(out, inp)
+            dist.reduce_scatter_tensor(expect, inp.clone(), group=sub)
+            assert torch.equal(out, expect)
+            gathered, expect = torch.empty(2 * 500), torch.empty(2 * 500)
+            sub_comm.all_gather(gathered, inp[:500])
+            dist.all_gather_into_tensor(expect, inp[:500], group=sub)
+            assert torch.equal(gathered, expect)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
