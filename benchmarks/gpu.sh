@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 12's GPU checks and measures as one prepared run, for a machine with a GPU and a
+# CUDA build of torch already installed (it installs nothing):
+#
+#     bash benchmarks/gpu.sh
+#
+# 1. tests/cuda_check.py: a world of one NCCL rank trains like the unsharded model (fp32
+#    and bf16), checkpoints, gathered() and sharded_init on CUDA.
+# 2. benchmarks/step_time.py on the GPU, world of one: the plain model, shardwise and
+#    FSDP2 in interleaved rounds (the hook overhead; issue 12's target is 1.03x), each
+#    with its peak torch.cuda.max_memory_allocated. The workload is the reference GPT
+#    scaled up (24 layers, d_model 2048, sequence 1024, batch 8: about 1.3B parameters,
+#    ~21 GB of fp32 AdamW state) so that the GPU, not the host, sets the pace.
+# Not yet run: no GPU was lent in the session that wrote it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
+timeout 300 python tests/cuda_check.py
+timeout 500 torchrun --standalone --nproc_per_node 1 benchmarks/step_time.py --device cuda \
+    --systems plain,shardwise,fsdp2 --layers 24 --d-model 2048 --seq 1024 --batch 8 --steps 6
