@@ -8,7 +8,8 @@ Two mechanisms, each tested here without ``SHARDWISE_CHECK`` set:
 * Note [stuck collectives] in _comm.py: a rank whose peers never come raises a
   ``CollectiveError`` naming the collective, its unit and itself, at the process group's
   timeout. Each such case gets its own group with a 3 s timeout (a hang would otherwise
-  last the default 10 minutes).
+  last the default 10 minutes). A peer that dies closes its connections: the waiting rank
+  raises at once, in an exchange or in the order check, not at the timeout.
 """
 
 import datetime
@@ -145,3 +146,30 @@ def _diverged(rank, world):
 
 def test_divergent_ranks_raise_instead_of_aborting():
     run_ranks(_diverged, 2, timeout=60)
+
+
+def _peer_dies(rank, world, check, report):
+    os.environ["SHARDWISE_CHECK"] = check
+    # A long timeout: the error must come from the closed connection, not the timeout.
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    model = _model(group)
+    x = torch.ones(2, 4)
+    _step(model, x)
+    if rank == 1:
+        model.blocks[1].register_forward_hook(lambda *a: os._exit(7))
+    start = time.monotonic()
+    with pytest.raises(sw.CollectiveError, match=r"rank 0: the (all-gather|order check)") as err:
+        _step(model, x)
+    with open(report, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{err.value}")
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_peer_that_dies_mid_step_ends_in_an_error_within_seconds(tmp_path, check):
+    from harness import RankFailure
+
+    report = str(tmp_path / "rank0.txt")
+    with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 7\)"):
+        run_ranks(_peer_dies, 2, check, report, timeout=60)
+    seconds, message = open(report).read().split("\n", 1)
+    assert float(seconds) < 20, message  # not the 60 s timeout
