@@ -155,6 +155,65 @@ def _exchanges_match_gloos_collectives(rank, world):
             assert torch.equal(gathered, expect)
 
 
+def _interrupted_wait(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    from shardwise._comm import Comm
+
+    comm = Comm(dist.new_group(timeout=datetime.timedelta(seconds=3)))
+    shard = torch.full((100,), float(rank))
+    out = torch.empty(world * 100)
+    pending = comm.all_gather(out, shard, async_op=True)
+
+    class Interrupted:  # Ctrl-C arriving right after the first work finished
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            self.work.wait()
+            raise KeyboardInterrupt
+
+        def is_completed(self):
+            return self.work.is_completed()
+
+    pending._works[0] = Interrupted(pending._works[0])
+    with pytest.raises(KeyboardInterrupt):
+        pending.wait()
+    pending.wait()  # resumes: the finished send is not waited for again
+    assert torch.equal(out, torch.arange(world).repeat_interleave(100).float())
+
+
+def _mismatched_kinds(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    import shardwise as sw
+    from shardwise._comm import Comm
+
+    comm = Comm(dist.new_group(timeout=datetime.timedelta(seconds=3)))
+    # Ranks that diverged: rank 0 gathers a shard, rank 1 reduces gradients whose chunk
+    # has the shard's size. The messages must not meet (the kinds' tags differ): each
+    # rank waits and fails, instead of taking the other's data.
+    with pytest.raises(sw.CollectiveError, match="did not complete"):
+        if rank == 0:
+            comm.all_gather(torch.empty(200), torch.zeros(100))
+        else:
+            comm.reduce_scatter(torch.empty(100), torch.ones(200))
+
+
+def test_an_all_gather_never_takes_a_reduce_scatters_messages():
+    run_ranks(_mismatched_kinds, 2)
+
+
+def test_an_interrupted_exchange_wait_resumes():
+    # Before, the second wait waited for the finished send again: a CollectiveError at
+    # the group's timeout.
+    run_ranks(_interrupted_wait, 2)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_gloo_exchanges_give_the_collectives_results(world):
     run_ranks(_exchanges_match_gloos_collectives, world)

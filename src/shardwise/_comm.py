@@ -19,10 +19,11 @@ reference workload it takes about 2% off a training step (BENCHMARKS.md).
 The result is the same: an all-gather is a copy; a reduce-scatter's sum is taken in rank
 order, and at N=2 it is one addition, which is commutative, so every bit equals gloo's
 all-reduce (and DDP's). At N>2 the order may differ from gloo's ring in the last bits.
-Each exchange carries a tag that every rank draws from one counter per process group, so
-two models' (or one model's two) exchanges in flight at once never take each other's
-messages; ranks issue exchanges in the same order, which is what a collective requires
-anyway. In a world of one, under any backend, the same code only copies.
+Each exchange carries a tag that every rank draws from one counter per process group (and
+a bit for its kind), so two models' (or one model's two) exchanges in flight at once never
+take each other's messages; ranks issue exchanges in the same order, which is what a
+collective requires anyway. In a world of one, under any backend, the same code only
+copies. CUDA tensors keep the backend's collectives (gloo cannot send them point to point).
 
 Note [stuck collectives]: every collective carries a description of what it is for
 ("the all-gather of unit 'blocks.3'"). When it fails, because a peer died or because no
@@ -33,6 +34,7 @@ was waiting, not in an anonymous gloo timeout.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,9 +50,13 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 # Tags of exchanges (Note [gloo exchanges]): one counter per process group, in a range
 # well away from the small tags user code passes to send/recv.
-_TAG_BASE = 0x53570000
+# A tag is base | kind | counter: an all-gather's messages never match a reduce-scatter's,
+# even between ranks that diverged. The counters live as long as their group object, so a
+# group re-created after a failure (torch reuses group names) starts again at zero.
+_TAG_BASE = 0x53500000
+_TAG_KIND = {"all_gather": 0, "reduce_scatter": 1 << 16}
 _TAG_SPAN = 1 << 16
-_next_tags: dict[str, int] = {}
+_next_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # gloo cannot send bool; these travel as the same-size integer.
 _WIRE_DTYPE = {torch.bool: torch.uint8}
@@ -60,7 +66,8 @@ _WIRE_DTYPE = {torch.bool: torch.uint8}
 class CommStats:
     """Per kind of collective: this rank's input bytes (``bytes``), call counts, and the
     bytes this rank put on the wire itself (``sent``: gloo's exchanges, Note [gloo
-    exchanges]; a backend's own collectives do not say what they send)."""
+    exchanges]; a backend's own collectives do not say what they send). A world of one
+    gathers and reduces units without any collective, so they are not counted there."""
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
@@ -118,9 +125,13 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                    what: str = "an all-gather"):
-        """Concatenate every rank's ``inp`` into ``out``."""
+        """Concatenate every rank's ``inp`` into ``out``.
+
+        With ``async_op``, ``inp`` must stay unchanged and ``out`` unread until the
+        returned work is waited for (gloo sends and receives them in the background).
+        """
         self.stats.add("all_gather", inp)
-        if not self._exchanges:
+        if not self._exchanges(inp):
             return self._run(what, async_op, _all_gather_flat, out, inp)
         parts = out.chunk(self.world_size)
         peers = self._peers()
@@ -133,11 +144,12 @@ class Comm:
                        what: str = "a reduce-scatter"):
         """Sum ``inp`` over ranks and keep this rank's chunk in ``out``.
 
-        ``inp`` must stay unchanged until the returned work is waited for (under gloo its
-        chunks are sent from where they are, Note [gloo exchanges]).
+        With ``async_op``, ``inp`` must stay unchanged and ``out`` unread until the
+        returned work is waited for (under gloo ``inp``'s chunks are sent from where they
+        are and ``out`` is received into, Note [gloo exchanges]).
         """
         self.stats.add("reduce_scatter", inp)
-        if not self._exchanges:
+        if not self._exchanges(inp):
             return self._run(what, async_op, _reduce_scatter_flat, out, inp)
         chunks = inp.chunk(self.world_size)
         peers = self._peers()
@@ -182,13 +194,16 @@ class Comm:
         self.stats.add("broadcast", tensor)
         self._run(what, False, dist.broadcast, tensor, src=self.global_rank(src))
 
-    @property
-    def _exchanges(self) -> bool:
-        # A world of one exchanges nothing: its "collectives" are local copies.
-        return "gloo" in self.backend or self.world_size == 1
+    def _exchanges(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` travels by exchange (Note [gloo exchanges]): CPU tensors under gloo
+        (a mixed "cpu:gloo,cuda:nccl" group included), and anything in a world of one,
+        whose "collectives" are local copies. gloo cannot send CUDA tensors point to
+        point, and NCCL's collectives beat separate sends."""
+        return self.world_size == 1 or ("gloo" in self.backend and t.device.type == "cpu")
 
     def _peers(self) -> list[tuple[int, int]]:
-        """(rank to send to, rank to receive from) for each step around the ring."""
+        """(rank to send to, rank to receive from) for each of the N-1 other ranks: every
+        rank sends to and receives from every other directly, k places away."""
         n = self.world_size
         return [((self.rank + k) % n, (self.rank - k) % n) for k in range(1, n)]
 
@@ -196,9 +211,9 @@ class Comm:
                   recvs: list[tuple[int, torch.Tensor]], what: str, kind: str) -> _Pending:
         """Issue point-to-point sends and receives under one tag (Note [gloo exchanges])."""
         group = self.group if self.group is not None else dist.group.WORLD
-        name = group.group_name if group is not None else ""
-        tag = _TAG_BASE + _next_tags.get(name, 0)
-        _next_tags[name] = (_next_tags.get(name, 0) + 1) % _TAG_SPAN
+        count = _next_tags.get(group, 0)
+        _next_tags[group] = (count + 1) % _TAG_SPAN
+        tag = _TAG_BASE | _TAG_KIND[kind] | count
         works = []
         try:
             for peer, tensor in sends:
@@ -210,7 +225,7 @@ class Comm:
                                         tag=tag))
         except RuntimeError as err:
             raise self.stuck(what, err) from err
-        return _Pending(works, self, what)
+        return _Pending(works, self, what, point_to_point=True)
 
     def _finish(self, work: _Pending, async_op: bool, then=None) -> _Pending | None:
         work.then = then
@@ -271,19 +286,30 @@ class _Pending:
     """Issued communication, whose ``wait`` names it when it fails and then runs
     ``then`` (the sum of a reduce-scatter's exchange)."""
 
-    def __init__(self, works: list[Any], comm: Comm, what: str) -> None:
+    def __init__(self, works: list[Any], comm: Comm, what: str,
+                 point_to_point: bool = False) -> None:
         self._works = works
+        self._p2p = point_to_point
         self._comm = comm
         self._what = what
+        self._error: RuntimeError | None = None
         self.then: Callable[[], None] | None = None
 
     def wait(self) -> None:
+        if self._error is not None:  # a failed exchange stays failed
+            raise self._comm.stuck(self._what, self._error)
         try:
-            for work in self._works:
-                work.wait()
+            while self._works:
+                # A finished point-to-point work must not be waited for again (gloo would
+                # wait for a second message): a wait interrupted half-way (Ctrl-C) resumes
+                # with the works not yet done. A collective's wait does more than wait
+                # (NCCL orders the current stream after it), so it always runs.
+                if not (self._p2p and self._works[0].is_completed()):
+                    self._works[0].wait()
+                self._works.pop(0)
         except RuntimeError as err:
+            self._error = err
             raise self._comm.stuck(self._what, err) from err
-        self._works = []
         if self.then is not None:
             then, self.then = self.then, None
             then()

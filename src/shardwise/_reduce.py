@@ -1,8 +1,9 @@
 """Gradient reduction of one flat group: copy-in, reduce-scatter, gradient shards.
 
 After a unit's backward, each full parameter's gradient is written, scaled by 1/N, into
-a rank-major buffer (``_copies.py``) and reduce-scattered asynchronously; when backward
-ends, each rank's rows become the DTensor parameters' ``.grad``. Inside ``no_sync`` the
+a rank-major buffer (``_copies.py``) and reduce-scattered asynchronously (in a world of
+one the buffer is the result); when backward ends, each rank's rows become the DTensor
+parameters' ``.grad``. Inside ``no_sync`` the
 buffer keeps accumulating instead, and the first synchronised backward reduces the sum.
 """
 

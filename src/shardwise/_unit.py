@@ -114,7 +114,8 @@ class FlatGroup:
     it); ``full`` holds every full parameter, and its storage is empty while the group
     is sharded. A gather all-gathers the shards into a temporary rank-major buffer and
     copies it out into ``full``; a reduction copies the full gradients into a rank-major
-    buffer and reduce-scatters it into this rank's gradient shard.
+    buffer and reduce-scatters it into this rank's gradient shard. In a world of one the
+    shard is already the rank-major buffer, and the gradient buffer already the sum.
     """
 
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
