@@ -123,7 +123,10 @@ def _exchanges_match_gloos_collectives(rank, world):
         if world <= 2:
             assert torch.equal(out, expect)  # one addition (or none): gloo's bits exactly
         else:
-            torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+            # Another order of three additions: each sum may differ by one rounding of
+            # each partial sum; |partials| < 16 for three standard normals here, where
+            # fp32's spacing is at most 9.5e-7, so two roundings stay under 4e-6.
+            torch.testing.assert_close(out, expect, rtol=0, atol=4e-6)
     rank_order = everyone.view(world, world, 1000)[:, rank].clone()
     total = rank_order[0].clone()
     for r in range(1, world):

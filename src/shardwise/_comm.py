@@ -48,11 +48,11 @@ from .errors import CollectiveError
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Tags of exchanges (Note [gloo exchanges]): one counter per process group, in a range
-# well away from the small tags user code passes to send/recv.
-# A tag is base | kind | counter: an all-gather's messages never match a reduce-scatter's,
-# even between ranks that diverged. The counters live as long as their group object, so a
-# group re-created after a failure (torch reuses group names) starts again at zero.
+# Tags of exchanges (Note [gloo exchanges]): base | kind | counter, far above the small
+# tags user code passes to send/recv. The kind bit keeps an all-gather's messages from
+# ever matching a reduce-scatter's, even between ranks that diverged. One counter per
+# group object, dropped with it: a group re-created after a failure (torch reuses group
+# names) starts again at zero on every rank.
 _TAG_BASE = 0x53500000
 _TAG_KIND = {"all_gather": 0, "reduce_scatter": 1 << 16}
 _TAG_SPAN = 1 << 16

@@ -3,8 +3,8 @@
 After a unit's backward, each full parameter's gradient is written, scaled by 1/N, into
 a rank-major buffer (``_copies.py``) and reduce-scattered asynchronously (in a world of
 one the buffer is the result); when backward ends, each rank's rows become the DTensor
-parameters' ``.grad``. Inside ``no_sync`` the
-buffer keeps accumulating instead, and the first synchronised backward reduces the sum.
+parameters' ``.grad``. Inside ``no_sync`` the buffer keeps accumulating instead, and the
+first synchronised backward reduces the sum.
 """
 
 from __future__ import annotations
