@@ -1,10 +1,11 @@
 """Bytes each rank sends per training step: the ZeRO-3 theory, up to padding.
 
-Per step every unit is all-gathered for its forward and, unless it stays gathered (the
-root, which runs first and is needed again right at the start of backward), once more for
-its backward; every trainable unit's gradients are reduce-scattered once. ``CommStats``
-counts each collective's input on this rank (a shard for an all-gather, the full
-(padded) gradient buffer for a reduce-scatter) and the bytes gloo's exchanges send.
+Per step every unit is all-gathered for its forward and, unless it stays gathered, once
+more for its backward. Two units stay gathered: the root, which runs first and is needed
+again right at the start of backward, and the unit that ran last in forward, whose
+backward comes first. Every trainable unit's gradients are reduce-scattered once.
+``CommStats`` counts each collective's input on this rank (a shard for an all-gather, the
+full (padded) gradient buffer for a reduce-scatter) and the bytes gloo's exchanges send.
 """
 
 import pytest
@@ -13,7 +14,7 @@ from harness import run_ranks
 
 import shardwise as sw
 from shardwise._layout import ALIGN
-from shardwise._registry import model_state
+from shardwise._registry import model_state, unit_of
 from shardwise.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
@@ -29,8 +30,10 @@ def _volume(rank, world, reshard_after_forward):
     stats.clear()
     model(x, x).backward()
     param_bytes = expect_ag = expect_rs = padding = 0
+    last = unit_of(model.blocks[-1])  # runs last in forward, first in backward
     for u in state.units:
-        gathers = 1 if u.is_root or not reshard_after_forward else 2
+        once = u.is_root or u is last or not reshard_after_forward
+        gathers = 1 if once else 2
         for g in u.groups:
             size = g.local.element_size()
             params = sum(p.numel for p in g.params)
@@ -43,11 +46,12 @@ def _volume(rank, world, reshard_after_forward):
     assert stats.bytes["all_gather"] == expect_ag, (stats.bytes, expect_ag)
     assert stats.bytes["reduce_scatter"] == expect_rs, (stats.bytes, expect_rs)
     # Against the theory on unpadded parameter bytes: all-gathers send 1/N of each
-    # unit's bytes twice (once for the root), the reduce-scatter the unit's bytes once.
-    root = sum(p.numel * g.local.element_size()
-               for g in state.units[0].groups for p in g.params)
+    # unit's bytes twice (once for the root and for the unit whose backward comes first,
+    # which stay gathered), the reduce-scatter the unit's bytes once.
+    kept = sum(p.numel * g.local.element_size()
+               for u in (state.units[0], last) for g in u.groups for p in g.params)
     theory_ag = ((2 if reshard_after_forward else 1) * param_bytes
-                 - (root if reshard_after_forward else 0)) / world
+                 - (kept if reshard_after_forward else 0)) / world
     assert theory_ag <= expect_ag <= theory_ag + 2 * padding / world
     assert param_bytes <= expect_rs <= param_bytes + padding
     # On the wire (gloo's exchanges count what they send): every all-gather sends this

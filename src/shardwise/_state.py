@@ -148,8 +148,8 @@ class ModelState:
             self._end_root_forward(hooked, opaque)
         elif not torch.is_grad_enabled():
             unit.reshard()
-        elif unit.reshard_after_forward and (hooked or not any(p.requires_grad
-                                                                for p in unit.params)):
+        elif (unit.reshard_after_forward and not self._runs_last(unit)
+              and (hooked or not any(p.requires_grad for p in unit.params))):
             # Without a hooked output nothing would gather the unit again before its
             # backward, so an unhooked trainable unit stays gathered until backward ends.
             unit.reshard()
@@ -179,6 +179,16 @@ class ModelState:
         if pos < len(prev) and prev[pos] is unit:
             for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
                 nxt.start_gather()
+
+    def _runs_last(self, unit: Unit) -> bool:
+        """Whether ``unit`` ran last in the previous forward and this forward has followed
+        that order so far. Its backward then comes first, right after the loss: resharding
+        it would only gather it again at once, an all-gather and a copy-out per step with
+        nothing to overlap them (torchtitan keeps its last block gathered by hand for
+        this reason). If the order changes, the unit just stays gathered until its
+        backward, as with ``reshard_after_forward=False``."""
+        prev = self._prev_order
+        return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
     def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
         if self.order_check is not None:
