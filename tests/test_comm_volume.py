@@ -192,6 +192,46 @@ def _interrupted_wait(rank, world):
     assert torch.equal(out, torch.arange(world).repeat_interleave(100).float())
 
 
+class _LastFrozen(torch.nn.Module):
+    """Two trainable blocks, then a frozen one that runs last on an input without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.blocks[2].requires_grad_(False)
+
+    def forward(self, x):
+        h = self.blocks[1](self.blocks[0](x))
+        return h + self.blocks[2](torch.ones_like(x))
+
+
+def _last_unit_kept(rank, world):
+    from shardwise._registry import unit_of
+
+    torch.manual_seed(0)
+    model = sw.shard(GPT(CFG))
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    last = unit_of(model.blocks[-1])
+    for step in range(2):
+        loss = model(x, x)
+        # From the second step on, the order is known: the last block's backward comes
+        # first, so it stays gathered; the others are freed.
+        assert last.state.value == ("gathered" if step else "sharded")
+        assert unit_of(model.blocks[0]).state.value == "sharded"
+        loss.backward()
+        assert last.state.value == "sharded"  # released with everything at backward's end
+    frozen = sw.shard(_LastFrozen(), units=lambda name, m: name.startswith("blocks."))
+    for _ in range(2):
+        out = frozen(torch.randn(2, 8)).sum()
+        # Its output needs no gradient, so no backward will gather it: freed at once.
+        assert unit_of(frozen.blocks[2]).state.value == "sharded"
+        out.backward()
+
+
+def test_the_last_unit_stays_gathered_for_its_backward_unless_it_has_none():
+    run_ranks(_last_unit_kept, 2)
+
+
 def _mismatched_kinds(rank, world):
     import datetime
 

@@ -148,11 +148,14 @@ class ModelState:
             self._end_root_forward(hooked, opaque)
         elif not torch.is_grad_enabled():
             unit.reshard()
-        elif (unit.reshard_after_forward and not self._runs_last(unit)
-              and (hooked or not any(p.requires_grad for p in unit.params))):
+        elif unit.reshard_after_forward:
+            if hooked:
+                if not self._runs_last(unit):  # else its backward comes next: keep it
+                    unit.reshard()
             # Without a hooked output nothing would gather the unit again before its
-            # backward, so an unhooked trainable unit stays gathered until backward ends.
-            unit.reshard()
+            # backward: a frozen one may go, a trainable one stays until backward ends.
+            elif not any(p.requires_grad for p in unit.params):
+                unit.reshard()
 
     def _start_root_forward(self) -> None:
         check_model(self)
