@@ -10,8 +10,9 @@ rank 0 holds (parameters, gradients, optimizer state, from the storage actually
 allocated) against ``shardwise.planner.plan`` and against the unpadded theory P/N, and
 the bytes rank 0 fed into each kind of collective during the step against the ZeRO-3
 theory: all-gathers of 2x the unit parameter bytes divided by N (the root unit once:
-it stays gathered from its forward to its backward), and a reduce-scatter input of 1x
-the parameter bytes. Each world runs in a fresh process so that one's memory does not
+it stays gathered from its forward to its backward; from the second step on, so does the
+unit that ran last, which this one-step run does not reach), and a reduce-scatter input
+of 1x the parameter bytes. Each world runs in a fresh process so that one's memory does not
 carry into the next.
 """
 
