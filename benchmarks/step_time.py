@@ -105,20 +105,16 @@ class System:
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
 
 
-def _on(device: torch.device, model: GPT) -> GPT:
-    return model.to(device)
-
-
 # Every system starts from the same weights, built on the CPU (shardwise moves its shards
 # to the process group's device itself).
 MAKERS = {
-    "plain": lambda cfg, dev: _on(dev, build(cfg)),
-    "ddp": lambda cfg, dev: DDP(_on(dev, build(cfg))),
-    "fsdp2": lambda cfg, dev: wrap_fsdp2(_on(dev, build(cfg))),
+    "plain": lambda cfg, dev: build(cfg).to(dev),
+    "ddp": lambda cfg, dev: DDP(build(cfg).to(dev)),
+    "fsdp2": lambda cfg, dev: wrap_fsdp2(build(cfg).to(dev)),
     "shardwise": lambda cfg, dev: sw.shard(build(cfg)),
     "unchecked": lambda cfg, dev: sw.shard(build(cfg)),
-    "ddp_compiled": lambda cfg, dev: DDP(compile_blocks(_on(dev, build(cfg)))),
-    "fsdp2_compiled": lambda cfg, dev: wrap_fsdp2(compile_blocks(_on(dev, build(cfg)))),
+    "ddp_compiled": lambda cfg, dev: DDP(compile_blocks(build(cfg).to(dev))),
+    "fsdp2_compiled": lambda cfg, dev: wrap_fsdp2(compile_blocks(build(cfg).to(dev))),
     "compiled": lambda cfg, dev: sw.shard(compile_blocks(build(cfg))),
 }
 

@@ -151,11 +151,11 @@ class Comm:
         self.stats.add("reduce_scatter", inp)
         if not self._exchanges(inp):
             return self._run(what, async_op, _reduce_scatter_flat, out, inp)
-        chunks = inp.chunk(self.world_size)
-        peers = self._peers()
         if self.world_size == 1:
             out.copy_(inp)
             return self._finish(_Pending([], self, what), async_op)
+        chunks = inp.chunk(self.world_size)
+        peers = self._peers()
         if self.world_size == 2:
             # One addition, received straight into ``out``: a + b equals b + a bit for bit.
             recvs = [(p, out) for _, p in peers]
