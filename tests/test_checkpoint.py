@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import RankFailure, run_ranks
+from harness import run_ranks
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
@@ -140,48 +140,6 @@ def _save_v1(rank, world, ck):
     return sw.full_state_dict(model)
 
 
-def _crash_while_saving(rank, world, ck, where):
-    import shardwise.checkpoint.io as io
-
-    model = sw.shard(SmallCNN())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    if rank == 0 and where == "before commit":
-        io.write_json_atomic = lambda *a, **k: os._exit(9)
-    if rank == 1 and where == "mid file":
-        def half(path, data):  # a torn write, at the final name, then death
-            with open(path, "wb") as f:
-                f.write(data[: len(data) // 2])
-            os._exit(9)
-        io.write_atomic = half
-    sw.save_checkpoint(ck, model, opt, extra={"version": 2})
-
-
-def _load_expect_v1(rank, world, ck):
-    model = sw.shard(SmallCNN())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    assert sw.load_checkpoint(ck, model, opt) == {"version": 1}
-    sd = sw.full_state_dict(model)
-    sw.save_checkpoint(ck, model, opt, extra={"version": 3})  # cleans up what crashed
-    return sd
-
-
-@pytest.mark.parametrize("where", ["before commit", "mid file"])
-def test_crash_during_save_keeps_the_old_checkpoint(tmp_path, where):
-    ck = str(tmp_path / "ck")
-    v1 = run_ranks(_save_v1, 2, ck)[0]
-    with pytest.raises(RankFailure, match="died"):
-        run_ranks(_crash_while_saving, 2, ck, where)
-    # Rank 0 dying leaves its new data folder behind; when rank 1 dies, rank 0's wait on
-    # it fails (a CollectiveError) and rank 0 removes the failed save's folder itself.
-    debris = 2 if where == "before commit" else 1
-    assert len([d for d in os.listdir(ck) if d.startswith("data-")]) == debris
-    sd = run_ranks(_load_expect_v1, 2, ck)[0]
-    for k, v in v1.items():
-        assert torch.equal(sd[k], v), k
-    assert len([d for d in os.listdir(ck) if d.startswith("data-")]) == 1
-    assert json.load(open(os.path.join(ck, "checkpoint.json")))["extra"] == {"version": 3}
-
-
 def _load_broken(rank, world, variants):
     model = sw.shard(SmallCNN())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -191,9 +149,12 @@ def _load_broken(rank, world, variants):
     opt_before = copy.deepcopy(opt.state_dict())
     messages = {}
     for name, path in variants.items():
-        with pytest.raises(sw.ShardwiseError) as err:
+        try:
             sw.load_checkpoint(path, model, opt)
-        messages[name] = str(err.value)
+        except sw.ShardwiseError as e:
+            messages[name] = str(e)
+        else:
+            raise AssertionError(f"{name} loaded")
         after = sw.full_state_dict(model, rank0_only=False)
         assert all(torch.equal(before[k], after[k]) for k in before), f"{name} changed the model"
         opt_after = opt.state_dict()
@@ -493,11 +454,11 @@ def _save_failures(rank, world, root):
     # A full disk on rank 1: its write fails half-way.
     real = io.write_atomic
 
-    def full_disk(path, data):
+    def full_disk(path, data, **kwargs):
         if rank == 1:
             real(path, data[: len(data) // 2])  # leaves a partial file, as a full disk does
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, data)
+        return real(path, data, **kwargs)
 
     io.write_atomic = full_disk
     try:
@@ -521,3 +482,94 @@ def test_save_failures_on_some_ranks_raise_everywhere_and_leave_no_debris(tmp_pa
         assert "rank(s) [0]: cannot create" in m["file"]
         assert "rank(s) [1]" in m["extra"] and "extra" in m["extra"]
         assert "rank(s) [1]: OSError" in m["disk"] and "No space left" in m["disk"]
+
+
+def _edit_meta(edit):
+    """A damage that edits checkpoint.json and recomputes its checksum: a writer that lies
+    consistently, which the schema and the data files' own records must catch."""
+    def damage(path, _data_dir):
+        meta_path = os.path.join(path, "checkpoint.json")
+        meta = json.load(open(meta_path))
+        edit(meta)
+        meta["meta_sha256"] = canonical_sha256(meta)
+        json.dump(meta, open(meta_path, "w"))
+    return damage
+
+
+def _even_param(meta):
+    """A parameter whose two pieces have the same length (swapping them keeps every
+    length check happy)."""
+    return next(m for m, e in meta["params"].items()
+                if e["pieces"][0][1] == e["pieces"][1][1] > 0)
+
+
+def test_metadata_that_lies_with_a_recomputed_checksum_is_refused(tmp_path):
+    """Each of these loaded wrong values silently, or failed later, before the fix."""
+    ck, data, variant, variants = _damaged_copies(tmp_path)
+
+    def swap_pieces(meta):
+        e = meta["params"][_even_param(meta)]
+        e["pieces"] = [e["pieces"][1], e["pieces"][0]]
+
+    def state_dtype(meta):
+        st = next(iter(meta["optimizer"]["state"].values()))
+        st["momentum_buffer"]["dtype"] = "float16"
+
+    def kind(meta):
+        st = next(iter(meta["optimizer"]["state"].values()))
+        st["momentum_buffer"]["kind"] = "replicated"
+
+    def header_dtype(path, data_dir):
+        f = os.path.join(data_dir, "rank-00000-of-00002.safetensors")
+        raw = bytearray(open(f, "rb").read())
+        at = raw.index(b'"dtype":"F32"')
+        raw[at:at + 13] = b'"dtype":"I32"'  # the same bytes reinterpreted
+        open(f, "wb").write(bytes(raw))
+        import hashlib
+
+        def rehash(meta):
+            meta["files"]["rank-00000-of-00002.safetensors"]["sha256"] = \
+                hashlib.sha256(bytes(raw)).hexdigest()
+        _edit_meta(rehash)(path, data_dir)
+
+    def rng(version=None, index=None, rank=1):
+        def edit(meta):
+            if version is not None:
+                meta["python_rng"][rank][0] = version
+            if index is not None:
+                meta["python_rng"][rank][1][-1] = index
+        return _edit_meta(edit)
+
+    def hyper(key, value=KeyError):
+        def edit(meta):
+            g = meta["optimizer"]["param_groups"][0]
+            if value is KeyError:
+                del g[key]
+            else:
+                g[key] = value
+        return _edit_meta(edit)
+
+    variant("swapped_pieces", _edit_meta(swap_pieces))
+    variant("state_dtype", _edit_meta(state_dtype))
+    variant("kind", _edit_meta(kind))
+    variant("header_dtype", header_dtype)
+    variant("rng_version", rng(version=4))  # 2 and 3 are valid
+    variant("rng_index", rng(index=625))
+    variant("lr_missing", hyper("lr"))
+    variant("lr_string", hyper("lr", "0.1"))
+    variant("momentum_list", hyper("momentum", [0.5]))
+    variant("weight_decay_none", hyper("weight_decay", None))
+    variant("nesterov_int", hyper("nesterov", 0))
+    messages = run_ranks(_load_broken, 2, variants)[0]  # nothing changed, on every rank
+    assert "holds other pieces than the metadata says" in messages["swapped_pieces"]
+    assert "momentum_buffer is F32 [" in messages["state_dtype"]
+    assert "the metadata says F16" in messages["state_dtype"]
+    assert "saved sharded, not replicated" in messages["kind"]
+    assert "is I32" in messages["header_dtype"] and "says F32" in messages["header_dtype"]
+    for name in ("rng_version", "rng_index"):
+        assert "python_rng[1]: not a state Python's random accepts" in messages[name]
+    assert "lacks the hyperparameter 'lr'" in messages["lr_missing"]
+    assert "param_groups[0].lr: '0.1' where the optimizer has float" in messages["lr_string"]
+    assert ".momentum: [0.5] where the optimizer has float" in messages["momentum_list"]
+    assert ".weight_decay: None where" in messages["weight_decay_none"]
+    assert ".nesterov: 0 where the optimizer has bool" in messages["nesterov_int"]

@@ -20,9 +20,11 @@ from .errors import ShardwiseError
 T = TypeVar("T")
 
 
-def agreed(comm: Comm | None, what: str, make_plan: Callable[[], T]) -> T:
+def agreed(comm: Comm | None, what: str, make_plan: Callable[[], T],
+           changed: bool = False) -> T:
     """Run ``make_plan`` here and raise on every rank if it failed on any (Note
-    [agreed failure]); its result otherwise."""
+    [agreed failure]); its result otherwise. ``changed``: ``make_plan`` changes state,
+    so the error must not claim that nothing was changed."""
     error, plan = None, None
     try:
         plan = make_plan()
@@ -30,11 +32,11 @@ def agreed(comm: Comm | None, what: str, make_plan: Callable[[], T]) -> T:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a bad input must fail on every rank, cleanly
         error = f"{type(e).__name__}: {e}"
-    agree(comm, error, what)
+    agree(comm, error, what, changed)
     return plan  # type: ignore[return-value]
 
 
-def agree(comm: Comm | None, error: str | None, what: str) -> None:
+def agree(comm: Comm | None, error: str | None, what: str, changed: bool = False) -> None:
     """Raise on every rank if any rank hit an error (each rank's message is included)."""
     if comm is None or comm.world_size == 1:
         if error:
@@ -47,4 +49,6 @@ def agree(comm: Comm | None, error: str | None, what: str) -> None:
             if e:
                 distinct.setdefault(e, []).append(r)
         lines = [f"  rank(s) {ranks}: {e}" for e, ranks in distinct.items()]
-        raise ShardwiseError(f"{what}; nothing was changed:\n" + "\n".join(lines))
+        outcome = ("state may be partly changed on some ranks" if changed
+                   else "nothing was changed")
+        raise ShardwiseError(f"{what}; {outcome}:\n" + "\n".join(lines))

@@ -26,15 +26,20 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from ..errors import ShardwiseError
+
 FORMAT = "shardwise-checkpoint"
-FORMAT_VERSION = 1
+# 2: each rank's data file records the pieces it holds (its header's "pieces").
+FORMAT_VERSION = 2
 META = "checkpoint.json"
 BUFFERS_FILE = "buffers.safetensors"
+TMP_MARK = ".tmp-"  # temporary files are named <final name>.tmp-<pid>
+PIECES = "pieces"  # a rank file's header entry: {parameter: [offset, count]}
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -53,8 +58,6 @@ def inside(folder: str, relative: object, what: str) -> str:
     Raises:
         ShardwiseError: naming ``what`` (the file and field) and the path.
     """
-    from ..errors import ShardwiseError
-
     if not isinstance(relative, str) or not relative or os.path.isabs(relative):
         raise ShardwiseError(f"{what}: {relative!r} is not a path relative to {folder}")
     root = os.path.realpath(folder)
@@ -62,6 +65,26 @@ def inside(folder: str, relative: object, what: str) -> str:
     if os.path.commonpath([root, target]) != root:
         raise ShardwiseError(f"{what}: {relative!r} leads outside {folder} (to {target})")
     return os.path.join(folder, relative)
+
+
+def path_argument(path: object, function: str) -> str:
+    """``path`` as a string, or a ShardwiseError saying what ``function`` takes."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise ShardwiseError(f"{function}: path must be a non-empty str or os.PathLike "
+                             f"(a folder), got {path!r:.80}")
+    return path
+
+
+def summary(items: list, limit: int = 10, join: str | None = None) -> str:
+    """``items`` for a message: all of them when few, else the first ``limit`` and a
+    count (a message must not list 200,000 invented names)."""
+    shown = items[:limit]
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    if join is not None:
+        return join.join(str(i) for i in shown) + (f"{join}...{more}" if more else "")
+    return f"{shown!r}"[:-1] + (f", ...{more}]" if more else "]")
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -92,14 +115,20 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256."""
-    tmp = f"{path}.tmp-{os.getpid()}"
+def write_atomic(path: str, data: bytes,
+                 before_rename: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256.
+
+    ``before_rename`` runs once the temporary file is complete (a point of the save
+    protocol, Note [save protocol] in io.py)."""
+    tmp = f"{path}{TMP_MARK}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         # A full disk must not stay full of our own debris.
@@ -110,8 +139,10 @@ def write_atomic(path: str, data: bytes) -> dict[str, Any]:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+def write_json_atomic(path: str, obj: Any,
+                      before_rename: Callable[[], None] | None = None) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode(),
+                 before_rename)
 
 
 def sha256_file(path: str, chunk: int = 1 << 24) -> tuple[int, str]:
@@ -162,7 +193,7 @@ class SafetensorsStreamWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self.path = path
         self.total_bytes = offset
-        self._tmp = f"{path}.tmp-{os.getpid()}"
+        self._tmp = f"{path}{TMP_MARK}{os.getpid()}"
         self._f = open(self._tmp, "wb")
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)

@@ -10,6 +10,13 @@ that match, one file entry per rank, RNG states that ``random.setstate`` accepts
 checkpoint written since the ``meta_sha256`` field exists also carries the SHA-256 of its
 own canonical JSON, so any edit at all is caught. Every failure names the file, the field
 and the problem.
+
+A checksum recomputed by whoever edits the file proves nothing, so the metadata is also
+checked against what the data files say of themselves (io._check_files): every tensor's
+dtype and shape in its file's header, and the pieces each rank's file records that it
+holds. What no check can catch is a full forgery: data files rewritten and every hash
+and record recomputed to match. The checks guard against bugs, conversion tools and
+hand edits, not against an attacker with write access to the folder.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
 import re
 from typing import Any
 
@@ -106,7 +114,7 @@ def validate(meta: Any, path: str) -> None:
     if buffers and "buffers.safetensors" not in meta["files"]:
         raise c.fail("files", "buffers are listed but buffers.safetensors is not")
     if meta.get("optimizer") is not None:
-        _optimizer(c, meta["optimizer"], shapes)
+        _optimizer(c, meta["optimizer"], shapes, version)
     rngs = c.list_(meta.get("python_rng"), "python_rng", length=world)
     for r, s in enumerate(rngs):
         _python_rng(c, s, f"python_rng[{r}]")
@@ -165,7 +173,8 @@ def _tile(c: _Checker, field: str, spans: list[tuple[int, int, int]], numel: int
         raise c.fail(field, f"the pieces cover {cursor} elements, the parameter has {numel}")
 
 
-def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]],
+               version: int) -> None:
     opt = c.dict_(opt, "optimizer")
     c.str_(opt.get("class"), "optimizer.class")
     for i, g in enumerate(c.list_(opt.get("param_groups"), "optimizer.param_groups")):
@@ -188,12 +197,21 @@ def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]]) -> Non
                 continue
             c.dtype(info.get("dtype"), f"{f}.dtype")
             # A sharded tensor's pieces are the parameter's; their lengths are checked
-            # against the data files' headers when it is read (io._check_headers).
-            c.shape(info.get("shape"), f"{f}.shape")
+            # against the data files' headers when it is read (io._check_files).
+            shape = c.shape(info.get("shape"), f"{f}.shape")
+            like_param = len(shape) > 0 and shape == shapes[name]
+            # Version 1 recorded rank 0's local shape for sharded state.
+            if kind == "sharded" and not like_param and version >= 2:
+                raise c.fail(f"{f}.shape", f"sharded state must have its parameter's shape "
+                                           f"{list(shapes[name])}, got {list(shape)}")
+            if kind == "replicated" and like_param:
+                raise c.fail(f"{f}.kind", "state shaped like its parameter is saved sharded, "
+                                          "not replicated")
 
 
 def _python_rng(c: _Checker, s: Any, field: str) -> None:
-    """A state ``random.setstate`` accepts: [version, 625 ints, gauss or None]."""
+    """A state ``random.setstate`` accepts: [version, 625 ints, gauss or None], tried
+    on a scratch generator (the version and the index in the last int matter too)."""
     s = c.list_(s, field, length=3)
     if type(s[0]) is not int:
         raise c.fail(field, "version is not an integer")
@@ -202,3 +220,7 @@ def _python_rng(c: _Checker, s: Any, field: str) -> None:
         raise c.fail(f"{field}[1]", "not a list of 32-bit unsigned integers")
     if s[2] is not None and not isinstance(s[2], float):
         raise c.fail(f"{field}[2]", f"expected a float or null, got {s[2]!r:.40}")
+    try:
+        random.Random().setstate((s[0], tuple(state), s[2]))
+    except (ValueError, TypeError) as e:
+        raise c.fail(field, f"not a state Python's random accepts ({e})") from e

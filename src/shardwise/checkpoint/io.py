@@ -7,6 +7,8 @@ pieces that overlap it.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -27,20 +29,26 @@ from ..buffers import BufferPolicy
 from ..consistency import check_consistency
 from ..errors import ShardwiseError
 from ._format import (
+    _ST_DTYPES,
     BUFFERS_FILE,
     FORMAT,
     FORMAT_VERSION,
     META,
+    PIECES,
+    TMP_MARK,
     dtype_from_name,
     dtype_name,
     fsync_dir,
     inside,
+    path_argument,
     rank_file,
     read_json,
+    summary,
     verify_file,
     write_atomic,
     write_json_atomic,
 )
+from ._lock import FolderLock
 from ._schema import CHECKSUM, canonical_sha256, validate
 from ._targets import ParamTarget, apply_values, comm_of, module_targets
 
@@ -87,6 +95,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 sharded = v.dim() > 0 and tuple(v.shape) == tuple(param.shape)
+                shape = list(v.shape)  # the full shape, for a DTensor too
                 if isinstance(v, DTensor):
                     v = v.to_local()  # this rank's rows, like the parameter's
                 value = v.detach().to("cpu", copy=True).contiguous()
@@ -94,7 +103,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
                 # pieces as the parameter, and reloads at any world size.
                 tensors[f"optim/{name}/{k}"] = value.reshape(-1) if sharded else value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
-                            "dtype": dtype_name(v.dtype), "shape": list(v.shape)}
+                            "dtype": dtype_name(v.dtype), "shape": shape}
             else:
                 _json_ok(v, f"optimizer state {k!r}")
                 entry[k] = {"kind": "value", "value": v}
@@ -107,16 +116,44 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
     return {"class": type(optimizer).__name__, "param_groups": groups, "state": state_meta}, tensors
 
 
+# Note [save protocol]
+# The steps of a save, in the order ranks pass them. ``_reached`` marks each; it does
+# nothing, and exists so that the crash-point test (tests/test_checkpoint_crash.py) can
+# stop a rank at every one of them in turn, by exit, kill and exception, and check that
+# the folder always holds the new or the previous checkpoint, loadable, and no debris.
+#   begin         every rank: the order check passed, buffers agree
+#   prepared      every rank: its pieces are in memory, checks passed
+#   locked        rank 0: holds the folder's lock (Note [one writer] in _lock.py)
+#   data-folder   rank 0: created the new, empty data-<id> folder
+#   data-tmp      every rank: its data file is complete under a temporary name
+#   data-written  every rank: the ranks agreed that every data file is in place
+#   reports       every rank: rank 0 has every rank's file sizes, hashes and pieces
+#   meta-tmp      rank 0: the new checkpoint.json is complete under a temporary name
+#   committed     rank 0: checkpoint.json names the new data (the commit point)
+#   agreed        every rank: the ranks agreed that the save committed
+#   tidied        rank 0: stale data folders and temporary files are gone
+# Rank 0 tidies whether the save succeeded or failed, as long as it holds the lock, and
+# never removes the data folder that checkpoint.json names, nor (with ``keep_previous``)
+# the one it named before this save.
+SAVE_STEPS = ("begin", "prepared", "locked", "data-folder", "data-tmp", "data-written",
+              "reports", "meta-tmp", "committed", "agreed", "tidied")
+
+
+def _reached(step: str) -> None:
+    """A step of Note [save protocol] (a point where the crash-point test stops a rank)."""
+
+
 def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
-                    extra: Any = None) -> None:
+                    extra: Any = None, *, keep_previous: bool = True) -> None:
     """Save a sharded checkpoint into the folder ``path``, atomically.
 
     Holds every rank's parameter pieces, the buffers (checked identical across ranks
     first; under the ``"local"`` buffer policy, rank 0's are saved without the check), the
     optimizer state, the step, RNG states and ``extra``. Data is safetensors,
-    metadata JSON; nothing is pickled. A crash at any moment leaves the previous checkpoint
-    in ``path`` intact and loadable (Note [atomic save] in _format.py).
+    metadata JSON; nothing is pickled. A crash or failure at any moment, on any rank,
+    leaves the new or the previous checkpoint in ``path``, complete and loadable (Note
+    [atomic save] in _format.py). One job at a time may save into a folder.
 
     Args:
         path: the checkpoint folder (created if needed; a previous checkpoint there is
@@ -125,48 +162,128 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         optimizer: optional optimizer built over ``module.parameters()``.
         extra: a JSON value (dicts with string keys, lists, strings, numbers, booleans,
             None), returned exactly by :func:`load_checkpoint`.
+        keep_previous: keep the replaced checkpoint's data folder until the next save, so
+            that a load that started before this save still finds its files (it costs
+            the disk space of one more checkpoint). With False it is removed at once; a
+            load it interrupts starts again from the new checkpoint.
 
     Raises:
         DivergenceError: buffers differ across ranks (nothing is written).
-        ShardwiseError: ``extra`` or optimizer hyperparameters do not survive JSON; the
-            optimizer holds parameters that are not the module's; or the model is inside
-            its forward/backward or a ``gathered()`` block.
+        ShardwiseError: on every rank: ``path`` is not a path or differs across ranks;
+            another job is saving into ``path`` (naming it); ``extra`` or optimizer
+            hyperparameters do not survive JSON; the optimizer holds parameters that are
+            not the module's; the model is inside its forward/backward or a
+            ``gathered()`` block; a write failed on some rank (a full or read-only disk).
 
     Example:
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
     """
-    path = os.fspath(path)
+    path = path_argument(path, "save_checkpoint")
     comm = comm_of(module)
-    announce(comm, "save_checkpoint")
+    announce(comm, f"save_checkpoint({path!r})")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
     if comm is not None and not (state is not None
                                  and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
     what = f"save_checkpoint({path!r}) failed"
+    _reached("begin")
     # Note [agreed failure] in _agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
     params, buffers, tensors, opt_meta = agreed(
         comm, what, lambda: _prepare(module, optimizer, extra))
-    data_dir = _new_data_dir(path, comm, rank, world, what)
+    _reached("prepared")
+    folder = _Folder(path, keep_previous) if rank == 0 else None
     try:
+        data_dir = _new_data_dir(path, comm, rank, world, what, folder)
         mine = agreed(comm, what,
-                               lambda: _write_data(data_dir, rank, world, tensors, buffers))
-        mine["pieces"] = {t.names[0]: list(t.local_range()) for t in params}
+                      lambda: _write_data(data_dir, rank, world, tensors, buffers, params))
+        _reached("data-written")
         everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
+        _reached("reports")
 
         def commit() -> None:
-            if rank == 0:
+            if folder is not None:
                 meta = _metadata(module, params, buffers, opt_meta, tensors, everyone,
                                  extra, world)
                 meta["data"] = os.path.basename(data_dir)
-                _commit(path, data_dir, meta)
+                folder.commit(meta)
 
         agreed(comm, what, commit)  # nobody returns before the commit
-    except ShardwiseError:
-        if rank == 0:  # the failed save's own data, not the last good checkpoint's
-            shutil.rmtree(data_dir, ignore_errors=True)
-        raise
+        _reached("agreed")
+    finally:
+        if folder is not None:
+            folder.close()
+
+
+class _Folder:
+    """Rank 0's side of a save: the lock, the new data folder, the commit, the tidying."""
+
+    def __init__(self, path: str, keep_previous: bool) -> None:
+        self.path = path
+        self.keep_previous = keep_previous
+        self.lock = FolderLock(path)
+        self.locked = False
+        self.previous: str | None = None
+
+    def start(self, data_dir: str) -> None:
+        """Lock the folder, note the checkpoint it holds, create the new data folder."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise ShardwiseError(f"cannot create {self.path}: {e}") from e
+        self.lock.acquire()
+        self.locked = True
+        _reached("locked")
+        self.previous = _committed_data(self.path)
+        try:
+            os.makedirs(data_dir, exist_ok=False)
+        except OSError as e:
+            raise ShardwiseError(f"cannot create {data_dir}: {e}") from e
+        _reached("data-folder")
+
+    def commit(self, meta: dict) -> None:
+        """Replace ``checkpoint.json``: from here on the new checkpoint is the one."""
+        meta[CHECKSUM] = canonical_sha256(meta)
+        write_json_atomic(os.path.join(self.path, META), meta,
+                          before_rename=lambda: _reached("meta-tmp"))
+        fsync_dir(self.path)
+        _reached("committed")
+
+    def close(self) -> None:
+        """Tidy (whether the save succeeded or not) and release the lock."""
+        if not self.locked:
+            return
+        try:
+            self._tidy()
+            _reached("tidied")
+        finally:
+            self.lock.release()
+            self.locked = False
+
+    def _tidy(self) -> None:
+        """Remove data folders no checkpoint needs, and temporary files left by saves that
+        crashed (ours are all gone by now: we hold the lock)."""
+        current = _committed_data(self.path)
+        if current is None and os.path.exists(os.path.join(self.path, META)):
+            return  # unreadable metadata: remove nothing rather than guess
+        keep = {current, self.previous if self.keep_previous else None}
+        for entry in os.listdir(self.path):
+            full = os.path.join(self.path, entry)
+            if entry.startswith("data-") and entry not in keep and os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            elif entry.startswith(META + TMP_MARK) and os.path.isfile(full):
+                with contextlib.suppress(OSError):
+                    os.remove(full)
+
+
+def _committed_data(path: str) -> str | None:
+    """The data folder ``path/checkpoint.json`` names, or None (none, or unreadable)."""
+    try:
+        data = read_json(os.path.join(path, META)).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data if isinstance(data, str) and data.startswith("data-") else None
 
 
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any):
@@ -197,37 +314,50 @@ def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer |
     return tensors, opt_meta
 
 
-def _new_data_dir(path: str, comm, rank: int, world: int, what: str) -> str:
-    """A fresh ``data-<id>`` folder, created by rank 0 before anyone writes into it."""
+def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
+                  folder: _Folder | None) -> str:
+    """A fresh ``data-<id>`` folder, created by rank 0 (holding the folder's lock) before
+    anyone writes into it. Every rank must have been given the same ``path``."""
     data_id = uuid.uuid4().hex[:12] if rank == 0 else None
+    paths = [path]
     if comm is not None and world > 1:
-        data_id = comm.all_gather_object(data_id)[0]
+        seen = comm.all_gather_object((path, data_id))
+        paths, data_id = [p for p, _ in seen], seen[0][1]
     data_dir = os.path.join(path, f"data-{data_id}")
 
     def make() -> None:
-        if rank == 0:
-            try:
-                os.makedirs(data_dir, exist_ok=False)
-            except OSError as e:
-                raise ShardwiseError(f"cannot create {data_dir}: {e}") from e
+        if len(set(paths)) > 1:
+            raise ShardwiseError(f"the ranks were given different paths: {_by_rank(paths)}")
+        if folder is not None:
+            folder.start(data_dir)
 
     agreed(comm, what, make)
     return data_dir
 
 
+def _by_rank(values: list) -> str:
+    return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+
+
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-                buffers: dict[str, torch.Tensor]) -> dict:
-    """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it."""
+                buffers: dict[str, torch.Tensor], params: list[ParamTarget]) -> dict:
+    """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it.
+
+    The file's own header records the pieces it holds, so that metadata claiming other
+    pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
+    pieces = {t.names[0]: list(t.local_range()) for t in params}
     fname = rank_file(rank, world)
+    header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
     info = write_atomic(os.path.join(data_dir, fname),
-                        safetensors.torch.save(tensors, metadata={"format": FORMAT}))
+                        safetensors.torch.save(tensors, metadata=header),
+                        before_rename=lambda: _reached("data-tmp"))
     files = {fname: info}
     if rank == 0 and buffers:
         buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
         files[BUFFERS_FILE] = write_atomic(
             os.path.join(data_dir, BUFFERS_FILE),
             safetensors.torch.save(buf, metadata={"format": FORMAT}))
-    return {"file": fname, "files": files, "python_rng": _py_rng()}
+    return {"file": fname, "files": files, "python_rng": _py_rng(), "pieces": pieces}
 
 
 def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
@@ -257,17 +387,6 @@ def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, t
     return meta
 
 
-def _commit(path: str, data_dir: str, meta: dict) -> None:
-    """Replace ``checkpoint.json`` (the commit point), then remove other data folders."""
-    meta[CHECKSUM] = canonical_sha256(meta)
-    write_json_atomic(os.path.join(path, META), meta)
-    fsync_dir(path)
-    for entry in os.listdir(path):  # earlier checkpoints' data and crashed attempts
-        full = os.path.join(path, entry)
-        if entry.startswith("data-") and full != data_dir and os.path.isdir(full):
-            shutil.rmtree(full, ignore_errors=True)
-
-
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
     """The optimizer's step count (torch optimizers keep it per parameter)."""
     for name, st in opt_meta["state"].items():
@@ -279,21 +398,49 @@ def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
 
 
 class _Checkpoint:
-    """A verified view of a checkpoint folder's metadata and files."""
+    """A verified view of a checkpoint folder's metadata and files.
 
-    def __init__(self, path: str) -> None:
+    Args:
+        path: the folder.
+        expect: how many tensors the model to load into holds (parameters and buffers);
+            metadata far larger than that is refused before it is parsed or checked.
+    """
+
+    def __init__(self, path: str, expect: int | None = None) -> None:
         self.path = path
         meta_path = os.path.join(path, META)
         if not os.path.isfile(meta_path):
             raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
         try:
-            self.meta = read_json(meta_path)
+            if expect is not None and os.path.getsize(meta_path) > _meta_cap(expect):
+                raise ShardwiseError(
+                    f"{meta_path}: {os.path.getsize(meta_path)} bytes of metadata, far "
+                    f"more than a checkpoint of a model of {expect} tensors needs "
+                    f"(at most {_meta_cap(expect)}): not this model's checkpoint")
+            with open(meta_path, "rb") as f:
+                self.raw = f.read()
+            self.meta = json.loads(self.raw)
         except (OSError, ValueError) as e:
             raise ShardwiseError(f"{meta_path}: unreadable ({e})") from e
+        if expect is not None:
+            _check_counts(self.meta, expect, meta_path)
         validate(self.meta, meta_path)  # Note [metadata that cannot lie]
         self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
         self.world_size = self.meta["world_size"]
         self._handles: dict[str, Any] = {}
+
+    @property
+    def digest(self) -> str:
+        """The SHA-256 of ``checkpoint.json`` as read: ranks compare it."""
+        return hashlib.sha256(self.raw).hexdigest()
+
+    def replaced(self) -> bool:
+        """Whether ``checkpoint.json`` changed since it was read (a save committed)."""
+        try:
+            with open(os.path.join(self.path, META), "rb") as f:
+                return f.read() != self.raw
+        except OSError:
+            return True
 
     def file(self, name: str):
         """An open safetensors file, verified against its size and SHA-256 first."""
@@ -305,7 +452,10 @@ class _Checkpoint:
             problem = verify_file(full, expected)
             if problem:
                 raise ShardwiseError(problem)
-            self._handles[name] = safe_open(full, framework="pt", device="cpu")
+            try:
+                self._handles[name] = safe_open(full, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+                raise ShardwiseError(f"{full}: not a readable safetensors file ({e})") from e
         return self._handles[name]
 
     def assemble(self, key: str, pieces: list[list[int]], lo: int, n: int,
@@ -319,6 +469,90 @@ class _Checkpoint:
             f = self.file(rank_file(r, self.world_size))
             out[a - lo:b - lo] = f.get_slice(key)[a - off:b - off]
         return out
+
+
+def _meta_cap(expect: int) -> int:
+    """Bytes of ``checkpoint.json`` a model of ``expect`` tensors may need: a generous
+    64 KiB per tensor (names, pieces of thousands of ranks, optimizer state) plus 64 MiB
+    (Python RNG states: 7 KB per rank)."""
+    return 64 * 2**20 + 64 * 2**10 * expect
+
+
+def _check_counts(meta: Any, expect: int, meta_path: str) -> None:
+    """Refuse metadata with many more entries than the model has tensors, cheaply and
+    before the full check (which would take seconds and list every invented name)."""
+    if not isinstance(meta, dict):
+        return  # the schema says what is wrong
+    for field in ("params", "buffers"):
+        entries = meta.get(field)
+        if isinstance(entries, dict) and len(entries) > expect:
+            raise ShardwiseError(f"{meta_path}: field {field} lists {len(entries)} tensors, "
+                                 f"the model has {expect} in all: not this model's "
+                                 f"checkpoint ({summary(list(entries))})")
+
+
+def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
+               optimizer, rank: int, world: int) -> tuple:
+    """Everything this rank will write into the module, optimizer and RNGs, read and
+    checked; nothing is changed."""
+    matched, missing, mismatched, unexpected = _match_params(ck, params)
+    saved_buffers = ck.meta.get("buffers", {})
+    for n, b in buffers.items():
+        e = saved_buffers.get(n)
+        if e is None:
+            missing.append(n)
+        elif tuple(e["shape"]) != tuple(b.shape) or e["dtype"] != dtype_name(b.dtype):
+            mismatched.append(f"{n}: checkpoint {e['dtype']} {e['shape']}, model "
+                              f"{dtype_name(b.dtype)} {list(b.shape)}")
+    unexpected += [n for n in saved_buffers if n not in buffers]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {summary(missing)}")
+    if unexpected:
+        problems.append(f"not in the model: {summary(unexpected)}")
+    if mismatched:
+        problems.append("mismatched: " + summary(mismatched, join="; "))
+    if problems:
+        raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
+
+    _check_files(ck)
+    values = []
+    for t, main, entry in matched:
+        lo, n = t.local_range()
+        values.append((t, ck.assemble(f"param/{main}", entry["pieces"], lo, n, t.dtype)))
+    buffer_values = []
+    if buffers:
+        f = ck.file(BUFFERS_FILE)
+        buffer_values = [(b, f.get_tensor(n)) for n, b in buffers.items()]
+
+    opt_sd = None
+    if optimizer is not None:
+        opt_sd = _plan_optimizer(ck, optimizer, matched)
+    rng = None
+    if ck.world_size == world:
+        f = ck.file(rank_file(rank, world))
+        rng = (f.get_tensor("rng/torch"),
+               f.get_tensor("rng/cuda") if "rng/cuda" in f.keys() else None,
+               ck.meta["python_rng"][rank])
+        try:  # on a scratch generator: a bad state must fail before anything changes
+            torch.Generator().set_state(rng[0])
+        except (RuntimeError, TypeError) as e:
+            raise ShardwiseError(f"{ck.data}/{rank_file(rank, world)}: rng/torch is not a "
+                                 f"torch RNG state ({e})") from e
+    return values, buffer_values, opt_sd, rng, ck.meta.get("extra")
+
+
+def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
+    """(digest of the metadata read, the plan), or None when a save replaced the
+    checkpoint while it was being read (the caller starts again)."""
+    params, buffers = module_targets(module)
+    ck = _Checkpoint(path, expect=len(params) + len(buffers))
+    try:
+        return ck.digest, _read_plan(ck, params, buffers, optimizer, rank, world)
+    except ShardwiseError:
+        if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
+            return None
+        raise
 
 
 def _match_params(ck: _Checkpoint, params: list[ParamTarget]):
@@ -343,82 +577,74 @@ def _match_params(ck: _Checkpoint, params: list[ParamTarget]):
     return matched, missing, mismatched, unexpected
 
 
-def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
-    ck = _Checkpoint(path)
-    params, buffers = module_targets(module)
-    matched, missing, mismatched, unexpected = _match_params(ck, params)
-    saved_buffers = ck.meta.get("buffers", {})
-    for n, b in buffers.items():
-        e = saved_buffers.get(n)
-        if e is None:
-            missing.append(n)
-        elif tuple(e["shape"]) != tuple(b.shape) or e["dtype"] != dtype_name(b.dtype):
-            mismatched.append(f"{n}: checkpoint {e['dtype']} {e['shape']}, model "
-                              f"{dtype_name(b.dtype)} {list(b.shape)}")
-    unexpected += [n for n in saved_buffers if n not in buffers]
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {missing}")
-    if unexpected:
-        problems.append(f"not in the model: {unexpected}")
-    if mismatched:
-        problems.append("mismatched: " + "; ".join(mismatched))
-    if problems:
-        raise ShardwiseError(f"{path}: " + "; ".join(problems))
-
-    _check_headers(ck, matched)
-    values = []
-    for t, main, entry in matched:
-        lo, n = t.local_range()
-        values.append((t, ck.assemble(f"param/{main}", entry["pieces"], lo, n, t.dtype)))
-    buffer_values = []
-    if buffers:
-        f = ck.file(BUFFERS_FILE)
-        buffer_values = [(b, f.get_tensor(n)) for n, b in buffers.items()]
-
-    opt_sd = None
-    if optimizer is not None:
-        opt_sd = _plan_optimizer(ck, optimizer, matched)
-    rng = None
-    if ck.world_size == world:
-        f = ck.file(rank_file(rank, world))
-        rng = (f.get_tensor("rng/torch"),
-               f.get_tensor("rng/cuda") if "rng/cuda" in f.keys() else None,
-               ck.meta["python_rng"][rank])
-    return values, buffer_values, opt_sd, rng, ck.meta.get("extra")
-
-
-def _check_headers(ck: _Checkpoint, matched) -> None:
-    """Cross-check the metadata against what the data files hold (their headers only):
-    each rank's piece of each parameter has the recorded length, and every optimizer
-    tensor a file holds is described (a deleted state entry would silently reset it)."""
-    state = (ck.meta.get("optimizer") or {}).get("state") or {}
-    described = {f"optim/{name}/{k}" for name, st in state.items()
-                 for k, info in st.items() if info["kind"] != "value"}
-    pieces = {main: entry["pieces"] for _, main, entry in matched}
-    sharded = {f"optim/{name}/{k}": name for name, st in state.items()
-               for k, info in st.items() if info["kind"] == "sharded"}
+def _check_files(ck: _Checkpoint) -> None:
+    """Cross-check the metadata against what the data files say of themselves (headers
+    only, Note [metadata that cannot lie] in _schema.py): every tensor a file holds is
+    described, with the dtype and shape the metadata gives it; each rank's file records
+    the same pieces as the metadata; no file holds a tensor the metadata does not know
+    (a deleted optimizer-state entry would silently reset it)."""
+    meta = ck.meta
+    pieces = {main: e["pieces"] for main, e in meta["params"].items()}
+    state = (meta.get("optimizer") or {}).get("state") or {}
     for r in range(ck.world_size):
+        expected: dict[str, tuple[str, list[int]]] = {}
+        for main, e in meta["params"].items():
+            expected[f"param/{main}"] = (e["dtype"], [pieces[main][r][1]])
+        for name, st in state.items():
+            for k, info in st.items():
+                if info["kind"] == "sharded":
+                    expected[f"optim/{name}/{k}"] = (info["dtype"], [pieces[name][r][1]])
+                elif info["kind"] == "replicated":
+                    expected[f"optim/{name}/{k}"] = (info["dtype"], info["shape"])
         fname = rank_file(r, ck.world_size)
         f = ck.file(fname)
-        keys = set(f.keys())
-        for _, main, entry in matched:
-            key = f"param/{main}"
-            length = f.get_slice(key).get_shape()[0] if key in keys else None
-            if length != entry["pieces"][r][1]:
-                raise ShardwiseError(f"{ck.data}/{fname}: {key} holds {length} elements, "
-                                     f"the metadata's piece {entry['pieces'][r]} says "
-                                     f"{entry['pieces'][r][1]}")
-        for key, name in sharded.items():
-            if name in pieces and key in keys:
-                length = f.get_slice(key).get_shape()[0]
-                if length != pieces[name][r][1]:
-                    raise ShardwiseError(f"{ck.data}/{fname}: {key} holds {length} elements, "
-                                         f"the parameter's piece says {pieces[name][r][1]}")
-        stray = sorted(k for k in keys if k.startswith("optim/") and k not in described)
-        if stray and ck.meta.get("optimizer") is not None:
-            raise ShardwiseError(f"{ck.data}/{fname}: holds optimizer state the metadata "
-                                 f"does not describe: {stray[:3]}")
+        where = f"{ck.data}/{fname}"
+        _check_tensors(f, where, expected, optional_prefix="rng/")
+        if meta["format_version"] >= 2:
+            _check_pieces(f, where, {main: p[r] for main, p in pieces.items()})
+    if meta.get("buffers"):
+        _check_tensors(ck.file(BUFFERS_FILE), f"{ck.data}/{BUFFERS_FILE}",
+                       {n: (e["dtype"], e["shape"]) for n, e in meta["buffers"].items()})
+
+
+def _check_tensors(f, where: str, expected: dict[str, tuple[str, list[int]]],
+                   optional_prefix: str | None = None) -> None:
+    keys = set(f.keys())
+    absent = [k for k in expected if k not in keys]
+    if absent:
+        raise ShardwiseError(f"{where}: lacks {summary(absent)}, which the metadata lists")
+    stray = sorted(k for k in keys if k not in expected
+                   and not (optional_prefix and k.startswith(optional_prefix)))
+    if stray:
+        raise ShardwiseError(f"{where}: holds tensors the metadata does not describe: "
+                             f"{summary(stray)}")
+    for key, (dtype, shape) in expected.items():
+        piece = f.get_slice(key)
+        want = _ST_DTYPES[dtype_from_name(dtype)]
+        if piece.get_dtype() != want or list(piece.get_shape()) != list(shape):
+            raise ShardwiseError(f"{where}: {key} is {piece.get_dtype()} "
+                                 f"{list(piece.get_shape())} in the file, the metadata says "
+                                 f"{want} {list(shape)}")
+    for key in ("rng/torch", "rng/cuda"):
+        if key in keys and (f.get_slice(key).get_dtype() != "U8"
+                            or len(f.get_slice(key).get_shape()) != 1):
+            raise ShardwiseError(f"{where}: {key} is not an RNG state (1-D uint8)")
+
+
+def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
+    """A rank's file names the pieces it holds; the metadata must say the same."""
+    try:
+        recorded = json.loads((f.metadata() or {})[PIECES])
+    except (KeyError, ValueError) as e:
+        raise ShardwiseError(f"{where}: its header does not record its pieces") from e
+    if recorded != pieces:
+        wrong = sorted(n for n in set(pieces) | set(recorded if isinstance(recorded, dict)
+                                                     else {})
+                       if not isinstance(recorded, dict) or recorded.get(n) != pieces.get(n))
+        raise ShardwiseError(f"{where}: holds other pieces than the metadata says, for "
+                             f"{summary(wrong)} (e.g. {wrong[0]}: the file holds "
+                             f"{recorded.get(wrong[0]) if isinstance(recorded, dict) else '?'}"
+                             f", the metadata says {pieces.get(wrong[0])})")
 
 
 def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
@@ -437,7 +663,7 @@ def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
         raise ShardwiseError(f"{ck.path}: {len(groups)} optimizer parameter groups saved, the "
                              f"optimizer has {len(optimizer.param_groups)}")
     state, new_groups, index = {}, [], 0
-    for saved, group in zip(groups, optimizer.param_groups):
+    for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
         mains = [target_of[id(p)][1] if id(p) in target_of else None for p in group["params"]]
         if mains != saved["params"]:
             raise ShardwiseError(f"{ck.path}: optimizer parameter groups hold different "
@@ -463,20 +689,54 @@ def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
                 state[index] = st
             ids.append(index)
             index += 1
-        # JSON turned tuples (AdamW's betas) into lists: restore them.
-        hyper = {k: tuple(v) if isinstance(v, list) and isinstance(group.get(k), tuple) else v
-                 for k, v in saved.items() if k != "params"}
+        hyper = _hyperparameters(saved, group, f"{ck.path}: optimizer.param_groups[{i}]")
         new_groups.append({**hyper, "params": ids})
     return {"state": state, "param_groups": new_groups}
+
+
+def _hyperparameters(saved: dict, live: dict, where: str) -> dict:
+    """The saved group's hyperparameters, checked against the live optimizer's group:
+    every one the optimizer has is present, of the same type (a number for a number, a
+    list of as many numbers for a tuple, ...), so that ``step()`` cannot fail on them
+    later. JSON turned tuples (AdamW's betas) into lists: they are restored."""
+    out = {}
+    for k, want in live.items():
+        if k == "params":
+            continue
+        if k not in saved:
+            raise ShardwiseError(f"{where}: lacks the hyperparameter {k!r} the optimizer has")
+        got = saved[k]
+        if not _same_kind(got, want):
+            raise ShardwiseError(f"{where}.{k}: {got!r:.60} where the optimizer has "
+                                 f"{type(want).__name__} {want!r:.60}")
+        out[k] = tuple(got) if isinstance(want, tuple) else got
+    for k, got in saved.items():  # ones this optimizer does not know: kept, as torch does
+        if k not in live and k != "params":
+            out[k] = got
+    return out
+
+
+def _same_kind(got: Any, want: Any) -> bool:
+    if isinstance(want, bool) or want is None or isinstance(want, str):
+        return type(got) is type(want)
+    if isinstance(want, (int, float)) or (isinstance(want, torch.Tensor) and want.dim() == 0):
+        return type(got) in (int, float)
+    if isinstance(want, (tuple, list)):
+        return (isinstance(got, list) and len(got) == len(want)
+                and all(_same_kind(g, w) for g, w in zip(got, want)))
+    return True  # a type JSON cannot hold was refused at save; nothing to compare
 
 
 def load_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint`, at any world size.
 
-    Everything is read and verified (names, shapes, dtypes, file sizes and SHA-256) before
-    anything changes; a failure on any rank raises on every rank and leaves the module and
-    optimizer untouched. RNG states are restored when the world size is the one saved.
+    Everything is read and verified (names, shapes, dtypes, file sizes and SHA-256, the
+    pieces each file holds, hyperparameter types, RNG states) before anything changes; a
+    failure on any rank raises on every rank and leaves the module and optimizer
+    untouched. RNG states are restored when the world size is the one saved. A load
+    running beside a save into the same folder loads the old or the new checkpoint
+    (every rank the same one), starting again if the save replaced it mid-read.
 
     Args:
         path: the checkpoint folder.
@@ -487,25 +747,49 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         ``extra`` exactly as saved.
 
     Raises:
-        ShardwiseError: naming the file and the problem (missing, truncated, corrupt), or
-            listing missing, unexpected and mismatched tensors.
+        ShardwiseError: naming the file and the problem (missing, truncated, corrupt,
+            metadata that contradicts the files), or listing missing, unexpected and
+            mismatched tensors; ``path`` is not a path, or differs across ranks.
 
     Example:
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
     """
-    path = os.fspath(path)
+    path = path_argument(path, "load_checkpoint")
     comm = comm_of(module)
-    announce(comm, "load_checkpoint")
+    announce(comm, f"load_checkpoint({path!r})")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
-    values, buffer_values, opt_sd, rng, extra = agreed(
-        comm, f"load_checkpoint({path!r}) failed",
-        lambda: _plan_load(path, module, optimizer, rank, world))
-    apply_values(values, buffer_values)
-    if optimizer is not None:
-        optimizer.load_state_dict(opt_sd)
-    if rng is not None:
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng[1])
-        _set_py_rng(rng[2])
+    what = f"load_checkpoint({path!r}) failed"
+    everyone = comm.all_gather_object if comm is not None and world > 1 else (lambda x: [x])
+    paths = everyone(path)
+    if len(set(paths)) > 1:
+        raise ShardwiseError(f"{what}: the ranks were given different paths: "
+                             f"{_by_rank(paths)}")
+    for _ in range(_LOAD_ATTEMPTS):
+        got = agreed(comm, what, lambda: _plan_load(path, module, optimizer, rank, world))
+        digest = got[0] if got is not None else None
+        digests = everyone(digest)
+        if got is not None and None not in digests and len(set(digests)) == 1:
+            break
+    else:
+        raise ShardwiseError(f"{what}: {path} was replaced by another save during each of "
+                             f"{_LOAD_ATTEMPTS} attempts to read it; is a job saving into "
+                             f"it in a loop?")
+    values, buffer_values, opt_sd, rng, extra = got[1]
+
+    def apply() -> None:
+        apply_values(values, buffer_values)
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
+        if rng is not None:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng[1])
+            _set_py_rng(rng[2])
+
+    # Everything that could fail was checked above; should anything still fail on one
+    # rank, every rank says so instead of the others going on to hang.
+    agreed(comm, f"{what} while applying the checked values", apply, changed=True)
     return extra
+
+
+_LOAD_ATTEMPTS = 5
