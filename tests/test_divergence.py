@@ -173,3 +173,41 @@ def test_a_peer_that_dies_mid_step_ends_in_an_error_within_seconds(tmp_path, che
         run_ranks(_peer_dies, 2, check, report, timeout=60)
     seconds, message = open(report).read().split("\n", 1)
     assert float(seconds) < 20, message  # not the 60 s timeout
+
+
+def _diverged_arguments(rank, world, root):
+    """The check compares the arguments that decide communication, not only the name.
+    Before: gathered() with a per-rank modifier_rank hung until the timeout and left the
+    group unusable; per-rank checkpoint paths gave a bare FileNotFoundError and left an
+    empty folder."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    model = sw.shard(Stack())
+    x = torch.ones(2, 4)
+    start = time.monotonic()
+    with pytest.raises(sw.ShardwiseError, match=r"rank 0: gathered\(modifier_rank=0\), "
+                                                r"rank 1: gathered\(modifier_rank=1\)"):
+        with sw.gathered(model, modifier_rank=rank):
+            pass
+    mine = os.path.join(root, f"ck{rank}")
+    with pytest.raises(sw.ShardwiseError, match=r"rank 0: save_checkpoint\('.*ck0'\), "
+                                                r"rank 1: save_checkpoint\('.*ck1'\)"):
+        sw.save_checkpoint(mine, model)
+    with pytest.raises(sw.ShardwiseError, match=r"sync_buffers\(src_rank=0\), rank 1: "
+                                                r"sync_buffers\(src_rank=1\)"):
+        sw.sync_buffers(model, src_rank=rank)
+    with pytest.raises(sw.ShardwiseError, match=r"clip_grad_norm_\(norm_type=2.0\), rank 1: "
+                                                r"clip_grad_norm_\(norm_type=inf\)"):
+        sw.clip_grad_norm_(model, 1.0, norm_type=2.0 if rank == 0 else float("inf"))
+    # Arguments of the wrong type: a ShardwiseError, not a bare TypeError.
+    with pytest.raises(sw.ShardwiseError, match=r"modifier_rank='0' is not a rank"):
+        with sw.gathered(model, modifier_rank="0"):
+            pass
+    assert time.monotonic() - start < 20  # errors, not timeouts
+    assert not os.listdir(root)  # nothing was created
+    _step(model, x)  # the group is still usable
+    with sw.gathered(model, modifier_rank=1):
+        pass
+
+
+def test_arguments_that_decide_communication_are_compared(tmp_path):
+    run_ranks(_diverged_arguments, 2, str(tmp_path), timeout=60)

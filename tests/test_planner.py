@@ -81,3 +81,40 @@ def test_plan_command_prints_a_table_and_json():
     assert json.loads(out)["units"] == 4
     bad = subprocess.run(cmd, capture_output=True, text=True)
     assert bad.returncode == 1 and "--params and --layers" in bad.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    ("plan --world 0 --params 1e6 --layers 2", "--world: must be at least 1, got 0"),
+    ("plan --world -2 --params 1e6 --layers 2", "--world: must be at least 1, got -2"),
+    ("plan --world 2 --params nan --layers 2", "--params: must be a finite number more"),
+    ("plan --world 2 --params -5 --layers 2", "--params: must be a finite number more"),
+    ("plan --world 2 --params 1e6 --layers 2 --activation-gib -3",
+     "--activation-gib: must be a finite number at least 0"),
+    ("plan --world 2 --params 1e6 --layers 2 --param-dtype nosuch",
+     "'nosuch' is not a floating-point torch dtype"),
+    ("consolidate CK out --max-shard-gb nan", "--max-shard-gb: must be a finite number more"),
+    ("consolidate CK out --max-shard-gb 0", "--max-shard-gb: must be a finite number more"),
+    ("consolidate CK CK", "is inside the checkpoint folder"),
+    ("consolidate CK CK/sub/", "is inside the checkpoint folder"),
+])
+def test_bad_command_lines_are_one_line_usage_errors(argv, message, tmp_path, capsys,
+                                                     monkeypatch):
+    """Each was a traceback, or a plan with negative bytes, or an export written into the
+    checkpoint folder before."""
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "CK").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main(argv.split())
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert os.listdir(tmp_path / "CK") == []
+
+
+def test_a_callable_that_builds_no_module_is_a_one_line_error(capsys):
+    from shardwise.cli import main
+
+    assert main(["plan", "--world", "2", "--model", "os:getcwd"]) == 1
+    assert "'os:getcwd' built a str, not a torch.nn.Module" in capsys.readouterr().err

@@ -111,8 +111,8 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         >>> sw.sync_buffers(tokenizer)      # now every rank has rank 0's statistics
     """
     comm = comm_for(module, group)
-    announce(comm, "sync_buffers")
-    if not 0 <= src_rank < comm.world_size:
+    announce(comm, f"sync_buffers(src_rank={src_rank!r})")
+    if type(src_rank) is not int or not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     comm.broadcast_tensors([b for _, b in named_buffers(module)], src_rank)

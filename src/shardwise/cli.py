@@ -3,7 +3,50 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+
+
+# Argument types: a bad value is a one-line usage error (exit 2), never a traceback
+# deep in the command, and never a silently negative plan.
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _number(text: str, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = "at least 0" if allow_zero else "more than 0"
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    return _number(text, allow_zero=False)
+
+
+def _non_negative(text: str) -> float:
+    return _number(text, allow_zero=True)
+
+
+def _float_dtype(text: str):
+    import torch
+
+    dtype = getattr(torch, text, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a floating-point torch dtype "
+                                         f"(e.g. bfloat16, float16, float32)")
+    return dtype
 
 
 def _env(_: argparse.Namespace) -> int:
@@ -30,6 +73,12 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it, once symlinks are resolved."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from shardwise.checkpoint import describe
 
@@ -45,13 +94,16 @@ def _plan(args: argparse.Namespace) -> int:
     from shardwise.errors import ShardwiseError
     from shardwise.planner import build_on_meta, plan, to_json, uniform_plan
 
-    dtype = getattr(torch, args.param_dtype) if args.param_dtype else None
+    dtype = args.param_dtype
     activations = int(args.activation_gib * 2**30)
     if args.model:
         try:
             model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None)
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
+        except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
             raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
+        if not isinstance(model, torch.nn.Module):
+            raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
+                                 f"torch.nn.Module")
         result = plan(model, args.world, args.optimizer, dtype, activation_bytes=activations)
     elif args.params and args.layers:
         compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
@@ -93,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors")
     c.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
     c.add_argument("output", help="a .safetensors file, or a folder for the Hugging Face layout")
-    c.add_argument("--max-shard-gb", type=float, default=5.0,
+    c.add_argument("--max-shard-gb", type=_positive, default=5.0,
                    help="largest file in folder output (default 5)")
     c.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     c.set_defaults(func=_consolidate)
@@ -104,13 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="package.module:callable building the model, or a "
                                    "folder holding a Hugging Face config.json")
     p.add_argument("--kwargs", help="JSON keyword arguments for the callable")
-    p.add_argument("--params", type=float, help="parameter count, without --model")
-    p.add_argument("--layers", type=int, help="number of equal blocks, without --model")
-    p.add_argument("--world", type=int, required=True, help="ranks to shard over")
+    p.add_argument("--params", type=_positive, help="parameter count, without --model")
+    p.add_argument("--layers", type=_positive_int,
+                   help="number of equal blocks, without --model")
+    p.add_argument("--world", type=_positive_int, required=True, help="ranks to shard over")
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adam", "sgd", "sgd-momentum"])
-    p.add_argument("--param-dtype", help="compute dtype of gathered units, e.g. bfloat16")
-    p.add_argument("--activation-gib", type=float, default=0.0,
+    p.add_argument("--param-dtype", type=_float_dtype,
+                   help="compute dtype of gathered units, e.g. bfloat16")
+    p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
@@ -129,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command == "consolidate" and _within(args.output, args.checkpoint):
+        c.error(f"output {args.output!r} is inside the checkpoint folder "
+                f"{args.checkpoint!r}: write it elsewhere")
     from shardwise.errors import ShardwiseError
 
     try:

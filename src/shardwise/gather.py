@@ -109,10 +109,12 @@ class _GatherSession:
     def enter(self) -> None:
         """Check the arguments, gather and pin the units, snapshot what may be written."""
         self.comm = self.units[0].model.comm if self.units else Comm(None)
-        announce(self.comm, "gathered()")
         r = self.modifier_rank
-        if r is not None and not 0 <= r < self.comm.world_size:
-            raise ShardwiseError(f"modifier_rank={r} is not a rank of a group of "
+        # The rank that modifies decides who broadcasts: ranks given different ones must
+        # not meet in a broadcast (they would hang), so the check compares it too.
+        announce(self.comm, "gathered()" if r is None else f"gathered(modifier_rank={r!r})")
+        if r is not None and (type(r) is not int or not 0 <= r < self.comm.world_size):
+            raise ShardwiseError(f"modifier_rank={r!r} is not a rank (an int) of a group of "
                                  f"{self.comm.world_size}")
         for u in self.units:
             u.model.recover()

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,
     Progress,
@@ -53,11 +54,16 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
         The files written.
 
     Raises:
-        ShardwiseError: for a missing, truncated or corrupt checkpoint file.
+        ShardwiseError: for a missing, truncated or corrupt checkpoint file, or an
+            output inside the checkpoint folder.
 
     Example:
         >>> consolidate("ckpt/latest", "export/")   # then AutoModel.from_pretrained("export/")
     """
+    real_out, real_ck = os.path.realpath(output), os.path.realpath(checkpoint)
+    if os.path.commonpath([real_out, real_ck]) == real_ck:
+        raise ShardwiseError(f"consolidate: the output {output!r} is inside the checkpoint "
+                             f"folder {checkpoint!r}; write it elsewhere")
     ck = _Checkpoint(checkpoint)
     entries = _entries(ck)
     as_folder = (os.path.isdir(output) or output.endswith(os.sep)
