@@ -9,6 +9,7 @@ the checksum are exercised too.
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
-EXAMPLES = 120
+EXAMPLES = 160
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(-1e3, 1e3),
                     st.text(max_size=8), st.just([]), st.just({}), st.just("../x"))
@@ -59,6 +60,11 @@ def _mutate(meta, path, op, value):
         parent[key] = parent[key][:-1]
     elif op == "grow" and isinstance(parent[key], list) and parent[key]:
         parent[key] = parent[key] + [parent[key][-1]]
+    elif op == "swap" and isinstance(parent[key], list) and len(parent[key]) > 1:
+        parent[key] = [parent[key][1], parent[key][0], *parent[key][2:]]  # two ranks' pieces
+    elif op == "swap" and isinstance(parent, list) and len(parent) > 1:
+        other = (key + 1) % len(parent)
+        parent[key], parent[other] = parent[other], parent[key]
     else:
         parent[key] = value
     return meta
@@ -101,7 +107,7 @@ def _fuzz(rank, world, root):
     @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(path=st.sampled_from(paths), op=st.sampled_from(["delete", "replace", "bump",
-                                                            "shrink", "grow"]),
+                                                            "shrink", "grow", "swap"]),
            value=SCALARS, consistent=st.booleans())
     def example(path, op, value, consistent):
         counter[0] += 1
@@ -120,6 +126,9 @@ def _fuzz(rank, world, root):
             sw.load_checkpoint(case, model, opt)
         except sw.ShardwiseError as e:
             assert str(e).strip(), "an error must say what is wrong"
+            # Said in words, naming the field or file: not a bare exception from inside.
+            assert not re.search(r"rank\(s\) \[[0-9, ]+\]: \w+(Error|Exception): ", str(e)), \
+                (path, op, value, str(e))
             assert _same(_state(model, opt), before), f"a failed load changed state: {path}"
             outcomes["refused"] += 1
         else:

@@ -73,7 +73,7 @@ class _Checker:
         return value
 
     def dtype(self, value: Any, field: str) -> str:
-        if value not in _DTYPES:
+        if not isinstance(value, str) or value not in _DTYPES:
             raise self.fail(field, f"unknown dtype {value!r}")
         return value
 
@@ -180,7 +180,7 @@ def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]],
     for i, g in enumerate(c.list_(opt.get("param_groups"), "optimizer.param_groups")):
         g = c.dict_(g, f"optimizer.param_groups[{i}]")
         for n in c.list_(g.get("params"), f"optimizer.param_groups[{i}].params"):
-            if n not in shapes:
+            if not isinstance(n, str) or n not in shapes:
                 raise c.fail(f"optimizer.param_groups[{i}].params", f"unknown parameter {n!r}")
     for name, st in c.dict_(opt.get("state"), "optimizer.state").items():
         if name not in shapes:
