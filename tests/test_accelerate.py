@@ -121,6 +121,15 @@ def _resume(rank, world, root):
     acc.backward(_loss(late, _batches(rank)[0]))
     late_opt.step()
 
+    # A rank that skips a step: every rank learns at once, naming what each was doing
+    # (before: training went on, diverged, with no error anywhere).
+    with pytest.raises(sw.ShardwiseError, match=r"ranks diverged \(rank 0: optimizer step "
+                                                r"2, rank 1: optimizer step 2, rank 2: unit"):
+        for _ in range(2):
+            acc.backward(_loss(late, _batches(rank)[0]))
+            if rank != 2:
+                late_opt.step()
+
     # Plain accelerate would wrap the sharded model in DDP: a clear error instead.
     from accelerate import Accelerator
 

@@ -380,39 +380,91 @@ def test_checkpoint_metadata_cannot_point_outside_its_folder(tmp_path):
     assert "field 'data'" in messages["symlink"] and "leads outside" in messages["symlink"]
 
 
-def _pretrained_escape(rank, world, folders):
+def _pretrained_folders(rank, world, refused, loads, per_rank):
     model = sw.shard(SmallCNN())
     before = sw.full_state_dict(model, rank0_only=False)
     out = {}
-    for name, folder in folders.items():
+    for name, folder in refused.items():
         with pytest.raises(sw.ShardwiseError) as err:
             sw.load_pretrained(model, folder)
         out[name] = str(err.value)
     after = sw.full_state_dict(model, rank0_only=False)
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # Different weights on different ranks: refused on every rank, nothing loaded.
+    for name, sources in per_rank.items():
+        with pytest.raises(sw.ShardwiseError, match="the ranks were given different weights"):
+            sw.load_pretrained(model, sources[rank])
+        after = sw.full_state_dict(model, rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before), name
+    for folder, want in loads:
+        sw.load_pretrained(model, folder)
+        got = sw.full_state_dict(model, rank0_only=False)
+        assert all(torch.equal(got[k], v) for k, v in want.items())
     return out
 
 
-def test_load_pretrained_index_cannot_point_outside_its_folder(tmp_path):
-    sd = SmallCNN().state_dict()
+def _hub_cache(root, sd):
+    """A model as the Hugging Face hub caches it: snapshots/<rev>/ holds symlinks into
+    ../../blobs/<hash>, one folder with a single file, one with an index and two shards."""
+    repo = root / "models--org--cnn"
+    (repo / "blobs").mkdir(parents=True)
+    keys = list(sd)
+    halves = {"model-00001-of-00002.safetensors": keys[:4],
+              "model-00002-of-00002.safetensors": keys[4:]}
+    layouts = {"single": {"model.safetensors": keys}, "sharded": halves}
+    folders = {}
+    for rev, files in layouts.items():
+        snap = repo / "snapshots" / rev
+        snap.mkdir(parents=True)
+        for fname, ks in files.items():
+            blob = repo / "blobs" / f"{rev}-{fname}-sha"
+            save_file({k: sd[k] for k in ks}, str(blob))
+            os.symlink(os.path.join("..", "..", "blobs", blob.name), snap / fname)
+        if rev == "sharded":
+            json.dump({"weight_map": {k: f for f, ks in files.items() for k in ks}},
+                      open(blob.parent / "index-sha", "w"))
+            os.symlink("../../blobs/index-sha", snap / "model.safetensors.index.json")
+        folders[rev] = str(snap)
+    return folders
+
+
+def test_load_pretrained_folder_entries(tmp_path):
+    """An entry's name must stay inside the folder and resolve to a regular file; a
+    symlink may lead anywhere (the hub cache's layout, refused as "leads outside" before)."""
+    sd = _trained_bn_state()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     save_file(sd, str(elsewhere / "x.safetensors"))
-    folders = {}
+    refused = {}
     for name, target in (("relative", "../elsewhere/x.safetensors"),
                          ("absolute", str(elsewhere / "x.safetensors")),
-                         ("symlink", "linked.safetensors")):
+                         ("device", "zero.safetensors"), ("dangling", "gone.safetensors")):
         folder = tmp_path / name
         folder.mkdir()
-        if name == "symlink":
-            os.symlink(elsewhere / "x.safetensors", folder / "linked.safetensors")
+        if name == "device":
+            os.symlink("/dev/zero", folder / "zero.safetensors")
+        if name == "dangling":
+            os.symlink(tmp_path / "nowhere", folder / "gone.safetensors")
         json.dump({"weight_map": {k: target for k in sd}},
                   open(folder / "model.safetensors.index.json", "w"))
-        folders[name] = str(folder)
-    messages = run_ranks(_pretrained_escape, 2, folders)[0]
+        refused[name] = str(folder)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(elsewhere / "x.safetensors", linked / "model.safetensors")
+    hub = _hub_cache(tmp_path / "hub", sd)
+    loads = [(str(linked), sd), (hub["single"], sd), (hub["sharded"], sd)]
+    # Per-rank sources: two files of the same names and shapes but other values, and two
+    # dicts built from different seeds.
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
+    save_file(other, str(tmp_path / "other.safetensors"))
+    per_rank = {"files": [str(elsewhere / "x.safetensors"), str(tmp_path / "other.safetensors")],
+                "dicts": [sd, other]}
+    messages = run_ranks(_pretrained_folders, 2, refused, loads, per_rank)[0]
     assert "leads outside" in messages["relative"]
     assert "is not a path relative to" in messages["absolute"]
-    assert "leads outside" in messages["symlink"]
+    assert "zero.safetensors is not a regular file (it links to /dev/zero)" in \
+        messages["device"]
+    assert "gone.safetensors does not exist" in messages["dangling"]
     assert all("weight_map" in m for m in messages.values())
 
 

@@ -239,3 +239,29 @@ def test_shardwise_check_env(tmp_path):
     path = str(tmp_path / "cnn.safetensors")
     save_file(_cnn(0).state_dict(), path)
     run_ranks(_env_check, 2, path)
+
+
+def _skipped_step(rank, world):
+    torch.manual_seed(0)
+    model = sw.shard(_cnn(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = _batches(rank, 3)
+    for i, (x, y) in enumerate(batches):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if not (rank == 1 and i == 1):  # rank 1 skips one step (a caught exception, say)
+            opt.step()
+        opt.zero_grad()
+    sw.check_consistency(model)  # buffers agree: the skipped step does not show there
+    if rank == 2:
+        opt.param_groups[0]["lr"] = 5e-3
+    with pytest.raises(sw.DivergenceError) as err:
+        sw.check_consistency(model, optimizer=opt)
+    message = str(err.value)
+    assert "optimizer step count: ranks [0, 2]: 3; ranks [1]: 2" in message, message
+    if world > 2:
+        assert "optimizer.param_groups[0].lr: ranks [0, 1]: 0.01; ranks [2]: 0.005" in message
+
+
+def test_check_consistency_compares_optimizers(world=3):
+    """Before: a rank that skipped optimizer.step() passed check_consistency."""
+    run_ranks(_skipped_step, world)

@@ -30,7 +30,7 @@ from .errors import ShardwiseError
 if TYPE_CHECKING:
     from ._unit import Unit
 
-_UNIT, _END_FORWARD, _BACKWARD, _OPERATION = 1, 2, 3, 4
+_UNIT, _END_FORWARD, _BACKWARD, _OPERATION, _OPTIMIZER_STEP = 1, 2, 3, 4, 5
 
 
 def order_checks_enabled(comm: Comm) -> bool:
@@ -82,6 +82,27 @@ def announce(comm: Comm | None, operation: str) -> None:
     function that communicates), when order checks are on."""
     if comm is not None and order_checks_enabled(comm):
         _agree(comm, _OPERATION, zlib.crc32(operation.encode()) & 0x3FFFFFFF, operation)
+
+
+def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
+    """After each ``optimizer.step()``, raise on every rank unless all ranks have taken
+    as many steps, when order checks are on. For the integrations, which drive the
+    optimizer: a rank that skipped a step (a caught exception, a data loader that ran
+    out early) would otherwise train on silently, diverged. One check as small as a
+    unit's; a rank that skipped the step meets it with its next forward's check, which
+    names both.
+
+    Returns:
+        The hook's handle (``.remove()`` stops the checks).
+    """
+    taken = [0]
+
+    def after_step(*_: object) -> None:
+        taken[0] += 1
+        if order_checks_enabled(comm):
+            _agree(comm, _OPTIMIZER_STEP, taken[0], f"optimizer step {taken[0]}")
+
+    return optimizer.register_step_post_hook(after_step)
 
 
 def _agree(comm: Comm, kind: int, index: int, what: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
 from ._order_check import announce
@@ -33,43 +34,83 @@ def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out + named_buffers(module)
 
 
-def check_consistency(module: nn.Module, group=None) -> None:
-    """Check that every buffer and replicated parameter is bit-identical on every rank.
+def _optimizer_facts(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What must agree across ranks about an optimizer: how many steps each parameter
+    has taken (the range, a hash of them all) and every hyperparameter of every group."""
+    steps = []
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            s = optimizer.state.get(p, {}).get("step")
+            steps.append(None if s is None else float(s.to_local() if isinstance(
+                s, DTensor) else s) if isinstance(s, torch.Tensor) else s)
+    taken = [s for s in steps if s is not None]
+    digest = hashlib.blake2b(repr(steps).encode(), digest_size=8).hexdigest()
+    facts: dict[str, Any] = {
+        "optimizer step count": (f"{min(taken):g}" if taken and min(taken) == max(taken)
+                                 else f"{min(taken):g}..{max(taken):g}" if taken else "none",
+                                 digest)}
+    for i, g in enumerate(optimizer.param_groups):
+        for k, v in g.items():
+            if k != "params":
+                value = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                facts[f"optimizer.param_groups[{i}].{k}"] = (repr(value), "")
+    return facts
 
-    Compares a hash of each tensor's raw bytes, so any difference is caught.
+
+def check_consistency(module: nn.Module, group=None,
+                      optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Check that every buffer and replicated parameter is bit-identical on every rank,
+    and, given ``optimizer``, that every rank's optimizer has taken as many steps with
+    the same hyperparameters.
+
+    Compares a hash of each tensor's raw bytes, so any difference is caught. A rank that
+    skipped ``optimizer.step()`` holds the same kind of sharded state as its peers; only
+    its step count and its rows' values differ, so pass the optimizer to catch it.
 
     Args:
         module: any module, sharded or not (for a sharded one, its buffers).
         group: process group; default the model's group (sharded) or the world.
+        optimizer: optional; its per-parameter step counts and every group's
+            hyperparameters are compared too.
 
     Raises:
         DivergenceError: on every rank, naming each differing tensor, its dtype and shape,
-            and which ranks hold which version.
+            and which ranks hold which version; or the optimizer's step counts or
+            hyperparameters that differ, with each rank's value.
         ShardwiseError: when torch.distributed is not initialised.
 
     Example:
-        >>> sw.check_consistency(model)   # after training steps, before saving
+        >>> sw.check_consistency(model, optimizer=opt)   # after a step, before saving
     """
     comm = comm_for(module, group)
-    announce(comm, "check_consistency")
+    announce(comm, "check_consistency" if optimizer is None
+             else "check_consistency(optimizer=...)")
     mine = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_digest(t))
             for n, t in _replicated(module)}
-    everyone = comm.all_gather_object(mine)
-    names = sorted(set().union(*[set(d) for d in everyone]))
+    facts = _optimizer_facts(optimizer) if optimizer is not None else {}
+    everyone = comm.all_gather_object((mine, facts))
+    problems = _differences([d for d, _ in everyone], lambda v: f"{v[0]} {list(v[1])}")
+    problems += _differences([f for _, f in everyone], lambda v: v[0], versions=False)
+    if problems:
+        raise DivergenceError(f"{len(problems)} replicated value(s) differ across the "
+                              f"{comm.world_size} ranks:\n" + "\n".join(problems))
+
+
+def _differences(everyone: list[dict[str, Any]], show, versions: bool = True) -> list[str]:
+    """One line per name whose value is not the same on every rank."""
     problems = []
-    for name in names:
-        versions: dict[Any, list[int]] = {}
+    for name in sorted(set().union(*[set(d) for d in everyone])):
+        seen: dict[Any, list[int]] = {}
         for rank, d in enumerate(everyone):
-            versions.setdefault(d.get(name), []).append(rank)
-        if len(versions) > 1:
+            seen.setdefault(d.get(name), []).append(rank)
+        if len(seen) > 1:
             parts = []
-            for k, (v, ranks) in enumerate(versions.items()):
-                what = "missing" if v is None else f"{v[0]} {list(v[1])} version {chr(65 + k)}"
+            for k, (v, ranks) in enumerate(seen.items()):
+                what = "missing" if v is None else show(v) + (f" version {chr(65 + k)}"
+                                                               if versions else "")
                 parts.append(f"ranks {ranks}: {what}")
             problems.append(f"  {name}: " + "; ".join(parts))
-    if problems:
-        raise DivergenceError(f"{len(problems)} replicated tensor(s) differ across the "
-                              f"{comm.world_size} ranks:\n" + "\n".join(problems))
+    return problems
 
 
 def maybe_check(module: nn.Module) -> None:

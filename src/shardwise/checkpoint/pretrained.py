@@ -65,7 +65,7 @@ def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
         lo, n = t.local_range()
         values.append((t, src.read_flat(key, lo, lo + n).to(t.dtype)))
     buffer_values = [(b, src.read(key).to(b.dtype)) for b, key in buffer_loads]
-    return values, buffer_values
+    return (src.description, src.fingerprint()), values, buffer_values
 
 
 def load_pretrained(module: nn.Module, source: object, strict: bool = True,
@@ -91,7 +91,8 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
 
     Raises:
         ShardwiseError: on every rank, before anything is modified, listing missing,
-            unexpected and wrongly shaped keys, or naming an unreadable file.
+            unexpected and wrongly shaped keys, naming an unreadable file, or when ranks
+            were given different weights (Note [one source] in sources.py).
 
     Example:
         >>> model = sw.shard(LlamaForCausalLM(config))
@@ -99,8 +100,17 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     """
     comm = comm_of(module)
     announce(comm, "load_pretrained")
-    values, buffer_values = agreed(comm, "load_pretrained failed",
-                                            lambda: _plan(module, source, strict, rename))
+    what = "load_pretrained failed"
+    source_id, values, buffer_values = agreed(comm, what,
+                                              lambda: _plan(module, source, strict, rename))
+    if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
+        ids = comm.all_gather_object(source_id)
+        if len({fingerprint for _, fingerprint in ids}) > 1:
+            listed = "\n".join(f"  rank {r}: {d} (fingerprint {f})" for r, (d, f) in
+                                enumerate(ids))
+            raise ShardwiseError(f"{what}; nothing was changed: the ranks were given "
+                                 f"different weights (names, shapes, sizes or data "
+                                 f"differ):\n{listed}")
     apply_values(values, buffer_values)
     if comm is not None and comm.world_size > 1:
         # Buffers not in the source (non-persistent ones, or missing under strict=False)

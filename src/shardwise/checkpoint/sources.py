@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from collections.abc import Callable, Mapping
 
 import torch
 from safetensors import safe_open
 
 from ..errors import ShardwiseError
-from ._format import flat_range, inside
+from ._format import flat_range
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -34,6 +36,11 @@ class Source:
         """Elements ``[lo, hi)`` of the flattened tensor, reading as little as possible."""
         return self.read(key).reshape(-1)[lo:hi]
 
+    def fingerprint(self) -> str:
+        """A short hash that differs, in all likelihood, between two different sources:
+        ranks compare it before loading (Note [one source])."""
+        raise NotImplementedError
+
 
 class DictSource(Source):
     def __init__(self, tensors: Mapping[str, torch.Tensor], description: str) -> None:
@@ -51,6 +58,28 @@ class DictSource(Source):
 
     def read(self, key: str) -> torch.Tensor:
         return self._t[key].detach().to("cpu")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for k in sorted(self._t):
+            flat = self._t[k].detach().reshape(-1)
+            sample = torch.cat([flat[:_SAMPLE], flat[-_SAMPLE:]]).to("cpu").contiguous()
+            h.update(f"{k}|{self._t[k].dtype}|{tuple(self._t[k].shape)}|".encode())
+            h.update(sample.view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+# Note [one source]
+# ``load_pretrained`` given different weights on different ranks (a per-node copy that is
+# out of date, a rank-dependent path, a state dict built from each rank's own seed) would
+# load a mix of them without any error: each rank reads only its own rows. So every rank
+# hashes what identifies its source (names, dtypes, shapes, file sizes, safetensors
+# headers) and samples of its data (the first and last 64 KiB of each file's data, the
+# first and last elements of each tensor of a dict), and ranks compare the hashes before
+# anything is loaded. Two sources that agree on all of that are taken to be the same:
+# the check catches mistakes, not a crafted file.
+_SAMPLE = 16
+_SAMPLE_BYTES = 64 * 2**10
 
 
 class SafetensorsSource(Source):
@@ -84,6 +113,26 @@ class SafetensorsSource(Source):
         if len(shape) == 0:
             return self.read(key).reshape(-1)[lo:hi]
         return flat_range(self._h(key).get_slice(key), shape, lo, hi)
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        files = sorted(set(self._file_of.values()), key=os.path.basename)
+        for path in files:
+            h.update(f"{os.path.basename(path)}|".encode())
+            h.update(_file_sample(path))
+        return h.hexdigest()[:16]
+
+
+def _file_sample(path: str) -> bytes:
+    """A safetensors file's size, header, and the first and last bytes of its data."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = f.read(min(n, size))
+        data = f.read(_SAMPLE_BYTES)
+        f.seek(max(8 + n, size - _SAMPLE_BYTES))
+        tail = f.read(_SAMPLE_BYTES)
+    return hashlib.sha256(str(size).encode() + header + data + tail).digest()
 
 
 def _safetensors_files(paths: list[str]) -> dict[str, str]:
@@ -142,19 +191,17 @@ def open_source(source: object) -> Source:
                 raise ShardwiseError(f"{index}: not a JSON object ({e})") from e
             if not isinstance(weight_map, dict):
                 raise ShardwiseError(f"{index}: has no weight_map object")
-            files = {k: inside(path, v, f"{index}: weight_map[{k!r}]")
+            files = {k: _entry(path, v, f"{index}: weight_map[{k!r}]")
                      for k, v in weight_map.items()}
-            missing = sorted({p for p in files.values() if not os.path.isfile(p)})
-            if missing:
-                raise ShardwiseError(f"{index} names files that do not exist: {missing}")
             actual = _safetensors_files(sorted(set(files.values())))
             absent = [k for k, p in files.items() if actual.get(k) != p]
             if absent:
                 raise ShardwiseError(f"{index} maps keys to files that do not hold them: "
                                      f"{absent[:10]}")
             return SafetensorsSource(files, path)
-        if os.path.isfile(single):
-            return SafetensorsSource(_safetensors_files([single]), single)
+        if os.path.lexists(single):
+            return SafetensorsSource(
+                _safetensors_files([_entry(path, "model.safetensors", path)]), single)
         for name in ("pytorch_model.bin", "model.pt"):
             if os.path.isfile(os.path.join(path, name)):
                 p = os.path.join(path, name)
@@ -169,6 +216,41 @@ def open_source(source: object) -> Source:
         return DictSource(_weights_only(path), path)
     raise ShardwiseError(f"{path}: unknown format; expected .safetensors (or a weights-only "
                          f".bin/.pt)")
+
+
+def _entry(folder: str, name: object, what: str) -> str:
+    """``folder/name``, for a file a folder of weights lists.
+
+    Rule (Note [folder entries]): the *name* must stay inside the folder, and what it
+    resolves to must be a regular file. The target of a symlink may lie elsewhere: the
+    Hugging Face hub cache keeps ``snapshots/<revision>/model.safetensors`` as a link to
+    ``../../blobs/<hash>``.
+
+    Raises:
+        ShardwiseError: an absolute name, one that climbs out with ``..``, or one that is
+            missing or not a regular file once resolved (a folder, a device).
+    """
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        raise ShardwiseError(f"{what}: {name!r} is not a path relative to {folder}")
+    full = os.path.normpath(os.path.join(folder, name))
+    root = os.path.normpath(folder)
+    if os.path.commonpath([root, full]) != root:
+        raise ShardwiseError(f"{what}: {name!r} leads outside {folder}")
+    if not os.path.isfile(full):  # follows links; False for a folder, a device, a dangling link
+        target = os.path.realpath(full)
+        state = "does not exist" if not os.path.exists(target) else "is not a regular file"
+        raise ShardwiseError(f"{what}: {full} {state}"
+                             + (f" (it links to {target})" if target != full else ""))
+    return full
+
+
+# Note [folder entries]
+# A folder of weights names its files (an index's weight_map, or model.safetensors
+# itself). Names are confined to the folder, so a crafted index cannot make a load read
+# /etc/passwd or another model's files by "../" or an absolute path. Symlinks inside the
+# folder are followed wherever they lead, as long as they end at a regular file: that is
+# how the Hugging Face hub cache lays out every downloaded model (snapshots/<rev>/ holds
+# links into ../../blobs/). A device (/dev/zero) or a folder is refused.
 
 
 def renamer(rename: Rename) -> Callable[[str], str]:

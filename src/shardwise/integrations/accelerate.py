@@ -25,6 +25,8 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
+from .._order_check import watch_steps
+from .._registry import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync
@@ -71,7 +73,25 @@ class ShardwiseAccelerator(Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer) and remap:
                 _repoint(obj, remap)
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer):
+                self._watch(obj, [o for o in args if isinstance(o, nn.Module)])
         return super().prepare(*args, device_placement=device_placement)
+
+    def _watch(self, optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> None:
+        """Check every step that all ranks stepped (``watch_steps``), once per optimizer
+        of a sharded model."""
+        watched: set[int] = self.__dict__.setdefault("_shardwise_watched", set())
+        inner = plain_optimizer(optimizer)
+        if id(inner) in watched:
+            return
+        ids = {id(p) for g in inner.param_groups for p in g["params"]}
+        for model in [*models, *self._models]:
+            state = model_state(self.unwrap_model(model))
+            if state is not None and ids & {id(p) for p in model.parameters()}:
+                watch_steps(state.comm, inner)
+                watched.add(id(inner))
+                return
 
     def _shard(self, model: nn.Module) -> dict[int, nn.Parameter]:
         """Shard ``model``; map each original parameter's id to its sharded parameter."""
@@ -151,12 +171,15 @@ class ShardwiseAccelerator(Accelerator):
         if len(self._optimizers) > 1:
             raise ShardwiseError("ShardwiseAccelerator.save_state/load_state handle one "
                                  "optimizer; save each with sw.save_checkpoint")
-        optimizer = None
-        if self._optimizers:
-            optimizer = self._optimizers[0]
-            while isinstance(optimizer, AcceleratedOptimizer):
-                optimizer = optimizer.optimizer
+        optimizer = plain_optimizer(self._optimizers[0]) if self._optimizers else None
         return models[0], optimizer
+
+
+def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper (itself an Optimizer subclass)."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _repoint(optimizer: torch.optim.Optimizer, remap: dict[int, nn.Parameter]) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 
 from .._sharded_init import sharded_init
@@ -33,7 +32,7 @@ from ..distributed import init_distributed
 from ..shard import is_sharded, shard
 from ..state_dict import full_state_dict
 from ._units import no_split_units
-from .accelerate import ShardwiseAccelerator
+from .accelerate import ShardwiseAccelerator, plain_optimizer
 
 CHECKPOINT = "shardwise"       # the shardwise checkpoint inside a Trainer checkpoint folder
 _SCHEDULER = "scheduler.pt"    # the Trainer's own name for it
@@ -106,7 +105,7 @@ class ShardwiseTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_checkpoint(os.path.join(output_dir, CHECKPOINT), self._sharded,
-                        _plain_optimizer(self.optimizer))
+                        plain_optimizer(self.optimizer))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -122,7 +121,7 @@ class ShardwiseTrainer(Trainer):
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, CHECKPOINT)):
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_checkpoint(os.path.join(checkpoint, CHECKPOINT), self._sharded,
-                        _plain_optimizer(self.optimizer))
+                        plain_optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
@@ -132,13 +131,6 @@ class ShardwiseTrainer(Trainer):
         if best is None or not os.path.isdir(os.path.join(best, CHECKPOINT)):
             return super()._load_best_model()
         load_checkpoint(os.path.join(best, CHECKPOINT), self._sharded)
-
-
-def _plain_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside accelerate's wrapper (itself an Optimizer subclass)."""
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
