@@ -211,3 +211,37 @@ def _diverged_arguments(rank, world, root):
 
 def test_arguments_that_decide_communication_are_compared(tmp_path):
     run_ranks(_diverged_arguments, 2, str(tmp_path), timeout=60)
+
+
+def _evaluate_alone(rank, world, report):
+    """``if rank == 0: evaluate(model)`` then ``dist.barrier()``: before, rank 0 waited for
+    the whole collective timeout (10 minutes by default) before any message."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    os.environ["SHARDWISE_PEER_TIMEOUT"] = "3"
+    group = dist.new_group(timeout=datetime.timedelta(seconds=60))
+    model = _model(group)
+    x = torch.ones(2, 4)
+    _step(model, x)
+    if rank == 1:
+        try:
+            dist.barrier(group=group)
+        except RuntimeError:
+            pass  # rank 0 leaves after its error, closing the connection
+        return
+    start = time.monotonic()
+    with pytest.raises(sw.CollectiveError) as err:
+        with torch.no_grad():
+            model(x)  # alone: rank 1 is in dist.barrier()
+    with open(report, "w") as f:
+        f.write(f"{time.monotonic() - start:.1f}\n{err.value}")
+
+
+def test_a_rank_alone_in_an_operation_learns_why_within_seconds(tmp_path):
+    report = str(tmp_path / "rank0.txt")
+    run_ranks(_evaluate_alone, 2, report, timeout=90)
+    seconds, message = open(report).read().split("\n", 1)
+    assert "rank 1 is not in a shardwise operation; it last finished the backward of " \
+           "step 1" in message, message
+    assert "rank 0: waited" in message and "sw.gathered" in message
+    # 2 s before the first look, then 3 s of the peer unchanged (SHARDWISE_PEER_TIMEOUT).
+    assert float(seconds) < 30, message

@@ -271,3 +271,41 @@ def _grad_scaler(rank, world):
 
 def test_torch_grad_scaler_works_with_shards():
     run_ranks(_grad_scaler, 2)
+
+
+def _scalars(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = GPT(CFG)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    ref = DDP(copy.deepcopy(base))
+    ref(x, x).backward()
+    model = sw.shard(copy.deepcopy(base))
+    model(x, x).backward()
+    p = model.head.weight if hasattr(model, "head") else next(model.parameters())
+    name = next(n for n, q in model.named_parameters() if q is p)
+    want = dict(ref.module.named_parameters())[name]
+    # Before: each of these gave this rank's part silently (0.597 where DDP gives 0.769).
+    for call in (lambda: float(p.grad.norm()), lambda: p.sum().item(),
+                 lambda: p.norm().item()):
+        with pytest.raises(sw.ShardwiseError, match=r"full_tensor\(\)\.item\(\)"):
+            call()
+    # The idiom the error names gives DDP's numbers. Tolerance: the norm's squares are
+    # summed per rank, then across ranks, where DDP sums them at once; 1e-6 relative is
+    # ten times what was measured (float32 rounding of a different order).
+    assert p.grad.norm().full_tensor().item() == pytest.approx(want.grad.norm().item(),
+                                                               rel=1e-6)
+    assert p.full_tensor().sum().item() == pytest.approx(want.sum().item(), rel=1e-6)
+    # A comparison makes DTensor reduce first: that number is whole, and allowed.
+    assert bool(p.grad.abs().max() == want.grad.abs().max().item())
+    # Replicated values (the result of a reduction) and FSDP2's DTensors are untouched.
+    assert torch.is_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    other = nn.Linear(4, 4)
+    fully_shard(other)
+    local = other.weight.sum().item()  # FSDP2's own behaviour: this rank's part
+    assert local == pytest.approx(other.weight.to_local().sum().item())
+
+
+def test_python_numbers_of_sharded_values_are_whole_or_loud():
+    run_ranks(_scalars, 2)

@@ -94,8 +94,12 @@ def test_plan_command_prints_a_table_and_json():
      "'nosuch' is not a floating-point torch dtype"),
     ("consolidate CK out --max-shard-gb nan", "--max-shard-gb: must be a finite number more"),
     ("consolidate CK out --max-shard-gb 0", "--max-shard-gb: must be a finite number more"),
-    ("consolidate CK CK", "is inside the checkpoint folder"),
-    ("consolidate CK CK/sub/", "is inside the checkpoint folder"),
+    ("consolidate CK CK", "is the checkpoint folder itself"),
+    ("consolidate CK CK/", "is the checkpoint folder itself"),
+    ("consolidate CK CK/checkpoint.json", "would overwrite the checkpoint's own "
+                                          "checkpoint.json"),
+    ("consolidate CK CK/data-0123/x.safetensors", "would overwrite the checkpoint's own "
+                                                  "data-0123"),
 ])
 def test_bad_command_lines_are_one_line_usage_errors(argv, message, tmp_path, capsys,
                                                      monkeypatch):

@@ -34,6 +34,7 @@ was waiting, not in an anonymous gloo timeout.
 
 from __future__ import annotations
 
+import pickle
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._peers import start_publishing, wait_watched
+from ._scalars import mark
 from .errors import CollectiveError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -93,6 +96,8 @@ class Comm:
         self.stats = CommStats()
         self.backend = str(dist.get_backend(group))
         self._mesh = None
+        if self.world_size > 1:
+            start_publishing()  # Note [peer watch]
 
     @property
     def device(self) -> torch.device:
@@ -114,6 +119,7 @@ class Comm:
             # DTensor ops find the group by name; only torch.compile tracing reads the
             # registry.
             mesh._pg_registry.clear()
+            mark(mesh)  # Note [rank-local scalars] in _scalars.py
             self._mesh = mesh
         return self._mesh
 
@@ -235,12 +241,18 @@ class Comm:
         return None
 
     def _run(self, what: str, async_op: bool, collective, *args, **kwargs):
-        """Issue ``collective``; Note [stuck collectives] for the errors."""
+        """Issue ``collective``; Note [stuck collectives] for the errors. A synchronous
+        one is issued asynchronously and waited for, so that the wait can watch the
+        peers (Note [peer watch] in _peers.py)."""
         try:
-            work = collective(*args, group=self.group, async_op=async_op, **kwargs)
+            work = collective(*args, group=self.group, async_op=True, **kwargs)
         except RuntimeError as err:
             raise self.stuck(what, err) from err
-        return _Pending([work], self, what) if async_op else None
+        pending = _Pending([work], self, what)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def stuck(self, what: str, err: BaseException) -> CollectiveError:
         """The error for ``what``, which failed on this rank with ``err``."""
@@ -274,12 +286,28 @@ class Comm:
 
     def all_gather_object(self, obj: Any, what: str = "an exchange of metadata") -> list[Any]:
         """Every rank's ``obj``, in rank order (small metadata only)."""
-        out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as err:
-            raise self.stuck(what, err) from err
-        return out
+        if "gloo" not in self.backend:
+            out: list[Any] = [None] * self.world_size
+            try:
+                dist.all_gather_object(out, obj, group=self.group)
+            except RuntimeError as err:
+                raise self.stuck(what, err) from err
+            return out
+        # Under gloo, as two watched collectives (Note [peer watch]): the sizes, then
+        # the pickled objects padded to the largest. Objects are shardwise's own
+        # metadata (names, messages, fingerprints), never a peer's arbitrary data.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        self._run(what, False, dist.all_gather_into_tensor, sizes,
+                  torch.tensor([data.numel()], dtype=torch.int64))
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        everyone = torch.empty(longest * self.world_size, dtype=torch.uint8)
+        self._run(what, False, dist.all_gather_into_tensor, everyone, padded)
+        rows = everyone.view(self.world_size, longest)
+        return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes())
+                for r in range(self.world_size)]
 
 
 class _Pending:
@@ -304,9 +332,14 @@ class _Pending:
                 # wait for a second message): a wait interrupted half-way (Ctrl-C) resumes
                 # with the works not yet done. A collective's wait does more than wait
                 # (NCCL orders the current stream after it), so it always runs.
-                if not (self._p2p and self._works[0].is_completed()):
-                    self._works[0].wait()
+                if self._p2p:
+                    if not self._works[0].is_completed():
+                        self._works[0].wait()
+                else:
+                    wait_watched(self._works[0], self._comm, self._what)
                 self._works.pop(0)
+        except CollectiveError:
+            raise  # the peer watch's own, complete error
         except RuntimeError as err:
             self._error = err
             raise self._comm.stuck(self._what, err) from err

@@ -44,6 +44,7 @@ from ._comm import Comm
 from ._guards import check_model, warn_if_compiled_whole
 from ._log import logger
 from ._order_check import OrderCheck, order_checks_enabled
+from ._peers import ACTIVITY
 from ._unit import Unit
 from .errors import ShardwiseError
 
@@ -78,6 +79,7 @@ class ModelState:
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
         self._compile_checked = False  # warn_if_compiled_whole ran
+        self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -172,6 +174,7 @@ class ModelState:
             self._order = []
             self.release_all()
         self.phase = Phase.FORWARD
+        ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
 
     def _record_call(self, unit: Unit) -> None:
         """Note the call and prefetch the ``prefetch`` units that ran next last time."""
@@ -201,7 +204,10 @@ class ModelState:
             # An output we cannot search may still lead to a backward: keep what it may
             # need gathered rather than free parameters autograd saved.
             self.phase = Phase.AWAITING_BACKWARD
+            ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
+                                    f"backward")
             return
+        ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
         self.release_all()
         self._sync_buffers_if_due()
@@ -217,6 +223,7 @@ class ModelState:
         if self.phase is not Phase.BACKWARD:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
+            ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             if self.order_check is not None:
                 self.order_check.backward()
 
@@ -265,6 +272,8 @@ class ModelState:
                     f"was reduced; please report this with your model")
         self.release_all()
         self.phase = Phase.IDLE
+        self.steps += 1
+        ACTIVITY.leave(f"the backward of step {self.steps}")
         self._sync_buffers_if_due()  # Note [buffer sync point]
         self._log_step()
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ._comm import Comm
 from ._order_check import announce
+from ._peers import operation
 from ._registry import model_state
 from .errors import ShardwiseError
 
@@ -94,6 +95,7 @@ def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
     return Comm(group)
 
 
+@operation("sync_buffers")
 def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
     """Make every rank's buffers (persistent and not) equal to ``src_rank``'s.
 

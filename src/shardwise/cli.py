@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
 
@@ -71,12 +70,6 @@ def _consolidate(args: argparse.Namespace) -> int:
     for f in files:
         print(f)
     return 0
-
-
-def _within(path: str, folder: str) -> bool:
-    """Whether ``path`` is ``folder`` or inside it, once symlinks are resolved."""
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -183,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command == "consolidate" and _within(args.output, args.checkpoint):
-        c.error(f"output {args.output!r} is inside the checkpoint folder "
-                f"{args.checkpoint!r}: write it elsewhere")
+    if args.command == "consolidate":
+        from shardwise.checkpoint.consolidate import output_problem
+
+        problem = output_problem(args.checkpoint, args.output)
+        if problem:
+            c.error(problem)
     from shardwise.errors import ShardwiseError
 
     try:

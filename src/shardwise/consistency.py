@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
 from ._order_check import announce
+from ._peers import operation
 from ._registry import sharded_param
 from .buffers import comm_for, named_buffers
 from .errors import DivergenceError
@@ -57,6 +58,7 @@ def _optimizer_facts(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return facts
 
 
+@operation("check_consistency")
 def check_consistency(module: nn.Module, group=None,
                       optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that every buffer and replicated parameter is bit-identical on every rank,

@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ._comm import Comm
 from ._order_check import announce
+from ._peers import ACTIVITY
 from ._registry import sharded_param
 from ._unit import FlatGroup, ShardedParam, Unit, UnitState
 from .buffers import named_buffers
@@ -225,13 +226,15 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     if session.passthrough:
         yield session.value()
         return
-    session.enter()
+    with ACTIVITY.operation("gathered()"):  # Note [peer watch]
+        session.enter()
     try:
         yield session.value()
     except BaseException:
         session.release()
         raise
-    session.exit()
+    with ACTIVITY.operation("the end of gathered()"):
+        session.exit()
 
 
 def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced: list[_Slot],

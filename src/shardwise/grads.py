@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._order_check import announce
+from ._peers import operation
 from ._registry import model_state
 from .errors import ShardwiseError
 
@@ -25,6 +26,7 @@ def _require_state(module: nn.Module, what: str):
     return state
 
 
+@operation("clip_grad_norm_")
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks' shards, in place.
 

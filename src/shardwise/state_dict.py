@@ -7,9 +7,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._order_check import announce
+from ._peers import operation
 from ._registry import model_state, sharded_param
 
 
+@operation("full_state_dict")
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded module's ``state_dict()``, consolidated on CPU.
 

@@ -10,11 +10,13 @@ import torch
 from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,
+    META,
     Progress,
     SafetensorsStreamWriter,
     dtype_from_name,
     write_json_atomic,
 )
+from ._lock import LOCK
 from .io import _Checkpoint
 
 
@@ -27,6 +29,22 @@ def _entries(ck: _Checkpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], s
     for name, e in ck.meta.get("buffers", {}).items():
         out.append((name, dtype_from_name(e["dtype"]), tuple(e["shape"]), "buffer", name))
     return out
+
+
+def output_problem(checkpoint: str, output: str) -> str | None:
+    """Why ``output`` must not receive an export of ``checkpoint``, or None. The export
+    may go beside the checkpoint's files, never over them: not the folder itself, not its
+    metadata, lock or data folders (a later save would remove what lies in those)."""
+    out, ck = os.path.realpath(output), os.path.realpath(checkpoint)
+    if out == ck:
+        return (f"the output {output!r} is the checkpoint folder itself; name a file or "
+                f"folder beside or inside it")
+    if os.path.commonpath([out, ck]) == ck:
+        first = os.path.relpath(out, ck).split(os.sep)[0]
+        if first in (META, LOCK) or first.startswith("data-"):
+            return (f"the output {output!r} would overwrite the checkpoint's own "
+                    f"{first}; write it elsewhere")
+    return None
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -55,15 +73,14 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
 
     Raises:
         ShardwiseError: for a missing, truncated or corrupt checkpoint file, or an
-            output inside the checkpoint folder.
+            output that is the checkpoint folder or one of its own entries.
 
     Example:
         >>> consolidate("ckpt/latest", "export/")   # then AutoModel.from_pretrained("export/")
     """
-    real_out, real_ck = os.path.realpath(output), os.path.realpath(checkpoint)
-    if os.path.commonpath([real_out, real_ck]) == real_ck:
-        raise ShardwiseError(f"consolidate: the output {output!r} is inside the checkpoint "
-                             f"folder {checkpoint!r}; write it elsewhere")
+    problem = output_problem(checkpoint, output)
+    if problem:
+        raise ShardwiseError(f"consolidate: {problem}")
     ck = _Checkpoint(checkpoint)
     entries = _entries(ck)
     as_folder = (os.path.isdir(output) or output.endswith(os.sep)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from .._agree import agreed
 from .._order_check import announce
+from .._peers import operation
 from .._registry import model_state
 from ..buffers import BufferPolicy
 from ..consistency import check_consistency
@@ -143,6 +144,7 @@ def _reached(step: str) -> None:
     """A step of Note [save protocol] (a point where the crash-point test stops a rank)."""
 
 
+@operation("save_checkpoint")
 def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     extra: Any = None, *, keep_previous: bool = True) -> None:
@@ -727,6 +729,7 @@ def _same_kind(got: Any, want: Any) -> bool:
     return True  # a type JSON cannot hold was refused at save; nothing to compare
 
 
+@operation("load_checkpoint")
 def load_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint`, at any world size.

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from .._agree import agreed
 from .._order_check import announce
+from .._peers import operation
 from .._registry import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
@@ -68,6 +69,7 @@ def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
     return (src.description, src.fingerprint()), values, buffer_values
 
 
+@operation("load_pretrained")
 def load_pretrained(module: nn.Module, source: object, strict: bool = True,
                     rename: Rename = None) -> None:
     """Load full (unsharded) weights into ``module``, sharded or not, on every rank.

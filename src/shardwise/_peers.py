@@ -1,0 +1,206 @@
+"""What each rank is doing, so that a rank stuck waiting learns why within seconds.
+
+Note [peer watch]
+A rank that runs a shardwise operation alone (``if rank == 0: evaluate(model)``, the
+others already in ``dist.barrier()``) waits in a collective its peers never join; the
+process group's timeout (10 minutes by default) would end it, saying nothing of the
+peers. Instead, every rank keeps a note of what it is doing in shardwise (a training
+step of some model, a public operation such as ``save_checkpoint``, or nothing since it
+last finished one) and a daemon thread copies the note into the process group's store
+when it changes (at most twice a second). The main thread only assigns Python
+attributes, so the fast path costs nothing measurable (BENCHMARKS.md).
+
+A collective's wait under gloo waits in slices of a second (gloo's collectives survive
+a wait that times out; its point-to-point messages do not, so the exchanges of Note
+[gloo exchanges] in _comm.py wait plainly); once it has lasted a few seconds it reads
+the peers' notes. Every shardwise operation and every unit starts with a collective
+under gloo's default settings, the order check's all-reduce, so a rank alone in an
+operation is caught there; with ``SHARDWISE_CHECK=0`` a rank alone in a unit's
+all-gather waits for the process group's timeout. A peer that is not in a shardwise
+operation, or in a different one, and whose note has not changed for
+``SHARDWISE_PEER_TIMEOUT`` seconds (default 20; 0 turns the watch off) makes the waiting
+rank raise a ``CollectiveError`` that says what every rank is doing. A peer busy in the
+same kind of operation (a slow rank still computing its forward) is waited for, as long
+as the process group's timeout allows. Under NCCL, waits do not block the host, so the
+watch does not apply; the NCCL watchdog ends a hang there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import CollectiveError
+
+_KEY = "shardwise/activity/{}"
+_PUBLISH_EVERY = 0.5   # seconds between the thread's looks at the note
+_LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
+_SLICE = timedelta(seconds=1)
+
+
+def peer_timeout() -> float:
+    """Seconds a peer may stay elsewhere before a waiting rank raises (0: never)."""
+    try:
+        return max(0.0, float(os.environ.get("SHARDWISE_PEER_TIMEOUT", "20")))
+    except ValueError:
+        return 20.0
+
+
+class Activity:
+    """This process's note of what it is doing in shardwise."""
+
+    def __init__(self) -> None:
+        self.kind: str | None = None   # "training" or an operation; None: nothing
+        self.doing = ""                # e.g. "the backward of step 12"
+        self.last = "nothing yet"      # the last thing it finished
+        self.version = 0
+
+    def enter(self, kind: str, doing: str) -> None:
+        self.kind, self.doing = kind, doing
+        self.version += 1
+
+    def leave(self, finished: str) -> None:
+        self.kind, self.doing, self.last = None, "", finished
+        self.version += 1
+
+    @contextmanager
+    def operation(self, name: str) -> Iterator[None]:
+        """Note a public operation for its duration (restoring what was noted before:
+        ``full_state_dict`` inside a training step leaves the step noted)."""
+        before = (self.kind, self.doing)
+        self.enter(name, name)
+        try:
+            yield
+        finally:
+            if before[0] is None:
+                self.leave(name)
+            else:
+                self.kind, self.doing = before
+                self.version += 1
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "doing": self.doing, "last": self.last,
+                "version": self.version}
+
+
+ACTIVITY = Activity()
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+def operation(name: str) -> Callable:
+    """Decorator: note the public operation ``name`` while the function runs."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            with ACTIVITY.operation(name):
+                return fn(*args, **kwargs)
+        return noted
+    return wrap
+
+
+def start_publishing() -> None:
+    """Start the thread that copies the note into the store (once per process)."""
+    global _thread
+    with _lock:
+        if _thread is not None and _thread.is_alive():
+            return
+        _thread = threading.Thread(target=_publish, name="shardwise-peer-watch", daemon=True)
+        _thread.start()
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _publish() -> None:
+    published = None
+    while True:
+        if not dist.is_initialized():
+            return  # Note [teardown]: nothing outlives the process group
+        note = ACTIVITY.describe()
+        store = _store()
+        if note != published and store is not None:
+            try:
+                store.set(_KEY.format(dist.get_rank()), json.dumps(note))
+                published = note
+            except Exception:  # noqa: BLE001 - a store gone at teardown ends the thread
+                return
+        time.sleep(_PUBLISH_EVERY)
+
+
+def wait_watched(work: Any, comm: Any, what: str) -> None:
+    """``work.wait()``, raising early when the peers are elsewhere (Note [peer watch])."""
+    limit = peer_timeout()
+    if limit == 0 or comm.world_size == 1 or "gloo" not in comm.backend:
+        work.wait()
+        return
+    start = time.monotonic()
+    seen: dict[int, tuple[str, float]] = {}
+    while True:
+        try:
+            work.wait(_SLICE)
+            return
+        except RuntimeError as err:
+            if "Operation timed out" not in str(err):  # a real failure: a peer died
+                raise
+        now = time.monotonic()
+        if now - start >= _LOOK_AFTER:
+            _look(comm, what, now, start, seen, limit)
+
+
+def _look(comm: Any, what: str, now: float, start: float,
+          seen: dict[int, tuple[str, float]], limit: float) -> None:
+    """Raise if a peer has been elsewhere, unchanged, for ``limit`` seconds."""
+    store = _store()
+    if store is None:
+        return
+    mine = ACTIVITY.kind
+    notes: dict[int, dict] = {}
+    elsewhere = []
+    for r in range(comm.world_size):
+        g = comm.global_rank(r)
+        key = _KEY.format(g)
+        try:
+            if g == dist.get_rank() or not store.check([key]):
+                continue
+            raw = store.get(key).decode()
+        except Exception:  # noqa: BLE001 - no note to read: nothing to conclude
+            continue
+        note = json.loads(raw)
+        notes[r] = note
+        first = seen.setdefault(r, (raw, now))
+        if first[0] != raw:
+            seen[r] = (raw, now)
+            continue
+        if note["kind"] != mine and now - first[1] >= limit:
+            elsewhere.append(r)
+    if elsewhere:
+        lines = [f"rank {r} " + _say(n) for r, n in sorted(notes.items())]
+        raise CollectiveError(
+            f"rank {comm.rank}: waited {now - start:.0f} s in {what}, which its peers "
+            f"are not in. " + "; ".join(lines) + ". Every rank must run the model's "
+            f"forward and backward and shardwise's collective operations together. To "
+            f"evaluate on one rank, gather the parameters on every rank first "
+            f"(`with sw.gathered(model): ...` on every rank, then evaluate on one) or "
+            f"evaluate a consolidated copy (docs/troubleshooting.md). The process group "
+            f"cannot be used after this error. SHARDWISE_PEER_TIMEOUT={limit:g} s "
+            f"(0 turns this check off)")
+
+
+def _say(note: dict) -> str:
+    if note["kind"] is None:
+        return f"is not in a shardwise operation; it last finished {note['last']}"
+    return f"is in {note['doing']}"
