@@ -106,13 +106,17 @@ def test_warns_when_one_unit_holds_most_of_the_model():
 
 def _cast_after_shard(rank, world):
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    model = sw.shard(GPT(CFG))
+    model(x, x).backward()
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double()):
-        model = sw.shard(GPT(CFG))
-        model(x, x).backward()
-        cast(model)
-        with pytest.raises(sw.ShardwiseError, match="cast or moved after sw.shard"):
-            model(x, x)
+        with pytest.raises(sw.ShardwiseError, match="cannot be cast or moved after sw.shard"):
+            cast(model)  # at once, with nothing changed
+    model(x, x).backward()
+    w = model.blocks[0].fc.weight
+    w.data = w.data.double()  # a shard's data replaced: caught at the next forward
+    with pytest.raises(sw.ShardwiseError, match="were cast or moved after sw.shard"):
+        model(x, x)
 
 
-def test_cast_after_shard_raises_at_next_forward():
+def test_cast_after_shard_raises():
     run_ranks(_cast_after_shard, 2)

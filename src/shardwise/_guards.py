@@ -4,6 +4,9 @@
   and reading their ``.grad`` (every optimizer step and ``zero_grad`` does) raises;
 - Hugging Face ``save_pretrained`` without the consolidated weights raises;
 - wrapping a sharded model in ``DistributedDataParallel`` raises in DDP's constructor;
+- moves and casts of a sharded model (``model.to(...)``, ``.half()``...) that would change
+  a shard raise before anything changes; those that change nothing are no-ops
+  (:func:`guard_apply`);
 - at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
   changed, or parameters added after ``shard``.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -109,8 +113,9 @@ def guard_ddp(module: nn.Module) -> None:
 def check_model(state: ModelState) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
-    Casting or moving it (``model.to(torch.bfloat16)``, ``.cuda()``, ``p.data = ...``)
-    detaches shards from shardwise's storage; ``requires_grad_`` on a shard would change
+    Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
+    of modules are refused at once by :func:`guard_apply`) detaches it from shardwise's
+    storage; ``requires_grad_`` on a shard would change
     which gradients exist without changing which are reduced; a parameter added later
     would be neither sharded nor kept identical across ranks. Each would train silently
     wrong.
@@ -123,11 +128,9 @@ def check_model(state: ModelState) -> None:
     if moved:
         raise ShardwiseError(
             f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
-            f"(model.to(...), .half(), .bfloat16(), .cuda(), or p.data = ...), so their "
-            f"shards left shardwise's storage and training would silently use the old "
-            f"values. Cast or move the model before sw.shard, or keep fp32 master weights "
-            f"and compute in low precision with sw.shard(model, mixed_precision="
-            f"sw.MixedPrecision(param_dtype=torch.bfloat16))")
+            f"(p.data = ..., or a cast of the parameter itself), so their shards left "
+            f"shardwise's storage and training would silently use the old values. "
+            + _CAST_ADVICE)
     if flipped:
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
@@ -139,6 +142,63 @@ def check_model(state: ModelState) -> None:
             f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "
             f"sw.shard: they are not sharded and nothing keeps them identical across ranks. "
             f"Add every module before sw.shard(model)")
+
+
+_CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "
+                "compute in low precision with sw.shard(model, mixed_precision="
+                "sw.MixedPrecision(param_dtype=torch.bfloat16))")
+
+
+def guard_apply(module: nn.Module) -> None:
+    """Route ``module``'s moves and casts (``.to(...)``, ``.cpu()``, ``.cuda()``,
+    ``.float()``, ``.half()``, ``.to_empty()``...: all ``nn.Module._apply``) through
+    :func:`_apply`."""
+    set_instance_method(module, "_apply", functools.partial(_apply, module))
+
+
+def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+           recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` for a module of a sharded model.
+
+    A shard must stay a view of its unit's flat buffer, and torch would replace it (a
+    DTensor is swapped, never written through ``.data``), even for a move or cast that
+    changes nothing. So ``fn`` is first tried on a small probe of each shard's dtype,
+    device and dimension: if it would change any shard, this raises before anything is
+    changed. Otherwise the shards are held out while torch applies ``fn`` to the rest
+    (buffers, parameters added later), so ``model.to("cpu")``, ``.cpu()`` or ``.float()``
+    on an fp32 model on CPU change nothing, as on an unsharded model.
+    """
+    held = [(m, name, t) for m in (module.modules() if recurse else [module])
+            for name, t in m._parameters.items()
+            if t is not None and sharded_param(t) is not None]
+    probes: dict[tuple, bool] = {}
+    changed: dict[str, None] = {}
+    for _, _, t in held:
+        sp = sharded_param(t)
+        assert sp is not None
+        key = (sp.local.dtype, sp.local.device, len(sp.shape))
+        if key not in probes:
+            probe = torch.empty((2,) * len(sp.shape), dtype=sp.local.dtype,
+                                device=sp.local.device)
+            with torch.no_grad():
+                probes[key] = fn(probe) is not probe
+        if probes[key]:
+            changed[sp.fqns[0]] = None
+    if changed:
+        raise ShardwiseError(
+            f"{len(changed)} parameter(s) ({_some(list(changed))}) cannot be cast or moved "
+            f"after sw.shard (model.to(dtype or device), .half(), .bfloat16(), .double(), "
+            f".cuda(), .to_empty(), ...): their shards would leave shardwise's storage and "
+            f"training would silently use the old values. Nothing was changed; a move or "
+            f"cast that changes nothing (.to('cpu') on CPU, .float() on an fp32 model) is "
+            f"allowed. " + _CAST_ADVICE)
+    for m, name, _ in held:
+        m._parameters[name] = None  # skipped by torch, and keeps the parameters' order
+    try:
+        return nn.Module._apply(module, fn, recurse)
+    finally:
+        for m, name, t in held:
+            m._parameters[name] = t
 
 
 def _some(names: list[Any]) -> str:

@@ -11,7 +11,15 @@ On modules:
 - ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
 - ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
   every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
-  stops skipping layers), on every module of a sharded model.
+  stops skipping layers), on every module of a sharded model;
+- ``_apply``: on every module of a sharded model, the guard that makes moves and casts
+  no-ops or refuses them (``_guards.py``);
+- ``__deepcopy__`` and ``__reduce_ex__``: on every module of a sharded model, the deep
+  copy of the whole model and the refusal to pickle (``_clone.py``).
+
+Besides these keys, shardwise registers forward hooks on unit modules (``_hooks.py``) and
+``state_dict`` / ``load_state_dict`` hooks on the modules holding shards
+(``_state_dict_hooks.py``).
 
 On tensors:
 - ``_shardwise_param``: the :class:`~shardwise._unit.ShardedParam` behind a shard or a

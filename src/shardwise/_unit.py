@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NoReturn, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -67,7 +67,8 @@ from ._comm import Comm
 from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
 from ._reduce import GradReduction
-from ._registry import copy_user_attributes
+from ._registry import copy_user_attributes, set_sharded_param
+from .errors import ShardwiseError
 
 if TYPE_CHECKING:
     from ._state import ModelState
@@ -98,6 +99,24 @@ class ShardedParam:
     @property
     def numel(self) -> int:
         return self.slot.numel
+
+    # A sharded parameter belongs to one model: copying or pickling a shard, a submodule or
+    # anything else reaching this record alone would copy the unit's state and process
+    # group, or crash on a freed full parameter. A whole-model deep copy never gets here
+    # (_clone.py maps every shard to its copy beforehand).
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        raise ShardwiseError(
+            f"{self.fqns[0]} is a parameter of a sharded model, which is deep-copied as a "
+            f"whole: copy.deepcopy(model) gives an independent sharded copy. For values, "
+            f"use p.detach().clone() or sw.full_state_dict(model)")
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise ShardwiseError(
+            f"{self.fqns[0]} is a parameter of a sharded model, which cannot be pickled "
+            f"(torch.save of the model, a submodule or a parameter). Save weights instead: "
+            f"sw.save_checkpoint(path, model, optimizer) to resume, "
+            f"sw.full_state_dict(model) for one consolidated state dict, or "
+            f"torch.save(model.state_dict(), per_rank_file) for this rank's rows")
 
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor sharded like the parameter."""
@@ -190,6 +209,14 @@ class FlatGroup:
                     or mine.untyped_storage().data_ptr() != home):
                 out.append(p.fqns[0])
         return out
+
+    def install(self) -> None:
+        """Register each shard in place of its parameter on every module holding it."""
+        for sp in self.params:
+            set_sharded_param(sp.shard, sp)
+            set_sharded_param(sp.full, sp)
+            for m, attr in sp.slots:
+                m._parameters[attr] = sp.shard
 
     def fill_local(self, values: list[torch.Tensor] | None, src: int) -> None:
         """Set every rank's shard from rank ``src``'s full ``values`` (a scatter)."""

@@ -7,7 +7,6 @@ installed. Also the guards that keep replaced originals and ``save_pretrained`` 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ import torch.nn as nn
 
 from . import _hooks
 from ._agree import agreed
+from ._clone import guard_copies
 from ._comm import Comm
-from ._guards import guard_ddp, guard_save_pretrained, retire
+from ._guards import guard_apply, guard_ddp, guard_save_pretrained, retire
 from ._log import logger
 from ._plan import (
     GroupSpec,
@@ -37,13 +37,13 @@ from ._registry import (
     mark_collective_forward,
     model_state,
     set_model_state,
-    set_sharded_param,
     set_unit,
     sharded_param,
     unit_of,
 )
 from ._sharded_init import full_value
 from ._state import ModelState
+from ._state_dict_hooks import install_state_dict_hooks
 from ._unit import FlatGroup, Unit
 from .buffers import BufferPolicy, BufferSync
 from .consistency import maybe_check
@@ -185,12 +185,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     buffer_sync.broadcast_all()
     state = ModelState(module, comm, built, buffer_sync, src_rank)
     state.prefetch = prefetch
-    _install_hooks(state)
-    set_model_state(module, state)
-    guard_save_pretrained(module)
-    guard_ddp(module)
-    for sub in module.modules():
-        mark_collective_forward(sub)
+    for unit in built:
+        unit.module.register_forward_pre_hook(_hooks.pre_forward, prepend=True,
+                                              with_kwargs=True)
+        unit.module.register_forward_hook(_hooks.post_forward, with_kwargs=True)
+    install_state_dict_hooks(module)
+    attach(state)
     maybe_check(module)
     return module
 
@@ -278,11 +278,7 @@ def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
     values = [full_value(p) for p in originals]
     g.fill_local(values if comm.rank == src_rank else None, src_rank)
     del values
-    for sp in g.params:
-        set_sharded_param(sp.shard, sp)
-        set_sharded_param(sp.full, sp)
-        for m, attr in sp.slots:
-            m._parameters[attr] = sp.shard
+    g.install()
     # Release the originals now, not after the last unit: the old and the new storage of
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
@@ -309,15 +305,21 @@ def _materialise_buffers(module: nn.Module, rank: int, device: torch.device,
                 mod._buffers[bname] = b.to(device)
 
 
-def _install_hooks(state: ModelState) -> None:
-    """The forward hooks of every unit, and the hook that queues the end of backward."""
+def attach(state: ModelState) -> None:
+    """Make ``state`` its model's: what each sharded model carries beyond its module
+    hooks (which module copies inherit, _hooks.py). Used by :func:`shard` and by a deep
+    copy of a sharded model (``_clone.py``)."""
+    module = state.root
     for unit in state.units:
         set_unit(unit.module, unit)
-        unit.module.register_forward_pre_hook(functools.partial(_hooks.pre_forward, unit),
-                                              prepend=True, with_kwargs=True)
-        unit.module.register_forward_hook(functools.partial(_hooks.post_forward, unit),
-                                          with_kwargs=True)
         for sp in unit.params:
             if sp.requires_grad:
                 sp.full.register_post_accumulate_grad_hook(
                     lambda _p, s=state: s.ensure_backward_callback())
+    set_model_state(module, state)
+    guard_save_pretrained(module)
+    guard_ddp(module)
+    for sub in module.modules():
+        mark_collective_forward(sub)
+        guard_apply(sub)
+        guard_copies(sub, module)

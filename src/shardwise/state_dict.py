@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._order_check import announce
 from ._peers import operation
 from ._registry import model_state, sharded_param
+from .errors import ShardwiseError
 
 
 @operation("full_state_dict")
@@ -26,8 +28,12 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
             the world, for an unsharded module).
 
     Returns:
-        ``{name: CPU tensor}``, or ``{}`` on other ranks when ``rank0_only``. Raises nothing
-        of its own.
+        ``{name: CPU tensor}``, or ``{}`` on other ranks when ``rank0_only``. Every tensor
+        is plain and of its full shape, never a DTensor or a piece.
+
+    Raises:
+        ShardwiseError: on every rank, when the module holds a DTensor parameter that is
+            not one of its shards (one replaced after ``shard``).
 
     Example:
         >>> sd = sw.full_state_dict(model)
@@ -41,6 +47,14 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     announce(state.comm if state is not None else None, "full_state_dict")
     sd = module.state_dict(keep_vars=True)
+    pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and sharded_param(v) is None]
+    if pieces:  # every rank sees the same keys: every rank raises, before any collective
+        raise ShardwiseError(
+            f"full_state_dict would return this rank's rows for {len(pieces)} parameter(s) "
+            f"({', '.join(pieces[:3])}{', ...' if len(pieces) > 3 else ''}): DTensors that "
+            f"are not shards of this model (a parameter replaced after sw.shard, e.g. by "
+            f"load_state_dict(assign=True) or torch.utils.swap_tensors). Replace "
+            f"parameters before sw.shard, or load values with model.load_state_dict(sd)")
     full: dict[int, torch.Tensor] = {}
     if state is not None:
         for unit in state.units:
@@ -64,4 +78,15 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
             out[key] = value.detach().to("cpu", copy=True)
         else:
             out[key] = value
+        if isinstance(value, torch.Tensor):
+            _check_full(key, out[key], sp.shape if sp is not None else value.shape)
     return out
+
+
+def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:
+    """The promise of :func:`full_state_dict`, checked on every tensor it returns: plain
+    and of the full shape, never a DTensor or a piece."""
+    if isinstance(got, DTensor) or tuple(got.shape) != tuple(shape):
+        raise ShardwiseError(
+            f"internal: full_state_dict's value for {key} is a {type(got).__name__} of shape "
+            f"{tuple(got.shape)}, not the full {tuple(shape)}; please report this")
