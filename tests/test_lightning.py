@@ -24,6 +24,9 @@ from shardwise.models import GPT, GPTConfig
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.precision import (  # noqa: E402
+    MixedPrecision as LightningMixedPrecision,
+)
 
 from shardwise.integrations.lightning import (  # noqa: E402
     ShardwiseStrategy,
@@ -167,17 +170,28 @@ def _two_ranks(rank, world, root):
     if rank == 0:
         torch.save(full, f"{root}/final.pt")
 
-    _mixed_precision(rank, world, train)
+    # validate(ckpt_path=...) loads the weights alone (no optimizer exists outside fit).
+    out = _trainer(rank, world, "shardwise").validate(
+        LitGPT(seed=1), val, ckpt_path=f"{root}/ckpts/epoch={EPOCHS - 1}.ckpt", verbose=False)
+    assert out == val_ours
+
+    for precision in ("bf16-mixed", "16-mixed"):
+        _mixed_precision(rank, world, train, precision)
     return lit.losses
 
 
-def _mixed_precision(rank, world, train):
-    """precision="bf16-mixed" is sw.MixedPrecision(param_dtype=bf16) under Lightning's
-    autocast, with fp32 master weights: exactly a hand-written loop doing that."""
-    steps = 3
+def _mixed_precision(rank, world, train, precision):
+    """precision="bf16-mixed" ("16-mixed") is sw.MixedPrecision(param_dtype=bf16 (fp16))
+    under Lightning's autocast (and gradient scaler), with fp32 master weights: exactly a
+    hand-written loop doing that."""
+    steps, dtype = 3, {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
+    # On CPU Lightning turns precision="16-mixed" into bf16; its plugin, passed as such,
+    # keeps fp16 and its GradScaler.
+    flag = ({"precision": precision} if precision == "bf16-mixed"
+            else {"plugins": [LightningMixedPrecision(precision, "cpu")]})
     lit = LitGPT()
-    trainer = _trainer(rank, world, "shardwise", precision="bf16-mixed", max_steps=steps,
-                       accumulate_grad_batches=1, gradient_clip_val=None)
+    trainer = _trainer(rank, world, "shardwise", max_steps=steps, accumulate_grad_batches=1,
+                       gradient_clip_val=None, **flag)
     trainer.fit(lit, train)
     gathers = model_state(lit).comm.stats.calls["all_gather"]
 
@@ -186,16 +200,18 @@ def _mixed_precision(rank, world, train):
         model = sw.shard(GPT(CFG), mixed_precision=mixed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
+        scaler = torch.amp.GradScaler("cpu", enabled=dtype == torch.float16)
         losses = []
         # Rank r's batches, as Lightning's DistributedSampler deals them in epoch 0: it
         # shuffles training data (seed 0 + epoch) and gives rank r every world-th index.
         order = torch.randperm(len(DATA), generator=torch.Generator().manual_seed(0))
         for i in range(steps):
             x = DATA[order[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH][rank::world]]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=dtype):
                 loss = model(x[:, :-1], x[:, 1:])
-            loss.backward()
-            opt.step()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             opt.zero_grad()
             everyone = [torch.zeros(()) for _ in range(world)]
@@ -203,11 +219,11 @@ def _mixed_precision(rank, world, train):
             losses.append(torch.stack(everyone).mean().item())
         return losses, model_state(model).comm.stats.calls["all_gather"]
 
-    ref, ref_gathers = by_hand(sw.MixedPrecision(param_dtype=torch.bfloat16))
-    autocast_only, _ = by_hand(None)
+    ref, ref_gathers = by_hand(sw.MixedPrecision(param_dtype=dtype))
     assert lit.losses == ref
-    assert lit.losses != autocast_only  # the comparison can tell the two apart
-    assert lit.emb_dtypes == {torch.bfloat16}  # gathered for compute in bf16
+    if precision == "bf16-mixed":
+        assert lit.losses != by_hand(None)[0]  # the comparison tells autocast alone apart
+    assert lit.emb_dtypes == {dtype}  # gathered for compute in the low dtype
     opt = trainer.optimizers[0]
     assert all(p.dtype == torch.float32 for p in lit.parameters())  # fp32 master weights
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
