@@ -180,14 +180,17 @@ class ShardwiseStrategy(DDPStrategy):
         if model_state(module) is None:  # not sharded (yet): nothing to gather
             return step(*args, **kwargs)
         original = module.forward
+        # A step calling self(x) would start a second root forward inside this one, which
+        # shardwise takes as a new iteration: the root gathered again and the recorded
+        # unit order (used to prefetch) cut short. So the root's own hooks are hidden
+        # while the step runs; the units' hooks stay. Not under manual optimization: a
+        # backward inside the step ends the iteration and reshards the root, and only a
+        # root forward (self(x)) gathers it again for the next forward.
+        hide = method != "training_step" or getattr(module, "automatic_optimization", True)
 
         def forward(*a: Any, **k: Any) -> Any:
             module.forward = original
-            # A step calling self(x) would start a second root forward inside this one,
-            # which shardwise takes as a new iteration: the root gathered again and the
-            # recorded unit order (used to prefetch) cut short. So the root's own hooks
-            # are hidden while the step runs; the units' hooks stay.
-            with _without_root_hooks(module):
+            with _without_root_hooks(module) if hide else contextlib.nullcontext():
                 return step(*a, **k)
 
         module.forward = forward
