@@ -5,8 +5,7 @@ The ranks come from the harness (gloo, process group already initialised); Light
 ``LightningEnvironment`` reads them from the variables torchrun would set and reuses the
 group. The global batch is 6 at every world size (6 // world per rank; Lightning's
 DistributedSampler shuffles the same way at every size and deals rank r every world-th
-index), so a run at 1 or 3 ranks continues the same
-trajectory as one at 2, up to rounding.
+index), so a run at 1 or 3 ranks continues the trajectory of one at 2, up to rounding.
 """
 
 import os
@@ -63,6 +62,9 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.model(batch[:, :-1], batch[:, 1:]), sync_dist=True)
 
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[:, :-1]).argmax(-1)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         # Decays per step, so a resume that lost the scheduler's state would show.
@@ -113,6 +115,7 @@ def _two_ranks(rank, world, root):
     assert isinstance(trainer.strategy, ShardwiseStrategy)
     trainer.fit(lit, train, val)
     assert sw.is_sharded(lit) and model_state(lit) is not None
+    assert "forward" not in vars(lit)  # the steps' redirection left nothing behind
     opt = trainer.optimizers[0]
     params = [p for g in opt.param_groups for p in g["params"]]
     # configure_optimizers ran on the sharded module: the optimizer holds its DTensors.
@@ -170,10 +173,15 @@ def _two_ranks(rank, world, root):
     if rank == 0:
         torch.save(full, f"{root}/final.pt")
 
-    # validate(ckpt_path=...) loads the weights alone (no optimizer exists outside fit).
+    # validate/predict(ckpt_path=...) load the weights alone (no optimizer outside fit).
     out = _trainer(rank, world, "shardwise").validate(
         LitGPT(seed=1), val, ckpt_path=f"{root}/ckpts/epoch={EPOCHS - 1}.ckpt", verbose=False)
     assert out == val_ours
+    predicted = _trainer(rank, world, "shardwise").predict(
+        LitGPT(seed=1), val, ckpt_path=f"{root}/ckpts/epoch={EPOCHS - 1}.ckpt")
+    ddp_predicted = _trainer(rank, world, "ddp").predict(ddp_lit, val)
+    assert len(predicted) == len(ddp_predicted) == 1
+    assert torch.equal(predicted[0], ddp_predicted[0])
 
     for precision in ("bf16-mixed", "16-mixed"):
         _mixed_precision(rank, world, train, precision)

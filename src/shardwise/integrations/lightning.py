@@ -123,9 +123,9 @@ class ShardwiseStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)  # configure_optimizers sees the sharded params
         self.setup_precision_plugin()
-        # DDP's _optimizers_to_device and _sync_module_states are left out: the shards
-        # and their optimizer state are placed by shard(), and every rank holds rank 0's
-        # values from it.
+        # DDP's _optimizers_to_device and _sync_module_states are left out: shard() placed
+        # the shards (the optimizer's state follows them) and gave every rank src_rank's
+        # values.
 
     def _shard_options(self, model: nn.Module) -> dict[str, Any]:
         options = dict(self.shard_kwargs)
@@ -187,9 +187,16 @@ class ShardwiseStrategy(DDPStrategy):
         # backward inside the step ends the iteration and reshards the root, and only a
         # root forward (self(x)) gathers it again for the next forward.
         hide = method != "training_step" or getattr(module, "automatic_optimization", True)
+        patched = "forward" in module.__dict__  # normally not: forward is the class's
+
+        def restore() -> None:  # the step's own self(x) must reach the real forward
+            if patched:
+                module.forward = original
+            else:
+                module.__dict__.pop("forward", None)
 
         def forward(*a: Any, **k: Any) -> Any:
-            module.forward = original
+            restore()
             with _without_root_hooks(module) if hide else contextlib.nullcontext():
                 return step(*a, **k)
 
@@ -197,7 +204,7 @@ class ShardwiseStrategy(DDPStrategy):
         try:
             return module(*args, **kwargs)
         finally:
-            module.forward = original
+            restore()
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
