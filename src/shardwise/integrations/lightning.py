@@ -46,6 +46,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import _hooks
+from .._order_check import watch_steps
 from .._registry import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import ShardwiseError
@@ -122,6 +123,10 @@ class ShardwiseStrategy(DDPStrategy):
                 "and pass options as ShardwiseStrategy(shard_kwargs={...})")
         if fitting:
             self.setup_optimizers(trainer)  # configure_optimizers sees the sharded params
+            state = model_state(model)
+            assert state is not None
+            for optimizer in self.optimizers:  # every rank stepped, checked at each step
+                watch_steps(state.comm, optimizer)
         self.setup_precision_plugin()
         # DDP's _optimizers_to_device and _sync_module_states are left out: shard() placed
         # the shards (the optimizer's state follows them) and gave every rank src_rank's
@@ -300,10 +305,11 @@ def _without_root_hooks(module: nn.Module) -> Iterator[None]:
     """Hide shardwise's forward hooks on ``module`` (and only those) inside the block."""
     ours: tuple[Callable, ...] = (_hooks.pre_forward, _hooks.post_forward)
     pre, post = module._forward_pre_hooks, module._forward_hooks
-    module._forward_pre_hooks = OrderedDict(
-        (k, h) for k, h in pre.items() if getattr(h, "func", None) not in ours)
-    module._forward_hooks = OrderedDict(
-        (k, h) for k, h in post.items() if getattr(h, "func", None) not in ours)
+    def theirs(h: Callable) -> bool:
+        return h not in ours and getattr(h, "func", None) not in ours
+
+    module._forward_pre_hooks = OrderedDict((k, h) for k, h in pre.items() if theirs(h))
+    module._forward_hooks = OrderedDict((k, h) for k, h in post.items() if theirs(h))
     try:
         yield
     finally:
