@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._peers import start_publishing, wait_watched
+from ._peers import enable_publishing, wait_watched
 from ._scalars import mark
 from .errors import CollectiveError
 
@@ -96,8 +96,8 @@ class Comm:
         self.stats = CommStats()
         self.backend = str(dist.get_backend(group))
         self._mesh = None
-        if self.world_size > 1:
-            start_publishing()  # Note [peer watch]
+        if self.world_size > 1 and "gloo" in self.backend:
+            enable_publishing()  # Note [peer watch]
 
     @property
     def device(self) -> torch.device:
@@ -298,13 +298,13 @@ class Comm:
         # metadata (names, messages, fingerprints), never a peer's arbitrary data.
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.zeros(self.world_size, dtype=torch.int64)
-        self._run(what, False, dist.all_gather_into_tensor, sizes,
+        self._run(what, False, _all_gather_flat, sizes,
                   torch.tensor([data.numel()], dtype=torch.int64))
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:data.numel()] = data
         everyone = torch.empty(longest * self.world_size, dtype=torch.uint8)
-        self._run(what, False, dist.all_gather_into_tensor, everyone, padded)
+        self._run(what, False, _all_gather_flat, everyone, padded)
         rows = everyone.view(self.world_size, longest)
         return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes())
                 for r in range(self.world_size)]

@@ -4,11 +4,13 @@ Note [peer watch]
 A rank that runs a shardwise operation alone (``if rank == 0: evaluate(model)``, the
 others already in ``dist.barrier()``) waits in a collective its peers never join; the
 process group's timeout (10 minutes by default) would end it, saying nothing of the
-peers. Instead, every rank keeps a note of what it is doing in shardwise (a training
-step of some model, a public operation such as ``save_checkpoint``, or nothing since it
-last finished one) and a daemon thread copies the note into the process group's store
-when it changes (at most twice a second). The main thread only assigns Python
-attributes, so the fast path costs nothing measurable (BENCHMARKS.md).
+peers. Instead, every rank keeps a note of what it is doing in shardwise (a model's
+forward or backward, a public operation such as ``save_checkpoint``, or nothing since it
+last finished one) and writes it into the process group's store when its kind changes:
+twice per training step (into the model, out of it), one small ``set`` each, plus two
+per public operation. Under NCCL, where the watch does not apply, and in a world of one,
+nothing is written. (A thread publishing in the background would cost the main thread
+nothing, but it would outlive ``destroy_process_group``: Note [teardown].)
 
 A collective's wait under gloo waits in slices of a second (gloo's collectives survive
 a wait that times out; its point-to-point messages do not, so the exchanges of Note
@@ -18,7 +20,7 @@ under gloo's default settings, the order check's all-reduce, so a rank alone in 
 operation is caught there; with ``SHARDWISE_CHECK=0`` a rank alone in a unit's
 all-gather waits for the process group's timeout. A peer that is not in a shardwise
 operation, or in a different one, and whose note has not changed for
-``SHARDWISE_PEER_TIMEOUT`` seconds (default 20; 0 turns the watch off) makes the waiting
+``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off) makes the waiting
 rank raise a ``CollectiveError`` that says what every rank is doing. A peer busy in the
 same kind of operation (a slow rank still computing its forward) is waited for, as long
 as the process group's timeout allows. Under NCCL, waits do not block the host, so the
@@ -30,7 +32,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +43,6 @@ import torch.distributed as dist
 from .errors import CollectiveError
 
 _KEY = "shardwise/activity/{}"
-_PUBLISH_EVERY = 0.5   # seconds between the thread's looks at the note
 _LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
 _SLICE = timedelta(seconds=1)
 
@@ -50,27 +50,33 @@ _SLICE = timedelta(seconds=1)
 def peer_timeout() -> float:
     """Seconds a peer may stay elsewhere before a waiting rank raises (0: never)."""
     try:
-        return max(0.0, float(os.environ.get("SHARDWISE_PEER_TIMEOUT", "20")))
+        return max(0.0, float(os.environ.get("SHARDWISE_PEER_TIMEOUT", "30")))
     except ValueError:
-        return 20.0
+        return 30.0
 
 
 class Activity:
     """This process's note of what it is doing in shardwise."""
 
     def __init__(self) -> None:
-        self.kind: str | None = None   # "training" or an operation; None: nothing
+        self.kind: str | None = None   # "model" or an operation's name; None: nothing
         self.doing = ""                # e.g. "the backward of step 12"
         self.last = "nothing yet"      # the last thing it finished
         self.version = 0
 
     def enter(self, kind: str, doing: str) -> None:
+        changed = kind != self.kind
         self.kind, self.doing = kind, doing
         self.version += 1
+        if changed:
+            _publish(self)
 
     def leave(self, finished: str) -> None:
+        changed = self.kind is not None
         self.kind, self.doing, self.last = None, "", finished
         self.version += 1
+        if changed:
+            _publish(self)
 
     @contextmanager
     def operation(self, name: str) -> Iterator[None]:
@@ -84,8 +90,7 @@ class Activity:
             if before[0] is None:
                 self.leave(name)
             else:
-                self.kind, self.doing = before
-                self.version += 1
+                self.enter(before[0], before[1])
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "doing": self.doing, "last": self.last,
@@ -93,8 +98,7 @@ class Activity:
 
 
 ACTIVITY = Activity()
-_thread: threading.Thread | None = None
-_lock = threading.Lock()
+_publishing = False  # set once a gloo group of several ranks exists (enable_publishing)
 
 
 def operation(name: str) -> Callable:
@@ -108,14 +112,12 @@ def operation(name: str) -> Callable:
     return wrap
 
 
-def start_publishing() -> None:
-    """Start the thread that copies the note into the store (once per process)."""
-    global _thread
-    with _lock:
-        if _thread is not None and _thread.is_alive():
-            return
-        _thread = threading.Thread(target=_publish, name="shardwise-peer-watch", daemon=True)
-        _thread.start()
+def enable_publishing() -> None:
+    """Start writing the note into the store (a gloo group of several ranks exists)."""
+    global _publishing
+    if not _publishing:
+        _publishing = True
+        _publish(ACTIVITY)
 
 
 def _store():
@@ -125,20 +127,16 @@ def _store():
         return None
 
 
-def _publish() -> None:
-    published = None
-    while True:
-        if not dist.is_initialized():
-            return  # Note [teardown]: nothing outlives the process group
-        note = ACTIVITY.describe()
-        store = _store()
-        if note != published and store is not None:
-            try:
-                store.set(_KEY.format(dist.get_rank()), json.dumps(note))
-                published = note
-            except Exception:  # noqa: BLE001 - a store gone at teardown ends the thread
-                return
-        time.sleep(_PUBLISH_EVERY)
+def _publish(activity: Activity) -> None:
+    if not _publishing or not dist.is_initialized() or peer_timeout() == 0:
+        return
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_KEY.format(dist.get_rank()), json.dumps(activity.describe()))
+    except Exception:  # noqa: BLE001 - a note that cannot be written only weakens the watch
+        pass
 
 
 def wait_watched(work: Any, comm: Any, what: str) -> None:
@@ -195,9 +193,10 @@ def _look(comm: Any, what: str, now: float, start: float,
             f"forward and backward and shardwise's collective operations together. To "
             f"evaluate on one rank, gather the parameters on every rank first "
             f"(`with sw.gathered(model): ...` on every rank, then evaluate on one) or "
-            f"evaluate a consolidated copy (docs/troubleshooting.md). The process group "
-            f"cannot be used after this error. SHARDWISE_PEER_TIMEOUT={limit:g} s "
-            f"(0 turns this check off)")
+            f"evaluate a consolidated copy (docs/troubleshooting.md). If a rank is busy "
+            f"elsewhere on purpose (evaluating alone), have the others wait for it in "
+            f"dist.barrier(), or raise SHARDWISE_PEER_TIMEOUT (now {limit:g} s; 0 turns "
+            f"this check off). The process group cannot be used after this error")
 
 
 def _say(note: dict) -> str:
