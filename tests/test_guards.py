@@ -22,16 +22,79 @@ def _x():
     return x, x
 
 
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = sw.shard(GPT(CFG))
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.inner(x, y)
+
+
 def _ddp_wrap(rank, world):
     model = sw.shard(GPT(CFG))
     with pytest.raises(sw.ShardwiseError, match="DistributedDataParallel cannot wrap GPT"):
         DDP(model)
     model(*_x()).backward()  # the model itself is untouched
+    # A module holding a sharded model: before, "aten.cat.default got mixed
+    # torch.Tensor and DTensor" from deep inside DDP's first broadcast.
+    wrapper = Wrapper()
+    with pytest.raises(sw.ShardwiseError, match=r"cannot wrap Wrapper: its submodule "
+                                                r"'inner' is sharded by sw.shard"):
+        DDP(wrapper)
+    wrapper(*_x()).backward()
     DDP(GPT(CFG))  # and DDP on an ordinary model still works
 
 
 def test_wrapping_a_sharded_model_in_ddp_raises():
     run_ranks(_ddp_wrap, 2)
+
+
+def _factored_and_gathered(rank, world):
+    model = sw.shard(GPT(CFG))
+    model(*_x()).backward()
+    before = sw.full_state_dict(model, rank0_only=False)
+    optimizers = [torch.optim.Adafactor(model.parameters())]
+    try:
+        from transformers.optimization import Adafactor
+        optimizers.append(Adafactor(model.parameters()))
+    except ImportError:
+        pass
+    # Before: "in-place operations that require placement changes are not supported",
+    # part-way through the step.
+    for opt in optimizers:
+        with pytest.raises(sw.ShardwiseError, match=r"Adafactor cannot step sharded "
+                                                    r"matrices.*Nothing was updated"):
+            opt.step()
+        after = sw.full_state_dict(model, rank0_only=False)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    torch.optim.AdamW(model.parameters()).step()  # other optimizers are not concerned
+
+    # A gathered parameter used directly, backpropagated after the block. Before:
+    # "setStorage: sizes [...] out of bounds for storage of size 0".
+    x = torch.randn(3, CFG.d_model, requires_grad=True)
+    name = "blocks.0." + next(n for n, p in model.blocks[0].named_parameters()
+                              if p.dim() == 2 and p.shape[1] == CFG.d_model)
+    with sw.gathered(model):
+        w = model.get_parameter(name)
+        y = x @ w.T
+    with pytest.raises(sw.ShardwiseError, match=r"used directly in a computation whose "
+                                                r"backward runs after the block ended"):
+        y.sum().backward()
+    with sw.gathered(model):  # inside the block, the same backward works
+        w = model.get_parameter(name)
+        (x @ w.T).sum().backward()
+        full = w.detach().clone()
+    # Default float32 tolerance: a matmul with ones against a sum, in another order.
+    torch.testing.assert_close(x.grad, full.sum(0).expand_as(x))
+    with sw.gathered(model):  # through the module, after the block: the engine regathers
+        loss = model(*_x())
+    loss.backward()
+
+
+def test_factored_optimizers_and_late_backwards_of_gathered_parameters_are_refused():
+    run_ranks(_factored_and_gathered, 2)
 
 
 def _requires_grad_after_shard(rank, world):

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.nn as nn
 
-from ._registry import retired_name, set_instance_method, set_retired_name, sharded_param
+from ._registry import (
+    model_state,
+    retired_name,
+    set_instance_method,
+    set_retired_name,
+    sharded_param,
+)
 from .errors import ShardwiseError
 
 if TYPE_CHECKING:
@@ -108,6 +114,78 @@ def guard_ddp(module: nn.Module) -> None:
     """Make ``DistributedDataParallel(module)`` raise a clear error in its constructor."""
     set_instance_method(module, "_ddp_params_and_buffers_to_ignore",
                         _NoDDP(type(module).__name__))  # type: ignore[arg-type]
+    _guard_torch_classes()
+
+
+# Note [torch classes that meet shards]
+# Two pieces of torch fail deep inside DTensor when they meet shardwise's parameters,
+# where no attribute of the sharded model can step in first:
+# - DistributedDataParallel around a module that *holds* a sharded model: DDP reads its
+#   ignore list from the wrapper only (the sharded root's guard above is never seen), then
+#   broadcasts every parameter ("aten.cat.default got mixed torch.Tensor and DTensor");
+# - Adafactor (torch's and transformers'): its factored second moment keeps statistics
+#   over whole rows and whole columns of each matrix, and a rank holds only some rows;
+#   its first step fails mid-way ("in-place operations that require placement changes
+#   are not supported") after some parameters were already updated.
+# So the first sw.shard of a process adds a check to DDP's constructor and one optimizer
+# step pre-hook; each only looks for shardwise's parameters and otherwise does nothing.
+_torch_guarded = False
+
+
+def _guard_torch_classes() -> None:
+    global _torch_guarded
+    if _torch_guarded:
+        return
+    _torch_guarded = True
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _refuse_sharded_parts(module)
+        original(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_refuse_factored)
+
+
+def _refuse_sharded_parts(module: Any) -> None:
+    """Raise if ``module`` holds a sharded model whose parameters DDP would take."""
+    if not isinstance(module, nn.Module) or model_state(module) is not None:
+        return  # a sharded root itself: guard_ddp's error comes from DDP's own read
+    ignored = set(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    for name, sub in module.named_modules():
+        if model_state(sub) is None:
+            continue
+        taken = [f"{name}.{n}" for n, _ in sub.named_parameters()
+                 if f"{name}.{n}" not in ignored]
+        if taken:
+            raise ShardwiseError(
+                f"DistributedDataParallel cannot wrap {type(module).__name__}: its "
+                f"submodule {name!r} is sharded by sw.shard, and DDP would broadcast and "
+                f"all-reduce its sharded parameters ({taken[0]}, ...) as if they were "
+                f"whole. shardwise averages their gradients itself. Shard the whole "
+                f"model instead, with the blocks as units: sw.shard({type(module).__name__}"
+                f"(...), units=...), and train it without DDP")
+
+
+def _refuse_factored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any step of an Adafactor over sharded matrices: refuse, saying why."""
+    if type(optimizer).__name__ != "Adafactor":
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if sharded_param(p) is not None and p.dim() >= 2:
+                raise ShardwiseError(
+                    f"{type(optimizer).__module__}.Adafactor cannot step sharded matrices: "
+                    f"its factored second moment keeps statistics over whole rows and "
+                    f"whole columns of each matrix ({tuple(p.shape)} here), and each rank "
+                    f"holds only some rows. Nothing was updated. Use an optimizer whose "
+                    f"state is per element (AdamW, Adam, SGD, ...), or Adafactor "
+                    f"on an unsharded model")
 
 
 def check_model(state: ModelState) -> None:

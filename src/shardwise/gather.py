@@ -62,6 +62,33 @@ def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -
     return names
 
 
+# Note [saved after the block]
+# Inside a gathered() block the module's parameters are full tensors, and code may use
+# them directly (``x @ model.head.weight.T``), not through a module call. Autograd then
+# saves them for the backward; if that backward runs after the block, the block has
+# freed their storage (the unit is sharded again), and torch failed with "setStorage:
+# ... out of bounds for storage of size 0". A module call is safe: the engine gathers a
+# unit again before its backward. So while a block is open, what autograd saves from
+# its full parameters is wrapped, and unwrapping it for a backward whose storage is gone
+# raises a ShardwiseError saying what to do. Gathering again there would be a collective
+# inside autograd on values an optimizer may have changed since: refused, not done.
+class _Saved:
+    """A tensor autograd saved from a gathered full parameter."""
+
+    def __init__(self, tensor: torch.Tensor, session: _GatherSession) -> None:
+        self.tensor = tensor
+        self.session = session
+
+    def unpack(self) -> torch.Tensor:
+        if self.session.ended and self.tensor.untyped_storage().size() == 0:
+            raise ShardwiseError(
+                "a parameter gathered by sw.gathered() was used directly in a computation "
+                "whose backward runs after the block ended, when its full value no longer "
+                "exists. Call backward() inside the `with sw.gathered(...)` block, or use "
+                "the parameter through its module (the module's backward gathers it again)")
+        return self.tensor
+
+
 class _Slot(NamedTuple):
     """One registration of a gathered parameter: ``module._parameters[attr]``."""
 
@@ -95,6 +122,8 @@ class _GatherSession:
         self.groups = [g for u in self.units for g in u.groups]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
+        self.ended = False
+        self._saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     @property
     def passthrough(self) -> bool:
@@ -131,6 +160,12 @@ class _GatherSession:
             u.finish_gather()
         for u in self.units:
             u.pins += 1  # a forward inside the block must not reshard what it holds
+        # Note [saved after the block]
+        storages = {g.full.untyped_storage()._cdata for g in self.groups}
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: _Saved(t, self) if t.untyped_storage()._cdata in storages else t,
+            lambda saved: saved.unpack() if isinstance(saved, _Saved) else saved)
+        self._saved_hooks.__enter__()
         self.group_versions = [g.full._version for g in self.groups]
         buffers = named_buffers(self.module) if self.module is not None else []
         self.buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
@@ -139,6 +174,10 @@ class _GatherSession:
 
     def release(self) -> None:
         """Unpin, and reshard what this block gathered (no communication)."""
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        self.ended = True
         for u in self.units:
             u.pins -= 1
         for u in self.newly:
