@@ -222,6 +222,18 @@ def _evaluate_alone(rank, world, report):
     model = _model(group)
     x = torch.ones(2, 4)
     _step(model, x)
+    # The documented way: gather on every rank, evaluate on one. Inside the block the
+    # model is whole and its forward communicates nothing.
+    model.eval()
+    with sw.gathered(model), torch.no_grad():
+        if rank == 0:
+            alone = model(x)
+    dist.barrier(group=group)
+    with torch.no_grad():
+        together = model(x)  # every rank, the sharded way
+    if rank == 0:
+        assert torch.equal(alone, together)
+    model.train()
     if rank == 1:
         try:
             dist.barrier(group=group)
@@ -240,8 +252,8 @@ def test_a_rank_alone_in_an_operation_learns_why_within_seconds(tmp_path):
     report = str(tmp_path / "rank0.txt")
     run_ranks(_evaluate_alone, 2, report, timeout=90)
     seconds, message = open(report).read().split("\n", 1)
-    assert "rank 1 is not in a shardwise operation; it last finished the backward of " \
-           "step 1" in message, message
+    assert "rank 1 is not in a shardwise operation; it last finished a forward without " \
+           "backward (after step 1)" in message, message
     assert "rank 0: waited" in message and "sw.gathered" in message
     # 2 s before the first look, then 3 s of the peer unchanged (SHARDWISE_PEER_TIMEOUT).
     assert float(seconds) < 30, message
