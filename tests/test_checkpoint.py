@@ -252,7 +252,7 @@ def _pretrained_checks(rank, world, path, folder):
     missing = {k: v for k, v in want.items() if k != "blocks.0.conv.weight"}
     extra = dict(want, **{"surprise": torch.zeros(1)})
     prefixed = {f"model.{k}": v for k, v in want.items()}
-    for source, pattern in ((bad_shape, r"wrong shapes: head\.weight: source \[3, 3\]"),
+    for source, pattern in ((bad_shape, r"mismatched: head\.weight: source \[3, 3\]"),
                             (missing, r"missing from the source: \['blocks\.0\.conv\.weight'\]"),
                             (extra, r"not in the model: \['surprise'\]"),
                             (prefixed, r"rename=")):

@@ -1,5 +1,7 @@
-"""Failures agreed across ranks: one rank's error becomes every rank's, before the next
-collective, so no rank is left waiting in a collective the others never reach.
+"""Agreement across ranks, the one way: one rank's error becomes every rank's
+(:func:`agreed`, :func:`agree`), a flag raised on any rank is seen by all
+(:func:`any_rank`), and ranks learn whether they hold the same integers
+(:func:`same_everywhere`, the collective-order check's primitive).
 
 Note [agreed failure]
 Work that can fail on some ranks only (reading a file, checking a user's argument,
@@ -13,6 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TypeVar
+
+import torch
+import torch.distributed as dist
 
 from ._comm import Comm
 from .errors import ShardwiseError
@@ -52,3 +57,21 @@ def agree(comm: Comm | None, error: str | None, what: str, changed: bool = False
         outcome = ("state may be partly changed on some ranks" if changed
                    else "nothing was changed")
         raise ShardwiseError(f"{what}; {outcome}:\n" + "\n".join(lines))
+
+
+def any_rank(comm: Comm, flag: bool, what: str = "an agreement") -> bool:
+    """Whether ``flag`` is set on any rank (one small all-reduce)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=comm.device)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, what=what)
+    return bool(t.item())
+
+
+def same_everywhere(comm: Comm, values: list[int], what: str) -> bool:
+    """Whether every rank passed the same ``values``. One all-reduce of the maximum over
+    the values and their negations: equal everywhere exactly when the maximum of v and
+    of -v give back v. Every call has the same size whatever the values, so calls of
+    ranks that diverged still pair up (and then disagree) instead of mismatching sizes."""
+    mine = [*values, *(-v for v in values)]
+    seen = torch.tensor(mine, dtype=torch.int64, device=comm.device)
+    comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=what)
+    return seen.tolist() == mine

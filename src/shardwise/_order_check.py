@@ -18,13 +18,14 @@ checks of ``consistency.maybe_check``), ``SHARDWISE_CHECK=0`` off everywhere.
 
 from __future__ import annotations
 
-import os
 import zlib
 from typing import TYPE_CHECKING
 
 import torch
 
+from ._agree import same_everywhere
 from ._comm import Comm
+from ._env import check_setting
 from .errors import ShardwiseError
 
 if TYPE_CHECKING:
@@ -34,13 +35,12 @@ _UNIT, _END_FORWARD, _BACKWARD, _OPERATION, _OPTIMIZER_STEP = 1, 2, 3, 4, 5
 
 
 def order_checks_enabled(comm: Comm) -> bool:
-    """Whether ranks check the order of what they do (read at each use)."""
+    """Whether ranks check the order of what they do (read at each use): as
+    ``SHARDWISE_CHECK`` says, and by default under gloo."""
     if comm.world_size == 1:
         return False
-    setting = os.environ.get("SHARDWISE_CHECK", "")
-    if setting:
-        return setting != "0"
-    return "gloo" in comm.backend
+    setting = check_setting()
+    return "gloo" in comm.backend if setting is None else setting
 
 
 class OrderCheck:
@@ -106,14 +106,11 @@ def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
 
 
 def _agree(comm: Comm, kind: int, index: int, what: str) -> None:
-    mine = [kind, index, -kind, -index]
-    seen = torch.tensor(mine, dtype=torch.int64, device=comm.device)
-    comm.all_reduce(seen, op=torch.distributed.ReduceOp.MAX,
-                    what=f"the order check before {what}")
-    if seen.tolist() != mine:
-        names = comm.all_gather_object(what, what="the order check's error report")
-        which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-        raise ShardwiseError(
-            f"ranks diverged ({which}). Every rank must run the same units and call "
-            f"shardwise's collective operations (full_state_dict, gathered, "
-            f"save_checkpoint, ...) in the same order")
+    if same_everywhere(comm, [kind, index], f"the order check before {what}"):
+        return
+    names = comm.all_gather_object(what, what="the order check's error report")
+    which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+    raise ShardwiseError(
+        f"ranks diverged ({which}). Every rank must run the same units and call "
+        f"shardwise's collective operations (full_state_dict, gathered, "
+        f"save_checkpoint, ...) in the same order")

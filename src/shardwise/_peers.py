@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,19 +39,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._env import peer_timeout
 from .errors import CollectiveError
 
 _KEY = "shardwise/activity/{}"
 _LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
 _SLICE = timedelta(seconds=1)
-
-
-def peer_timeout() -> float:
-    """Seconds a peer may stay elsewhere before a waiting rank raises (0: never)."""
-    try:
-        return max(0.0, float(os.environ.get("SHARDWISE_PEER_TIMEOUT", "30")))
-    except ValueError:
-        return 30.0
 
 
 class Activity:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._agree import any_rank
 from ._comm import Comm
 from ._order_check import announce
 from ._peers import ACTIVITY
@@ -38,12 +39,6 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     return torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
                        b.detach().contiguous().reshape(-1).view(torch.uint8))
-
-
-def _agree(comm: Comm, local: bool) -> bool:
-    flag = torch.tensor([int(local)], dtype=torch.int32, device=comm.device)
-    comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -> list[str]:
@@ -210,7 +205,8 @@ class _GatherSession:
                  if now.get(n) is not b or not _same_bytes(b, old)]
         local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
         local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
-        if not _agree(self.comm, bool(local) or any(suspects)):
+        if not any_rank(self.comm, bool(local) or any(suspects),
+                        "the agreement on writes in gathered()"):
             return
         with torch.no_grad():  # buffers go back to what every rank held on entry
             for n, b, old in self.buffer_snapshot:
@@ -291,7 +287,7 @@ def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced: list[_Sl
             else:
                 with torch.no_grad():
                     sp.full.copy_(new)
-    if _agree(comm, bool(problems)):
+    if any_rank(comm, bool(problems), "the agreement on gathered()'s edits"):
         detail = "; ".join(problems) if problems else f"see the error on rank {src}"
         raise ShardwiseError(f"gathered(modifier_rank={src}) cannot keep the edits: {detail}")
     with torch.no_grad():

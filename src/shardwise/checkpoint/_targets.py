@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from .._comm import Comm
 from .._registry import init_piece, model_state, sharded_param
 from .._unit import ShardedParam, UnitState
 from ..errors import ShardwiseError
+from ._format import dtype_name, summary
 
 
 @dataclass
@@ -104,3 +106,72 @@ def apply_values(values: list[tuple[ParamTarget, torch.Tensor]],
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)
+
+
+@dataclass
+class Matched:
+    """The module's tensors paired with saved ones, and what did not pair."""
+
+    params: list[tuple[ParamTarget, str]] = field(default_factory=list)  # (target, key)
+    buffers: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # (buffer, key)
+    missing: list[str] = field(default_factory=list)      # the module's names
+    unexpected: list[str] = field(default_factory=list)   # saved keys nothing took
+    mismatched: list[str] = field(default_factory=list)   # one line each
+
+    def problems(self, where: str, strict: bool = True) -> list[str]:
+        """Message parts (lists summarised); ``strict=False`` forgives missing and
+        unexpected names, never a mismatch."""
+        out = []
+        if self.mismatched:
+            out.append("mismatched: " + summary(self.mismatched, join="; "))
+        if strict and self.missing:
+            out.append(f"missing from the {where}: {summary(self.missing)}")
+        if strict and self.unexpected:
+            out.append(f"not in the model: {summary(self.unexpected)}")
+        return out
+
+
+def match_targets(params: list[ParamTarget], buffers: Mapping[str, torch.Tensor],
+                  saved: Mapping[str, tuple[tuple[int, ...], str | None]],
+                  key_of: Mapping[str, str], where: str) -> Matched:
+    """Pair the module's parameters and buffers with saved tensors: the one matcher of
+    ``load_checkpoint`` and ``load_pretrained``.
+
+    Args:
+        params, buffers: from :func:`module_targets`.
+        saved: each saved key's shape and dtype name (None: any dtype, cast on load).
+        key_of: every name the saved side answers to (a tied weight's each name, a renamed
+            key) mapped to its saved key.
+        where: how messages name the saved side ("checkpoint", "source").
+    """
+    out = Matched()
+    used: set[str] = set()
+
+    def fits(name: str, shape: tuple[int, ...], dtype: torch.dtype, key: str) -> bool:
+        want_shape, want_dtype = saved[key]
+        if tuple(want_shape) == tuple(shape) and want_dtype in (None, dtype_name(dtype)):
+            return True
+        kind = "" if want_dtype is None else f"{want_dtype} "
+        mine = "" if want_dtype is None else f"{dtype_name(dtype)} "
+        out.mismatched.append(f"{name}: {where} {kind}{list(want_shape)}, model "
+                              f"{mine}{list(shape)}")
+        return False
+
+    for t in params:
+        present = [n for n in t.names if n in key_of]
+        if not present:
+            out.missing.append(t.names[0])
+            continue
+        key = key_of[present[0]]  # a tied weight needs only one of its names
+        used.update(key_of[n] for n in present)  # and may come under several
+        if fits(present[0], t.shape, t.dtype, key):
+            out.params.append((t, key))
+    for name, b in buffers.items():
+        if name not in key_of:
+            out.missing.append(name)
+            continue
+        used.add(key_of[name])
+        if fits(name, tuple(b.shape), b.dtype, key_of[name]):
+            out.buffers.append((b, key_of[name]))
+    out.unexpected = [k for k in saved if k not in used]
+    return out

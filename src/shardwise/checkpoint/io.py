@@ -51,7 +51,7 @@ from ._format import (
 )
 from ._lock import FolderLock
 from ._schema import CHECKSUM, canonical_sha256, validate
-from ._targets import ParamTarget, apply_values, comm_of, module_targets
+from ._targets import ParamTarget, apply_values, comm_of, match_targets, module_targets
 
 
 def _py_rng() -> list:
@@ -497,25 +497,16 @@ def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, to
                optimizer, rank: int, world: int) -> tuple:
     """Everything this rank will write into the module, optimizer and RNGs, read and
     checked; nothing is changed."""
-    matched, missing, mismatched, unexpected = _match_params(ck, params)
-    saved_buffers = ck.meta.get("buffers", {})
-    for n, b in buffers.items():
-        e = saved_buffers.get(n)
-        if e is None:
-            missing.append(n)
-        elif tuple(e["shape"]) != tuple(b.shape) or e["dtype"] != dtype_name(b.dtype):
-            mismatched.append(f"{n}: checkpoint {e['dtype']} {e['shape']}, model "
-                              f"{dtype_name(b.dtype)} {list(b.shape)}")
-    unexpected += [n for n in saved_buffers if n not in buffers]
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {summary(missing)}")
-    if unexpected:
-        problems.append(f"not in the model: {summary(unexpected)}")
-    if mismatched:
-        problems.append("mismatched: " + summary(mismatched, join="; "))
+    saved = {main: (tuple(e["shape"]), e["dtype"]) for main, e in ck.meta["params"].items()}
+    saved.update({n: (tuple(e["shape"]), e["dtype"])
+                  for n, e in ck.meta.get("buffers", {}).items()})
+    key_of = {n: main for main, e in ck.meta["params"].items() for n in e["names"]}
+    key_of.update({n: n for n in ck.meta.get("buffers", {})})
+    match = match_targets(params, buffers, saved, key_of, "checkpoint")
+    problems = match.problems("checkpoint")
     if problems:
         raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
+    matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
 
     _check_files(ck)
     values = []
@@ -525,7 +516,7 @@ def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, to
     buffer_values = []
     if buffers:
         f = ck.file(BUFFERS_FILE)
-        buffer_values = [(b, f.get_tensor(n)) for n, b in buffers.items()]
+        buffer_values = [(b, f.get_tensor(key)) for b, key in match.buffers]
 
     opt_sd = None
     if optimizer is not None:
@@ -555,28 +546,6 @@ def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
         if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
             return None
         raise
-
-
-def _match_params(ck: _Checkpoint, params: list[ParamTarget]):
-    by_name = {}
-    for main, entry in ck.meta["params"].items():
-        for n in entry["names"]:
-            by_name[n] = (main, entry)
-    matched, missing, mismatched, used = [], [], [], set()
-    for t in params:
-        hit = next((by_name[n] for n in t.names if n in by_name), None)
-        if hit is None:
-            missing.append(t.names[0])
-            continue
-        main, entry = hit
-        used.add(main)
-        if tuple(entry["shape"]) != t.shape or entry["dtype"] != dtype_name(t.dtype):
-            mismatched.append(f"{t.names[0]}: checkpoint {entry['dtype']} {entry['shape']}, "
-                              f"model {dtype_name(t.dtype)} {list(t.shape)}")
-            continue
-        matched.append((t, main, entry))
-    unexpected = [m for m in ck.meta["params"] if m not in used]
-    return matched, missing, mismatched, unexpected
 
 
 def _check_files(ck: _Checkpoint) -> None:

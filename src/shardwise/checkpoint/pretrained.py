@@ -10,7 +10,7 @@ from .._peers import operation
 from .._registry import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
-from ._targets import apply_values, comm_of, module_targets
+from ._targets import apply_values, comm_of, match_targets, module_targets
 from .sources import Rename, open_source, renamer
 
 
@@ -25,47 +25,19 @@ def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
                                  f"become {name!r} after renaming")
         key_of[name] = k
     params, buffers = module_targets(module)
-    missing, mismatched = [], []
-    loads = []
-    for t in params:
-        present = [n for n in t.names if n in key_of]
-        if not present:
-            missing.append(t.names[0])
-            continue
-        key = key_of[present[0]]  # a tied weight needs only one of its names
-        if src.shape(key) != t.shape:
-            mismatched.append(f"{present[0]}: source {list(src.shape(key))}, "
-                              f"model {list(t.shape)}")
-            continue
-        loads.append((t, key))
-    buffer_loads = []
-    for name, b in buffers.items():
-        if name not in key_of:
-            missing.append(name)
-        elif src.shape(key_of[name]) != tuple(b.shape):
-            mismatched.append(f"{name}: source {list(src.shape(key_of[name]))}, "
-                              f"model {list(b.shape)}")
-        else:
-            buffer_loads.append((b, key_of[name]))
-    known = {n for t in params for n in t.names} | set(buffers)
-    unexpected = [k for k in key_of if k not in known]
-    problems = []
-    if mismatched:
-        problems.append("wrong shapes: " + "; ".join(mismatched))
-    if strict and missing:
-        problems.append(f"missing from the source: {missing}")
-    if strict and unexpected:
-        problems.append(f"not in the model: {[key_of[k] for k in unexpected]}")
+    saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
+    match = match_targets(params, buffers, saved, key_of, "source")
+    problems = match.problems("source", strict)
     if problems:
         hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
                 "prefix, or strict=False to ignore missing and unexpected keys)")
         raise ShardwiseError(f"{src.description}: " + "; ".join(problems) + hint)
     # Read everything this rank needs before changing anything.
     values = []
-    for t, key in loads:
+    for t, key in match.params:
         lo, n = t.local_range()
         values.append((t, src.read_flat(key, lo, lo + n).to(t.dtype)))
-    buffer_values = [(b, src.read(key).to(b.dtype)) for b, key in buffer_loads]
+    buffer_values = [(b, src.read(key).to(b.dtype)) for b, key in match.buffers]
     return (src.description, src.fingerprint()), values, buffer_values
 
 
