@@ -120,3 +120,28 @@ def _cast_after_shard(rank, world):
 
 def test_cast_after_shard_raises():
     run_ranks(_cast_after_shard, 2)
+
+
+def _reduction_states(rank, world):
+    from shardwise._reduce import Reduction
+
+    model = sw.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    reduction = model_state(model).units[1].groups[0].reduction
+    assert reduction.state is Reduction.IDLE
+    with sw.no_sync(model):
+        model(torch.ones(2, 4)).sum().backward()
+    assert reduction.state is Reduction.ACCUMULATING
+    model(torch.ones(2, 4)).sum().backward()
+    assert reduction.state is Reduction.IDLE  # reduced and published
+    reduction.start(sync=True)                # by hand: a world of one's sum is ready
+    assert reduction.state is Reduction.REDUCED
+    with pytest.raises(sw.ShardwiseError, match="cannot go from reduced to reduced"):
+        reduction.start(sync=True)  # before: the pending rows were silently overwritten
+    reduction.drop()
+    assert reduction.state is Reduction.IDLE
+
+
+def test_gradient_reduction_moves_only_along_its_states():
+    """GradReduction's states (shardwise._reduce.Reduction) and their checked moves, in a
+    world of one (this tests the module itself, so it reaches into it)."""
+    run_ranks(_reduction_states, 1)

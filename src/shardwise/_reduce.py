@@ -9,27 +9,60 @@ first synchronised backward reduces the sum.
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ._copies import rank_major, row_regions, write_rank_major
+from .errors import ShardwiseError
 
 if TYPE_CHECKING:
     from ._unit import FlatGroup
 
 
+class Reduction(enum.Enum):
+    """Where a group's gradients are between backward passes.
+
+    ``IDLE`` -> (``start``, ``no_sync``) ``ACCUMULATING`` -> ... -> (``start``, synced)
+    ``REDUCING`` -> (``wait``) ``REDUCED`` -> (``finish``) ``IDLE``. In a world of one a
+    synced ``start`` goes straight to ``REDUCED``: the buffer is the sum. ``drop`` (an
+    aborted backward) goes back to ``IDLE`` from ``REDUCING`` or ``REDUCED``, and keeps
+    what earlier ``no_sync`` passes accumulated.
+    """
+
+    IDLE = "idle"                    # nothing held
+    ACCUMULATING = "accumulating"    # _buf: full gradients summed under no_sync
+    REDUCING = "reducing"            # _buf in flight to _out (_work pending)
+    REDUCED = "reduced"              # _out: this rank's reduced rows, to publish
+
+
+_ALLOWED = {
+    Reduction.IDLE: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REDUCED},
+    Reduction.ACCUMULATING: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REDUCED},
+    Reduction.REDUCING: {Reduction.REDUCED},
+    Reduction.REDUCED: {Reduction.IDLE},
+}
+
+
 class GradReduction:
-    """The gradient side of a :class:`~shardwise._unit.FlatGroup`."""
+    """The gradient side of a :class:`~shardwise._unit.FlatGroup` (states: Reduction)."""
 
     def __init__(self, group: FlatGroup) -> None:
         self.group = group
         self.used = [False] * len(group.params)  # had a local gradient since the last sync
-        self._accum: torch.Tensor | None = None      # no_sync: summed full gradients
-        self._in: torch.Tensor | None = None         # reduce-scatter input, while in flight
-        self._out: torch.Tensor | None = None        # this rank's reduced rows
-        self._work = None
+        self.state = Reduction.IDLE
+        self._buf: torch.Tensor | None = None   # ACCUMULATING, REDUCING
+        self._out: torch.Tensor | None = None   # REDUCING, REDUCED
+        self._work = None                       # REDUCING
+
+    def _move(self, to: Reduction) -> None:
+        if to not in _ALLOWED[self.state]:
+            raise ShardwiseError(f"internal: the gradient reduction of unit "
+                                 f"{self.group.unit_name!r} cannot go from {self.state.value} "
+                                 f"to {to.value}; please report this with your model")
+        self.state = to
 
     def start(self, sync: bool) -> None:
         """Move the full gradients into the reduction buffer; reduce-scatter if ``sync``.
@@ -38,8 +71,8 @@ class GradReduction:
         DistributedDataParallel does, so results match it bit for bit at N=2.
         """
         g = self.group
-        accumulating = self._accum is not None
-        buf = self._accum
+        accumulating = self.state is Reduction.ACCUMULATING
+        buf = self._buf if accumulating else None
         if buf is None:
             buf = rank_major(g.layout, g.gaps, g.reduce_dtype, g.local.device)
         with torch.no_grad():
@@ -49,13 +82,15 @@ class GradReduction:
                 self._take(buf, i, grad, seen=self.used[i] and accumulating, sync=sync)
                 self.used[i] |= grad is not None
         if not sync:
-            self._accum = buf
+            self._move(Reduction.ACCUMULATING)
+            self._buf = buf
             return
-        self._accum = None
         if g.comm.world_size == 1:
-            self._out = buf  # the sum over one rank, already in this rank's layout
+            self._move(Reduction.REDUCED)
+            self._buf, self._out = None, buf  # the sum over one rank, in this rank's layout
             return
-        self._in = buf
+        self._move(Reduction.REDUCING)
+        self._buf = buf
         self._out = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype,
                                 device=g.local.device)
         self._work = g.comm.reduce_scatter(
@@ -83,18 +118,23 @@ class GradReduction:
 
     def has_accumulated(self) -> bool:
         """Whether gradients accumulated under ``no_sync`` await their reduction."""
-        return self._accum is not None
+        return self.state is Reduction.ACCUMULATING
 
     def wait(self) -> None:
-        if self._work is not None:
+        """Wait for an in-flight reduce-scatter (nothing to do in other states)."""
+        if self.state is Reduction.REDUCING:
+            assert self._work is not None
             self._work.wait()
-            self._work = None
-            self._in = None
+            self._move(Reduction.REDUCED)
+            self._work = self._buf = None
 
     def drop(self) -> None:
-        """Forget an unfinished reduction (its backward was aborted)."""
+        """Forget an unfinished reduction (its backward was aborted); what earlier
+        ``no_sync`` passes accumulated stays."""
         self.wait()
-        self._out = None
+        if self.state is Reduction.REDUCED:
+            self._move(Reduction.IDLE)
+            self._out = None
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """Accumulate the reduced rows into each parameter's DTensor ``.grad``.
@@ -103,9 +143,11 @@ class GradReduction:
         DistributedDataParallel with ``find_unused_parameters=True``.
         """
         self.wait()
-        out, self._out = self._out, None
-        if out is None:
+        if self.state is not Reduction.REDUCED:
             return
+        self._move(Reduction.IDLE)
+        out, self._out = self._out, None
+        assert out is not None
         g = self.group
         if out.dtype != g.dtype:
             out = out.to(g.dtype)
