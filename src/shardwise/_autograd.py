@@ -50,7 +50,7 @@ def prepare_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] 
                 for t in flat]
     changed = cast is not None
     if torch.is_grad_enabled():
-        unit.forward_calls += 1
+        unit.record_forward()
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if idx:  # else the end-of-backward callback reduces this unit
             wrapped = PostBackward.apply(unit, *(flat[i] for i in idx))

@@ -112,10 +112,8 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         twin.install()
     units = []
     for u in state.units:
-        unit = Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
-                    u.reshard_after_forward, u.is_root)
-        unit.cast_inputs = u.cast_inputs
-        units.append(unit)
+        units.append(Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
+                          u.reshard_after_forward, u.is_root, cast_inputs=u.cast_inputs))
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
     twin_state = ModelState(root, state.comm, units, buffers, state.src_rank)
     twin_state.prefetch = state.prefetch

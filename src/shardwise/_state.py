@@ -179,7 +179,7 @@ class ModelState:
     def _record_call(self, unit: Unit) -> None:
         """Note the call and prefetch the ``prefetch`` units that ran next last time."""
         pos = len(self._order)
-        unit.call_index = pos
+        unit.record_call(pos)
         self._order.append(unit)
         prev = self._prev_order
         if pos < len(prev) and prev[pos] is unit:
@@ -232,13 +232,12 @@ class ModelState:
         self.ensure_backward_callback()
         unit.finish_gather()
         for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
-            if prev.forward_calls > prev.backward_calls and not prev.reduced:
+            if prev.owes_backward():
                 prev.start_gather()
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
-        unit.backward_calls += 1
-        if unit.backward_calls >= unit.forward_calls and not unit.reduced:
+        if unit.record_backward():
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:

@@ -318,7 +318,8 @@ class Unit:
     """
 
     def __init__(self, module: nn.Module, name: str, groups: list[FlatGroup],
-                 reshard_after_forward: bool, is_root: bool) -> None:
+                 reshard_after_forward: bool, is_root: bool,
+                 cast_inputs: torch.dtype | None = None) -> None:
         self.module = module
         self.name = name or "<root>"
         self.groups = groups
@@ -331,7 +332,7 @@ class Unit:
         self.model: ModelState = None  # type: ignore[assignment]  # set by ModelState
         self.index = 0     # position in the model's units
         self.pins = 0      # open gathered() blocks holding this unit gathered
-        self.cast_inputs: torch.dtype | None = None  # MixedPrecision.param_dtype
+        self.cast_inputs = cast_inputs  # MixedPrecision.param_dtype
         self.state = UnitState.SHARDED
         self.reset_iteration()
 
@@ -341,6 +342,32 @@ class Unit:
         self.backward_calls = 0     # of those, how many have finished their backward
         self.reduced = False        # gradients handed to the reduction this backward
         self.call_index = -1
+
+    # -- bookkeeping: only these methods change it (see the module docstring) -------
+    def record_call(self, index: int) -> None:
+        """This forward called the unit as the ``index``-th unit call."""
+        self.call_index = index
+
+    def record_forward(self) -> None:
+        """A grad-enabled forward of the unit ran: one more backward is owed."""
+        self.forward_calls += 1
+
+    def record_backward(self) -> bool:
+        """One of its forwards' backward finished; whether its gradients are now
+        complete (every forward's backward ran) and not yet handed to the reduction."""
+        self.backward_calls += 1
+        return self.backward_calls >= self.forward_calls and not self.reduced
+
+    def owes_backward(self) -> bool:
+        """Whether a forward's backward has not reached this unit yet."""
+        return self.forward_calls > self.backward_calls and not self.reduced
+
+    def pin(self) -> None:
+        """A ``gathered()`` block holds the unit gathered until :meth:`unpin`."""
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
 
     @property
     def params(self) -> list[ShardedParam]:

@@ -154,7 +154,7 @@ class _GatherSession:
         for u in self.newly:
             u.finish_gather()
         for u in self.units:
-            u.pins += 1  # a forward inside the block must not reshard what it holds
+            u.pin()  # a forward inside the block must not reshard what it holds
         # Note [saved after the block]
         storages = {g.full.untyped_storage()._cdata for g in self.groups}
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
@@ -174,7 +174,7 @@ class _GatherSession:
             self._saved_hooks = None
         self.ended = True
         for u in self.units:
-            u.pins -= 1
+            u.unpin()
         for u in self.newly:
             u.reshard()
 

@@ -177,9 +177,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     for i, (name, mod) in enumerate(chosen):
         groups = [_build_group(spec, comm, device, src_rank)
                   for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
-        unit = Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0))
-        unit.cast_inputs = mp.param_dtype
-        built.append(unit)
+        built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
+                          cast_inputs=mp.param_dtype))
     _log_plan(built, comm)
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
