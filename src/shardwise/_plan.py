@@ -134,8 +134,9 @@ def _common_unit(indices: set[int], unit_names: list[str]) -> int:
 def discover_params(root: nn.Module, unit_names: list[str]) -> list[ParamRecord]:
     """Every parameter of ``root`` once, in order of first appearance, with all its names.
 
-    A weight shared into a module that ``sharded_init`` partitioned is pointed at the
-    partitioned stand-in, so both registrations become one parameter again.
+    A weight shared into a module that ``sharded_init`` partitioned counts as its
+    partitioned stand-in, so both registrations are one parameter again; the module is
+    not touched (``shard`` registers the shard in every slot once the plan is agreed).
     """
     records: dict[int, ParamRecord] = {}
     for mod_path, mod in root.named_modules(remove_duplicate=False):
@@ -144,7 +145,7 @@ def discover_params(root: nn.Module, unit_names: list[str]) -> list[ParamRecord]
                 continue
             twin = partitioned_as(p)
             if twin is not None:
-                mod._parameters[pname] = p = twin
+                p = twin
             rec = records.setdefault(id(p), ParamRecord(p))
             if (mod, pname) not in rec.slots:
                 rec.slots.append((mod, pname))

@@ -23,8 +23,13 @@ with ``torch.nn.utils.clip_grad_norm_`` or calls ``state_dict()`` sees the param
 global meaning. ``finish_gather`` swaps in the *full* parameter, a plain leaf
 ``nn.Parameter`` viewing the full buffer with the original shape, because module code
 computes with plain tensors; ``reshard`` swaps the shards back. The swap is a dict
-assignment in ``module._parameters`` and happens in ``_swap`` only. Optimizers hold the
-shards, so they never see the swap.
+assignment in ``module._parameters``, and which of the two a sharded model's module holds
+is decided in ``_swap`` only. Three other places write ``module._parameters``, none of
+them choosing between shard and full: ``sharded_init`` registers its stand-ins before
+there is a shard; a move or cast that changes nothing (_guards.py) takes the shards out
+of torch's reach for the call and puts the same objects back; and ``gathered()`` puts the
+full parameter back into a slot that code inside the block replaced. Optimizers hold
+the shards, so they never see the swap.
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
