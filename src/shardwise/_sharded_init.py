@@ -42,6 +42,7 @@ import torch.nn.modules.module as torch_module
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._alloc import freed
 from ._comm import Comm
 from ._layout import ShardLayout, build_layout
 from ._registry import (
@@ -154,7 +155,9 @@ class _ShardedInit:
         # not whenever the garbage collector gets to it: the whole model must never sit
         # in memory, and measuring showed a third more peak memory without this.
         set_partitioned_as(p, meta)
+        released = p.numel() * p.element_size() if p.device.type == "cpu" else 0
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        freed(released)  # Note [freed memory] in _alloc.py
         return meta
 
     def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module):

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from . import _hooks
 from ._agree import agreed
+from ._alloc import freed, trim
 from ._clone import guard_copies
 from ._comm import Comm
 from ._guards import guard_apply, guard_ddp, guard_save_pretrained, retire
@@ -180,6 +181,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
                           cast_inputs=mp.param_dtype))
     _log_plan(built, comm)
+    trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
     state = ModelState(module, comm, built, buffer_sync, src_rank)
@@ -276,6 +278,7 @@ def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]
     g.fill_local(values if comm.rank == src_rank else None, src_rank)
+    released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
     del values
     g.install()
     # Release the originals now, not after the last unit: the old and the new storage of
@@ -284,6 +287,7 @@ def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
         clear_init_piece(rec.param)
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
+    freed(released)  # Note [freed memory] in _alloc.py
     return g
 
 
