@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from harness import run_ranks
+from loops import train_steps
 from safetensors.torch import load_file, save_file
 
 import shardwise as sw
@@ -36,14 +37,7 @@ def _data(rank, step):
 
 def _steps(model, opt, steps):
     rank = torch.distributed.get_rank()
-    losses = []
-    for s in steps:
-        loss = model(*_data(rank, s))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, (_data(rank, s) for s in steps))
 
 
 EXTRA = {"epoch": 3, "note": "ünïcode", "nested": [1, 2.5, None, {"a": True}]}

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.modules.module as torch_module
 from harness import run_ranks
+from loops import train_steps
 from torch.overrides import _get_current_function_mode_stack
 
 import shardwise as sw
@@ -76,17 +77,11 @@ def _seed(rank, src):
 
 
 def _train(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(dist.get_rank())
-    losses = []
-    for _ in range(2):
-        ids = torch.randint(0, V, (2, 8), generator=g)
-        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = ((torch.randint(0, V, (2, 8), generator=g),) for _ in range(2))
+    return train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                       lambda m, ids: nn.functional.cross_entropy(m(ids).flatten(0, 1),
+                                                                  ids.flatten()))
 
 
 def _equivalence(rank, world):
