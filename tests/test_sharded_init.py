@@ -1,4 +1,9 @@
-"""sharded_init: partitioned while built, equal to build-then-shard, strictly scoped."""
+"""sharded_init: partitioned while built, equal to build-then-shard, strictly scoped.
+
+These tests read sharded_init's own record of each partitioned parameter (its piece,
+group and src_rank; ``_registry.init_piece``): before ``sw.shard`` there is no sharded
+model for ``sw.inspect`` to show.
+"""
 
 import threading
 
