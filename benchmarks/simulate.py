@@ -29,7 +29,6 @@ WORKER = r"""
 import json, sys, time, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import shardwise as sw
-from shardwise._registry import model_state
 from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
 from shardwise.planner import plan
@@ -45,18 +44,17 @@ with sw.sharded_init():
 model = sw.shard(model)
 built = time.perf_counter() - t0
 n = sum(p.numel() for p in model.parameters())
-state = model_state(model)
-root_bytes = sum(g.layout.full_numel * g.local.element_size() for g in state.units[0].groups)
+root_bytes = sw.inspect(model).units[0].gathered_bytes  # fp32: stored = gathered dtype
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 x = torch.randint(0, cfg.vocab_size, (1, 16))
 model(x, x).backward()           # warm-up step: optimizer state appears at its end
 opt.step(); opt.zero_grad(set_to_none=False)
-before = dict(state.comm.stats.bytes)
+before = sw.inspect(model).comm
 t0 = time.perf_counter()
 model(x, x).backward()
 opt.step()
 step = time.perf_counter() - t0
-sent = {k: v - before.get(k, 0) for k, v in state.comm.stats.bytes.items()}
+sent = sw.inspect(model).comm.since(before).bytes
 got = state_bytes(model, opt)
 print("RESULT " + json.dumps({
     "world": world, "params": n, "built_s": built, "step_s": step, "root_bytes": root_bytes,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from loops import train_steps
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
@@ -57,14 +58,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
 def train(model: nn.Module, batches, loss_fn) -> torch.Tensor:
     """AdamW steps over ``batches``; the losses, one per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())
-    return torch.stack(losses)
+    # fp32 losses, exactly: each went through a Python float, which holds any fp32 value.
+    return torch.tensor(train_steps(model, opt, batches, loss_fn), dtype=torch.float32)
 
 
 @dataclass

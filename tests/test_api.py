@@ -12,7 +12,6 @@ import torch.nn as nn
 from harness import run_ranks
 
 import shardwise as sw
-from shardwise._registry import model_state
 from shardwise.models import GPT, Block, GPTConfig, SmallCNN
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16)
@@ -31,14 +30,14 @@ def test_init_distributed_without_torchrun_is_a_world_of_one():
 def _units_by_class_and_callable(rank, world):
     model = GPT(CFG)
     assert sw.shard(model, units=(Block, nn.LayerNorm)) is model  # the same object
-    names = [u.name for u in model_state(model).units]
+    names = [u.name for u in sw.inspect(model).units]
     # Explicit predicates take every match, nested ones too (a LayerNorm inside a Block).
     assert "blocks.0" in names and "ln_f" in names and "blocks.0.ln1" in names
     x = torch.randint(0, 32, (2, 8))
     model(x, x).backward()  # nested units gather and reduce independently
     assert all(p.grad is not None for p in model.parameters())
     pick = sw.shard(GPT(CFG), units=lambda name, m: name in ("blocks.0", "blocks.2"))
-    assert [u.name for u in model_state(pick).units] == ["<root>", "blocks.0", "blocks.2"]
+    assert [u.name for u in sw.inspect(pick).units] == ["<root>", "blocks.0", "blocks.2"]
     with pytest.raises(sw.ShardwiseError, match="units="):
         sw.shard(GPT(CFG), units=3)
     with pytest.raises(sw.ShardwiseError, match="already sharded"):
@@ -99,12 +98,12 @@ def test_full_state_dict_of_unsharded_module_honours_rank0_only():
 
 def _mixed_precision_dtypes(rank, world):
     mp = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16))
-    groups = [g for u in model_state(mp).units for g in u.groups]
+    groups = [g for u in sw.inspect(mp).units for g in u.groups]
     assert {g.reduce_dtype for g in groups} == {torch.float32}  # fp32 reduction by default
     assert torch.bfloat16 in {g.compute_dtype for g in groups}
     low = sw.shard(SmallCNN(), mixed_precision=sw.MixedPrecision(torch.bfloat16,
                                                                  torch.bfloat16))
-    assert torch.bfloat16 in {g.reduce_dtype for u in model_state(low).units
+    assert torch.bfloat16 in {g.reduce_dtype for u in sw.inspect(low).units
                               for g in u.groups}
     mp(torch.randn(2, 3, 16, 16)).sum().backward()
     assert mp.blocks[0].bn.running_mean.dtype == torch.float32  # buffers keep their dtype

@@ -18,7 +18,6 @@ from harness import run_ranks
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise._registry import model_state
 from shardwise.models import GPT, GPTConfig
 
 L = pytest.importorskip("lightning")
@@ -114,7 +113,7 @@ def _two_ranks(rank, world, root):
                        callbacks=[ckpt])
     assert isinstance(trainer.strategy, ShardwiseStrategy)
     trainer.fit(lit, train, val)
-    assert sw.is_sharded(lit) and model_state(lit) is not None
+    assert sw.is_sharded(lit) and sw.inspect(lit).units  # the state lives on lit
     assert "forward" not in vars(lit)  # the steps' redirection left nothing behind
     opt = trainer.optimizers[0]
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -202,7 +201,7 @@ def _mixed_precision(rank, world, train, precision):
     trainer = _trainer(rank, world, "shardwise", max_steps=steps, accumulate_grad_batches=1,
                        gradient_clip_val=None, **flag)
     trainer.fit(lit, train)
-    gathers = model_state(lit).comm.stats.calls["all_gather"]
+    gathers = sw.inspect(lit).comm.calls["all_gather"]
 
     def by_hand(mixed):
         torch.manual_seed(0)
@@ -226,7 +225,7 @@ def _mixed_precision(rank, world, train, precision):
             everyone = [torch.zeros(()) for _ in range(world)]
             torch.distributed.all_gather(everyone, loss.detach().float())
             losses.append(torch.stack(everyone).mean().item())
-        return losses, model_state(model).comm.stats.calls["all_gather"]
+        return losses, sw.inspect(model).comm.calls["all_gather"]
 
     ref, ref_gathers = by_hand(sw.MixedPrecision(param_dtype=dtype))
     assert lit.losses == ref

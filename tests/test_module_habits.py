@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from harness import run_ranks
+from loops import train_steps
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import shardwise as sw
-from shardwise._registry import model_state
 from shardwise.models import GPT, GPTConfig, SmallCNN
 
 CFG = GPTConfig(vocab_size=40, seq_len=8, n_layer=2, n_head=2, d_model=16)
@@ -33,11 +33,7 @@ def _batch(rank: int, step: int):
 
 
 def _step(model, opt, batch) -> float:
-    loss = model(*batch)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+    return train_steps(model, opt, [batch])[0]
 
 
 def _max_diff(ours, ref_sd) -> float:
@@ -52,10 +48,13 @@ def _copies(rank, world):
     base = GPT(CFG)
     ddp, ours = DDP(copy.deepcopy(base)), sw.shard(copy.deepcopy(base))
     ema_ref = AveragedModel(ddp.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    calls = sum(model_state(ours).comm.stats.calls.values())
+    calls = sum(sw.inspect(ours).comm.calls.values())
     ema = AveragedModel(ours, multi_avg_fn=get_ema_multi_avg_fn(0.9))  # a deep copy
-    assert sum(model_state(ours).comm.stats.calls.values()) == calls  # each rank copies rows
-    assert sw.is_sharded(ema.module) and model_state(ema.module) is not model_state(ours)
+    assert sum(sw.inspect(ours).comm.calls.values()) == calls  # each rank copies rows
+    assert sw.is_sharded(ema.module)
+    with sw.gathered(ours):  # the copy has units of its own: gathering ours leaves them
+        assert all(u.state == "gathered" for u in sw.inspect(ours).units)
+        assert all(u.state == "sharded" for u in sw.inspect(ema.module).units)
     w, w_ema = ours.tok_emb.weight, ema.module.tok_emb.weight
     assert isinstance(w_ema, DTensor) and w_ema.to_local().data_ptr() != w.to_local().data_ptr()
 

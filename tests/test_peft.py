@@ -10,7 +10,6 @@ from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
-from shardwise._registry import model_state
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -42,7 +41,7 @@ def _train_lora(rank, world, out):
     trainable = [n for n, p in ours.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
-    stats = model_state(ours).comm.stats
+    before = sw.inspect(ours).comm
     for step in range(3):
         x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank + step))
         for m, opt in zip((ref, ours), opts):
@@ -50,10 +49,10 @@ def _train_lora(rank, world, out):
             opt.step()
             opt.zero_grad()
     # Only the adapters' groups are reduce-scattered, and only they have optimizer state.
-    groups = [g for u in model_state(ours).units for g in u.groups]
-    lora_bytes = sum(g.layout.gathered_numel * g.local.element_size()
-                     for g in groups if g.requires_grad)
-    assert stats.bytes["reduce_scatter"] == 3 * lora_bytes
+    view = sw.inspect(ours)
+    lora_bytes = sum(g.gathered_numel * g.dtype.itemsize
+                     for u in view.units for g in u.groups if g.requires_grad)
+    assert view.comm.since(before).bytes["reduce_scatter"] == 3 * lora_bytes
     assert len(opts[1].state) == len(trainable)
     sd = sw.full_state_dict(ours, rank0_only=False)
     for k, v in ref.module.state_dict().items():

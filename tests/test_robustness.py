@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
+from loops import assert_at_rest
 from torch.utils.checkpoint import checkpoint
 
 import shardwise as sw
-from shardwise._registry import model_state, sharded_param
 
 
 class Block(nn.Module):
@@ -118,19 +118,25 @@ def test_training_patterns(world=2):
 def _recovery(rank, world):
     # A backward that raises (say an OOM the user skips) must not break later steps.
     ours, ref = _pair()
-    boom = ours.blocks[1].lin.weight  # shard; the hook goes on the full parameter
-    handle = sharded_param(boom).full.register_hook(lambda g: (_ for _ in ()).throw(
-        RuntimeError("skip this batch")))
+    armed = []  # the hook goes on the full parameter, which lin holds while gathered
+
+    def arm(lin, args):
+        if not armed:
+            assert sw.inspect(ours).param("blocks.1.lin.weight").held == "full"
+            armed.append(lin.weight.register_hook(lambda g: (_ for _ in ()).throw(
+                RuntimeError("skip this batch"))))
+    pre = ours.blocks[1].lin.register_forward_pre_hook(arm)
     with pytest.raises(RuntimeError, match="skip this batch"):
         ours(_x(rank)).sum().backward()
-    handle.remove()
+    pre.remove()
+    armed[0].remove()
     for p in ours.parameters():
         p.grad = None
     for m in (ours, ref):
         m(_x(rank, 3)).sum().backward()
     _averaged_grads(ref)
     _compare_grads(ours, ref, "after an aborted backward")
-    assert all(u.state.value == "sharded" for u in model_state(ours).units)
+    assert all(u.state == "sharded" for u in sw.inspect(ours).units)
 
     # A forward with gradients but no backward, then an optimizer step: the next forward
     # must use the stepped weights, not the ones gathered before the step.
@@ -152,8 +158,7 @@ def _recovery(rank, world):
         assert ours.out.weight.shape == (2, 6)
         torch.testing.assert_close(ours(_x(rank)), ref(_x(rank)))
         assert ours.out.weight.shape == (2, 6)
-    assert all(sharded_param(p).shard is p for p in ours.parameters())
-    assert all(u.state.value == "sharded" for u in model_state(ours).units)
+    assert_at_rest(ours)
 
 
 def test_recovery_paths():

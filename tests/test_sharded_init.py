@@ -1,4 +1,9 @@
-"""sharded_init: partitioned while built, equal to build-then-shard, strictly scoped."""
+"""sharded_init: partitioned while built, equal to build-then-shard, strictly scoped.
+
+These tests read sharded_init's own record of each partitioned parameter (its piece,
+group and src_rank; ``_registry.init_piece``): before ``sw.shard`` there is no sharded
+model for ``sw.inspect`` to show.
+"""
 
 import threading
 
@@ -8,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.modules.module as torch_module
 from harness import run_ranks
+from loops import train_steps
 from torch.overrides import _get_current_function_mode_stack
 
 import shardwise as sw
@@ -76,17 +82,11 @@ def _seed(rank, src):
 
 
 def _train(model):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(dist.get_rank())
-    losses = []
-    for _ in range(2):
-        ids = torch.randint(0, V, (2, 8), generator=g)
-        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    batches = ((torch.randint(0, V, (2, 8), generator=g),) for _ in range(2))
+    return train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                       lambda m, ids: nn.functional.cross_entropy(m(ids).flatten(0, 1),
+                                                                  ids.flatten()))
 
 
 def _equivalence(rank, world):

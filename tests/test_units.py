@@ -10,7 +10,6 @@ import torch.nn as nn
 from harness import run_ranks
 
 import shardwise as sw
-from shardwise._registry import model_state
 from shardwise.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
@@ -51,19 +50,19 @@ def _default_units(rank, world):
     torch.manual_seed(0)
     ref = MiniResNet()
     model = sw.shard(copy.deepcopy(ref))
-    names = [u.name for u in model_state(model).units]
+    names = [u.name for u in sw.inspect(model).units]
     assert names == ["<root>", "layer1.0", "layer1.1", "layer2.0", "layer2.1"], names
     _same_outputs(model, ref, torch.randn(2, 3, 6, 6))
 
     stack_ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                               nn.Linear(8, 2))
     stack = sw.shard(copy.deepcopy(stack_ref))
-    names = [u.name for u in model_state(stack).units]
+    names = [u.name for u in sw.inspect(stack).units]
     assert names == ["<root>", "0", "2", "4"], names  # activations hold nothing to gather
     _same_outputs(stack, stack_ref, torch.randn(3, 4))
 
     # A ModuleList wins over Sequentials inside its entries.
-    names = [u.name for u in model_state(sw.shard(GPT(CFG))).units]
+    names = [u.name for u in sw.inspect(sw.shard(GPT(CFG))).units]
     assert names == ["<root>", "blocks.0", "blocks.1"], names
 
 
@@ -76,7 +75,7 @@ def _units_matching_nothing(rank, world):
         with pytest.raises(sw.ShardwiseError, match="matched no submodule of GPT"):
             sw.shard(GPT(CFG), units=units)
     alone = sw.shard(GPT(CFG), units=())  # the root alone, asked for explicitly
-    assert [u.name for u in model_state(alone).units] == ["<root>"]
+    assert [u.name for u in sw.inspect(alone).units] == ["<root>"]
 
 
 def test_units_matching_nothing_raise():

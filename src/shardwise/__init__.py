@@ -12,6 +12,8 @@ Sharding
     MixedPrecision(param_dtype, reduce_dtype)
     BufferPolicy                               "broadcast", "average" or "local"
     is_sharded(module)
+    inspect(module) -> ModelView               this rank's engine state: units, bytes,
+                                               phase, counters; read-only, no collective
     clip_grad_norm_(module, max_norm, norm_type=2.0)
     no_sync(module)
 Consistency
@@ -52,6 +54,7 @@ from .distributed import init_distributed
 from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
+from .inspection import ModelView, inspect
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
 
@@ -76,6 +79,7 @@ __all__ = [
     "CollectiveError",
     "DivergenceError",
     "MixedPrecision",
+    "ModelView",
     "ReadOnlyGatherError",
     "ShardwiseError",
     "check_consistency",
@@ -84,6 +88,7 @@ __all__ = [
     "full_state_dict",
     "gathered",
     "init_distributed",
+    "inspect",
     "is_sharded",
     "load_checkpoint",
     "load_pretrained",
