@@ -34,11 +34,18 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
+from ._attach import attach
 from ._registry import model_state, set_instance_method
 from ._state import ModelState
 from ._unit import FlatGroup, Unit
 from .buffers import BufferSync
 from .errors import ShardwiseError
+
+
+def guard_model_copies(root: nn.Module) -> None:
+    """:func:`guard_copies` on every module of ``root``'s sharded model."""
+    for sub in root.modules():
+        guard_copies(sub, root)
 
 
 def guard_copies(module: nn.Module, root: nn.Module) -> None:
@@ -84,8 +91,6 @@ def _copy_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
 
 def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     """Note [deep copy]."""
-    from .shard import attach  # shard imports this module
-
     if state.awaiting_backward:
         raise ShardwiseError(
             "copy.deepcopy of a sharded model between a forward and its backward: the "
@@ -119,4 +124,5 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     twin_state.prefetch = state.prefetch
     root.__dict__.pop("save_pretrained", None)  # the original's guard: attach makes one
     attach(twin_state)
+    guard_model_copies(root)
     return root

@@ -18,9 +18,10 @@ import torch.nn as nn
 from . import _hooks
 from ._agree import agreed
 from ._alloc import freed, trim
-from ._clone import guard_copies
+from ._attach import attach
+from ._clone import guard_model_copies
 from ._comm import Comm
-from ._guards import guard_apply, guard_ddp, guard_save_pretrained, retire
+from ._guards import retire
 from ._log import logger
 from ._plan import (
     GroupSpec,
@@ -35,10 +36,7 @@ from ._plan import (
 from ._registry import (
     clear_init_piece,
     init_piece,
-    mark_collective_forward,
     model_state,
-    set_model_state,
-    set_unit,
     sharded_param,
     unit_of,
 )
@@ -192,6 +190,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         unit.module.register_forward_hook(_hooks.post_forward, with_kwargs=True)
     install_state_dict_hooks(module)
     attach(state)
+    guard_model_copies(module)
     maybe_check(module)
     return module
 
@@ -306,23 +305,3 @@ def _materialise_buffers(module: nn.Module, rank: int, device: torch.device,
                 mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
             elif b.device != device:
                 mod._buffers[bname] = b.to(device)
-
-
-def attach(state: ModelState) -> None:
-    """Make ``state`` its model's: what each sharded model carries beyond its module
-    hooks (which module copies inherit, _hooks.py). Used by :func:`shard` and by a deep
-    copy of a sharded model (``_clone.py``)."""
-    module = state.root
-    for unit in state.units:
-        set_unit(unit.module, unit)
-        for sp in unit.params:
-            if sp.requires_grad:
-                sp.full.register_post_accumulate_grad_hook(
-                    lambda _p, s=state: s.ensure_backward_callback())
-    set_model_state(module, state)
-    guard_save_pretrained(module)
-    guard_ddp(module)
-    for sub in module.modules():
-        mark_collective_forward(sub)
-        guard_apply(sub)
-        guard_copies(sub, module)
