@@ -66,12 +66,12 @@ def any_rank(comm: Comm, flag: bool, what: str = "an agreement") -> bool:
     return bool(t.item())
 
 
-def same_everywhere(comm: Comm, values: list[int], what: str) -> bool:
+def same_everywhere(comm: Comm, values: list[int], what: str, watch: bool = False) -> bool:
     """Whether every rank passed the same ``values``. One all-reduce of the maximum over
     the values and their negations: equal everywhere exactly when the maximum of v and
     of -v give back v. Every call has the same size whatever the values, so calls of
     ranks that diverged still pair up (and then disagree) instead of mismatching sizes."""
     mine = [*values, *(-v for v in values)]
     seen = torch.tensor(mine, dtype=torch.int64, device=comm.device)
-    comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=what)
+    comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=what, watch=watch)
     return seen.tolist() == mine

@@ -185,9 +185,11 @@ class Comm:
         return self._finish(work, async_op, add_up)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
-                   what: str = "an all-reduce"):
+                   what: str = "an all-reduce", watch: bool = False):
+        """Sum (or ``op``) ``tensor`` over ranks, in place. ``watch``: a synchronous call
+        waits watching its peers (Note [peer watch])."""
         self.stats.add("all_reduce", tensor)
-        return self._run(what, async_op, dist.all_reduce, tensor, op=op)
+        return self._run(what, async_op, dist.all_reduce, tensor, op=op, watch=watch)
 
     def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int,
                 what: str = "a scatter") -> None:
@@ -240,15 +242,20 @@ class Comm:
         work.wait()
         return None
 
-    def _run(self, what: str, async_op: bool, collective, *args, **kwargs):
-        """Issue ``collective``; Note [stuck collectives] for the errors. A synchronous
-        one is issued asynchronously and waited for, so that the wait can watch the
-        peers (Note [peer watch] in _peers.py)."""
+    def _run(self, what: str, async_op: bool, collective, *args, watch: bool = False,
+             **kwargs):
+        """Issue ``collective``; Note [stuck collectives] for the errors. With ``watch``, a
+        synchronous one is issued asynchronously and waited for in slices that watch the
+        peers (Note [peer watch] in _peers.py): a sliced wait costs 150-370 us more on
+        this 2-core machine (benchmarks/peer_watch.py), so only the waits where a rank
+        alone shows first are watched."""
         try:
-            work = collective(*args, group=self.group, async_op=True, **kwargs)
+            work = collective(*args, group=self.group, async_op=async_op or watch, **kwargs)
         except RuntimeError as err:
             raise self.stuck(what, err) from err
-        pending = _Pending([work], self, what)
+        if not (async_op or watch):
+            return None
+        pending = _Pending([work], self, what, watched=watch)
         if async_op:
             return pending
         pending.wait()
@@ -299,12 +306,12 @@ class Comm:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = torch.zeros(self.world_size, dtype=torch.int64)
         self._run(what, False, _all_gather_flat, sizes,
-                  torch.tensor([data.numel()], dtype=torch.int64))
+                  torch.tensor([data.numel()], dtype=torch.int64), watch=True)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:data.numel()] = data
         everyone = torch.empty(longest * self.world_size, dtype=torch.uint8)
-        self._run(what, False, _all_gather_flat, everyone, padded)
+        self._run(what, False, _all_gather_flat, everyone, padded, watch=True)
         rows = everyone.view(self.world_size, longest)
         return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes())
                 for r in range(self.world_size)]
@@ -315,9 +322,10 @@ class _Pending:
     ``then`` (the sum of a reduce-scatter's exchange)."""
 
     def __init__(self, works: list[Any], comm: Comm, what: str,
-                 point_to_point: bool = False) -> None:
+                 point_to_point: bool = False, watched: bool = False) -> None:
         self._works = works
         self._p2p = point_to_point
+        self._watched = watched
         self._comm = comm
         self._what = what
         self._error: RuntimeError | None = None
@@ -335,8 +343,10 @@ class _Pending:
                 if self._p2p:
                     if not self._works[0].is_completed():
                         self._works[0].wait()
-                else:
+                elif self._watched:
                     wait_watched(self._works[0], self._comm, self._what)
+                else:
+                    self._works[0].wait()
                 self._works.pop(0)
         except CollectiveError:
             raise  # the peer watch's own, complete error

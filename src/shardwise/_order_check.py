@@ -61,8 +61,11 @@ class OrderCheck:
         if unit.pins or (not unit.groups and all(u.pins for u in unit.model.units
                                                  if u.groups)):
             return
+        # The first check of a forward is where a rank running the model alone waits
+        # first: only that wait watches the peers (Note [peer watch]).
+        watch = self._checked == 0
         self._checked += 1
-        _agree(self.comm, _UNIT, unit.index, f"unit {unit.name}")
+        _agree(self.comm, _UNIT, unit.index, f"unit {unit.name}", watch)
 
     def end_forward(self, calls: int) -> None:
         """Raise on every rank unless all ranks end the forward here. Catches a rank that
@@ -81,7 +84,8 @@ def announce(comm: Comm | None, operation: str) -> None:
     """Raise on every rank unless all ranks are about to start ``operation`` (a public
     function that communicates), when order checks are on."""
     if comm is not None and order_checks_enabled(comm):
-        _agree(comm, _OPERATION, zlib.crc32(operation.encode()) & 0x3FFFFFFF, operation)
+        _agree(comm, _OPERATION, zlib.crc32(operation.encode()) & 0x3FFFFFFF, operation,
+               watch=True)
 
 
 def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
@@ -105,8 +109,8 @@ def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
     return optimizer.register_step_post_hook(after_step)
 
 
-def _agree(comm: Comm, kind: int, index: int, what: str) -> None:
-    if same_everywhere(comm, [kind, index], f"the order check before {what}"):
+def _agree(comm: Comm, kind: int, index: int, what: str, watch: bool = False) -> None:
+    if same_everywhere(comm, [kind, index], f"the order check before {what}", watch):
         return
     names = comm.all_gather_object(what, what="the order check's error report")
     which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))

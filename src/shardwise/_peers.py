@@ -12,19 +12,23 @@ per public operation. Under NCCL, where the watch does not apply, and in a world
 nothing is written. (A thread publishing in the background would cost the main thread
 nothing, but it would outlive ``destroy_process_group``: Note [teardown].)
 
-A collective's wait under gloo waits in slices of a second (gloo's collectives survive
-a wait that times out; its point-to-point messages do not, so the exchanges of Note
-[gloo exchanges] in _comm.py wait plainly); once it has lasted a few seconds it reads
-the peers' notes. Every shardwise operation and every unit starts with a collective
-under gloo's default settings, the order check's all-reduce, so a rank alone in an
-operation is caught there; with ``SHARDWISE_CHECK=0`` a rank alone in a unit's
-all-gather waits for the process group's timeout. A peer that is not in a shardwise
-operation, or in a different one, and whose note has not changed for
-``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off) makes the waiting
-rank raise a ``CollectiveError`` that says what every rank is doing. A peer busy in the
-same kind of operation (a slow rank still computing its forward) is waited for, as long
-as the process group's timeout allows. Under NCCL, waits do not block the host, so the
-watch does not apply; the NCCL watchdog ends a hang there.
+A watched wait, under gloo, waits in slices of a second (gloo's collectives survive a
+wait that times out; its point-to-point messages do not, so the exchanges of Note
+[gloo exchanges] in _comm.py cannot be watched); once it has lasted a few seconds it
+reads the peers' notes. A sliced wait costs more than a plain one (150-370 us per
+all-reduce on a loaded 2-core machine, ``benchmarks/peer_watch.py``), so only the waits
+where a rank alone shows first are watched: the order check at the start of each root
+forward (the first collective of a forward under gloo's default settings) and before
+each public operation, and the metadata all-gathers of public operations. One watched
+wait per training step. A rank alone elsewhere (a peer that skipped a backward), or any
+wait with ``SHARDWISE_CHECK=0``, ends at the process group's timeout, as before.
+
+A peer that is not in a shardwise operation, or in a different one, and whose note has
+not changed for ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off)
+makes the waiting rank raise a ``CollectiveError`` that says what every rank is doing. A
+peer busy in the same kind of operation (a slow rank still computing its forward) is
+waited for, as long as the process group's timeout allows. Under NCCL, waits do not
+block the host, so the watch does not apply; the NCCL watchdog ends a hang there.
 """
 
 from __future__ import annotations
