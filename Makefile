@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 
-.PHONY: install demo test lint bench bench-memory clean
+.PHONY: install demo test test-fast lint bench bench-memory clean
 
 # torch goes in first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -20,6 +20,10 @@ demo: install
 
 test: install lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest
+
+# The loop while developing: everything but the tests marked slow (`make test` runs them all).
+test-fast: install lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -11,7 +11,8 @@
 #    with its peak torch.cuda.max_memory_allocated. The workload is the reference GPT
 #    scaled up (24 layers, d_model 2048, sequence 1024, batch 8: about 1.3B parameters,
 #    ~21 GB of fp32 AdamW state) so that the GPU, not the host, sets the pace.
-# Not yet run: no GPU was lent in the session that wrote it.
+# Not yet run: no GPU was available when it was written (f7034ee); BENCHMARKS.md has no GPU
+# figure yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"

@@ -137,6 +137,7 @@ def _resume(rank, world, root):
         Accelerator(cpu=True).prepare(sw.shard(GPT(CFG)))
 
 
+@pytest.mark.slow
 def test_accelerate_loop_matches_ddp_and_state_resumes_at_three_ranks(tmp_path):
     run_ranks(_train, 2, str(tmp_path), timeout=180)
     run_ranks(_resume, 3, str(tmp_path), timeout=180)

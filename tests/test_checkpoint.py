@@ -321,6 +321,7 @@ def test_pickles_load_only_weights_only(tmp_path):
     run_ranks(_pickles, 2, good, evil)
 
 
+@pytest.mark.slow
 def test_consolidate_command(tmp_path):
     ck = str(tmp_path / "ck")
     sd = run_ranks(_save_then_continue, 3, ck)[0][0]

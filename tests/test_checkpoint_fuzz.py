@@ -143,6 +143,7 @@ def _fuzz(rank, world, root):
     return outcomes
 
 
+@pytest.mark.slow
 def test_mutated_metadata_loads_right_or_fails_cleanly_everywhere(tmp_path):
     outcomes = run_ranks(_fuzz, 2, str(tmp_path), timeout=300)
     assert outcomes[0] == outcomes[1]  # every rank saw the same outcome each time

@@ -100,6 +100,7 @@ def _named(folder):
     return io._committed_data(folder)
 
 
+@pytest.mark.slow
 def test_a_crash_at_every_step_keeps_the_new_or_the_previous_checkpoint(tmp_path):
     base = str(tmp_path / "base")
     run_ranks(_base, 2, base)

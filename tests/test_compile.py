@@ -46,5 +46,6 @@ def _compiled(rank, world):
         _train(in_place, rank, steps=1)
 
 
+@pytest.mark.slow
 def test_per_block_compile_trains_like_eager_and_whole_model_compile_warns():
     run_ranks(_compiled, 2, timeout=300)

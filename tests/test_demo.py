@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardwise.demo import CharCodec, corpus
+
+pytestmark = pytest.mark.slow
 
 
 def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):

@@ -88,6 +88,7 @@ def _hangs(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_hangs_end_in_an_error_naming_the_collective():
     run_ranks(_hangs, 2, timeout=60)
 

@@ -56,7 +56,13 @@ def test_every_page_has_been_found():
                for p in PAGES), "a page without runnable code"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# Pages whose blocks took 10 s or more in a run of the whole suite: `make test-fast` skips them.
+SLOW_PAGES = {"README.md", "checkpoints.md", "lightning.md", "performance.md", "quickstart.md"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow)
+                                  if p.name in SLOW_PAGES else p for p in PAGES],
+                         ids=lambda p: p.name)
 def test_code_blocks_run(page: Path, tmp_path):
     sources = blocks(page, "python")
     commands = [line for body in blocks(page, "bash") for line in body.splitlines()

@@ -120,6 +120,7 @@ def _consolidate(ck, out):
                    check=True, capture_output=True)
 
 
+@pytest.mark.slow
 def test_llama_end_to_end(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(llama_config()).save_pretrained(tmp_path / "pretrained")
@@ -134,6 +135,7 @@ def test_llama_end_to_end(tmp_path):
     torch.testing.assert_close(again, logits, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_custom_pretrained_model_with_batchnorm3d(tmp_path):
     torch.manual_seed(0)
     pre = Bn3dModel(Bn3dConfig())

@@ -295,6 +295,7 @@ def _resume(rank, world, root, uninterrupted):
     return lit.losses
 
 
+@pytest.mark.slow
 def test_strategy_matches_ddp_and_resumes_at_other_world_sizes(tmp_path):
     losses = run_ranks(_two_ranks, 2, str(tmp_path), timeout=300)[0]
     for world in (1, 3):
@@ -319,6 +320,7 @@ def test_checkpoint_state_round_trips_through_json():
         _to_json({"hyper_parameters": {"cfg": object()}}, "checkpoint")
 
 
+@pytest.mark.slow
 def test_registered_by_import_and_never_imported_by_shardwise():
     from lightning.pytorch.strategies import StrategyRegistry
 

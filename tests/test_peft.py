@@ -63,6 +63,7 @@ def _train_lora(rank, world, out):
     return sd if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_lora_trains_like_ddp_and_saves_adapters_peft_loads(tmp_path):
     out = str(tmp_path / "adapter")
     sd = run_ranks(_train_lora, 2, out)[0]

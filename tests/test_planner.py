@@ -59,6 +59,7 @@ print(json.dumps([planned.parameters, planned.gradients, planned.optimizer,
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [8, 64])
 def test_plan_equals_the_engine_on_a_simulated_world(world):
     # torch's fake process group: collectives do nothing, shapes are real.
@@ -69,6 +70,7 @@ def test_plan_equals_the_engine_on_a_simulated_world(world):
     assert values[:3] == values[3:], values
 
 
+@pytest.mark.slow
 def test_plan_command_prints_a_table_and_json():
     cmd = [sys.executable, "-m", "shardwise.cli", "plan", "--world", "4"]
     table = subprocess.run(cmd + ["--params", "7e9", "--layers", "32"], capture_output=True,

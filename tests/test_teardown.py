@@ -17,6 +17,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "teardown_script.py")
 RUNS = 3
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 def test_destroy_process_group_leaves_no_thread_and_exit_is_clean():
     env = dict(os.environ, OMP_NUM_THREADS="1")

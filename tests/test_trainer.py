@@ -149,6 +149,7 @@ def _resume(rank, world, root):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > SAVE_AT]
 
 
+@pytest.mark.slow
 def test_trainer_matches_ddp_saves_and_resumes_at_other_world_sizes(tmp_path):
     root = str(tmp_path)
     ddp, ours = run_ranks(_train_both, 2, root, timeout=300)[0]
