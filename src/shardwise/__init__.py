@@ -19,17 +19,22 @@ Sharding
 Consistency
     gathered(module_or_params, modifier_rank=None)
     sync_buffers(module, src_rank=0, group=None)
-    check_consistency(module, group=None)
+    check_consistency(module, group=None, optimizer=None)
 State and checkpoints
     full_state_dict(module, rank0_only=True)
     load_pretrained(module, source, strict=True, rename=None)
-    save_checkpoint(path, module, optimizer=None, extra=None)
+    save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
     load_checkpoint(path, module, optimizer=None) -> extra
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
 Hugging Face (optional: transformers, accelerate)
     from_pretrained(model_class, folder, **shard_kwargs) -> a sharded, loaded model
     shardwise.integrations.transformers.ShardwiseTrainer
     shardwise.integrations.accelerate.ShardwiseAccelerator
+Lightning (optional)
+    shardwise.integrations.lightning.ShardwiseStrategy   Trainer(strategy="shardwise")
+Environment
+    SHARDWISE_CHECK (order and consistency checks), SHARDWISE_PEER_TIMEOUT (seconds a
+    rank waits for peers that are elsewhere, default 30), SHARDWISE_LOG
 Errors
     ShardwiseError, DivergenceError, ReadOnlyGatherError, CollectiveError
 Reference models
