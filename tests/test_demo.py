@@ -35,7 +35,7 @@ def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):
     # the check names every BatchNorm3d statistic.
     naive = _rank_lines(text, "loaded on rank 0 only")
     assert naive[0] == right[0] and naive[1] == naive[2] != naive[0], text
-    assert "running_mean +0.0000  running_var 1.0000" in naive[1], text
+    assert "running_mean +0.0000, running_var 1.0000" in naive[1], text
     error = text.split("raised sw.DivergenceError:", 1)[1].split("\n\n", 1)[0]
     for i in range(3):
         for stat in ("running_mean", "running_var"):

@@ -115,10 +115,10 @@ def _rank_report(tokenizer: VideoTokenizer, probe: torch.Tensor) -> str:
 
     mean = tokenizer.get_buffer("blocks.1.bn.running_mean").mean().item()
     var = tokenizer.get_buffer("blocks.1.bn.running_var").mean().item()
-    tokens = " ".join(f"{t:2d}" for t in tokenizer(probe)[0, :8].tolist())
+    tokens = " ".join(str(t) for t in tokenizer(probe)[0, :8].tolist())
     with torch.no_grad():
         checksum = tensor_digest(tokenizer.features(probe))[:12]
-    return (f"running_mean {mean:+.4f}  running_var {var:.4f}  |  tokens {tokens} ...  |  "
+    return (f"running_mean {mean:+.4f}, running_var {var:.4f} | tokens {tokens} ... | "
             f"output checksum {checksum}")
 
 
