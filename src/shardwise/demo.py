@@ -1,4 +1,4 @@
-"""``shardwise demo``: train a small character-level GPT on Shakespeare, sharded over CPU ranks.
+"""``shardwise demo``: a frozen BatchNorm3d tokenizer and a sharded GPT, over local CPU ranks.
 
 The command launches its own ranks (torch's elastic launcher, as ``torchrun`` does, gloo
 on CPU), so nothing else is needed::
@@ -6,7 +6,14 @@ on CPU), so nothing else is needed::
     shardwise demo                 # 2 ranks
     shardwise demo --nproc 3 --steps 100
 
-Every rank trains its own slice of the batches; rank 0 shows a progress bar with the
+First, what shardwise exists for: a frozen, pretrained video tokenizer with BatchNorm3d
+buffers (``shardwise.video_tokenizer``) beside the GPT, loaded from a safetensors file.
+Each rank prints its running statistics and its output for the same clip: identical when
+every rank loads with ``sw.load_pretrained``; different when rank 0 alone loads them (the
+DeepSpeed ZeRO-3 failure), which ``sw.check_consistency`` reports, naming each buffer,
+until ``sw.sync_buffers`` fixes it.
+
+Then every rank trains on its own slice of the batches; rank 0 shows a progress bar with the
 loss and tokens per second, then prints a table of what each rank stores against the
 unsharded model, the consistency check's result, and a text sample generated, in one
 process, from the checkpoint the ranks wrote and ``shardwise consolidate`` merged.
@@ -41,9 +48,9 @@ _SAMPLE_PROMPT = "MACBETH.\n"
 class DemoConfig:
     """What the demo trains, and for how long."""
 
-    # Tuned for validation loss under 2.0 in about a minute and a half on 2 CPU cores:
-    # shardwise's per-unit cost (gathers, hooks) dominates a block this small, so two
-    # blocks at a higher learning rate beat four in the same time (docs/quickstart.md).
+    # Tuned for validation loss under 2.0 in the least time on 2 CPU ranks (1.908 at
+    # commit 08d0aeb; docs/quickstart.md): shardwise's per-unit cost (gathers, hooks)
+    # dominates blocks this small, so two blocks at a higher learning rate beat four.
     nproc: int = 2
     steps: int = 450
     batch: int = 16          # sequences per rank and step
