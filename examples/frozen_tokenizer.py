@@ -2,14 +2,16 @@
 
     torchrun --standalone --nproc_per_node 2 examples/frozen_tokenizer.py
 
-A frozen video tokenizer (Conv3d + BatchNorm3d + a codebook) turns clips into tokens that
-a sharded transformer learns to model. Its pretrained weights, with trained BatchNorm
-running statistics, come from a safetensors file.
+A frozen video tokenizer (Conv3d + BatchNorm3d layers + a codebook,
+``shardwise.video_tokenizer``, which ``shardwise demo`` shows too) turns clips into tokens
+that a sharded transformer learns to model. Its pretrained weights, with trained
+BatchNorm running statistics, come from a safetensors file.
 
-0. The incumbents' failure, re-enacted: the weights are loaded on rank 0 only. Rank 1
-   keeps the default statistics (mean 0, var 1) and the same clip becomes different tokens
-   on each rank. shardwise does not partition this model behind your back, and
-   ``sw.check_consistency`` says loudly what differs.
+0. The incumbents' failure, re-enacted: the weights are loaded on rank 0 only, then the
+   parameters (not the buffers) are broadcast, as DeepSpeed ZeRO-3's gather does on exit.
+   Other ranks keep the default statistics (mean 0, var 1) and the same clip becomes
+   different tokens on each rank. shardwise does not partition this model behind your
+   back, and ``sw.check_consistency`` says loudly what differs.
 1. Keep the tokenizer whole on every rank, load it on every rank, beside a trainable
    sharded transformer. ``sw.shard`` touches only the transformer.
 2. Shard the tokenizer on its own for inference: ``sw.shard`` gives every rank
@@ -26,38 +28,17 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
-
-
-class VideoTokenizer(nn.Module):
-    """Conv3d patches, BatchNorm3d, nearest codebook entry: (B, 3, T, H, W) -> (B, L) tokens."""
-
-    def __init__(self, channels: int = 8, codebook: int = 64) -> None:
-        super().__init__()
-        self.conv = nn.Conv3d(3, channels, kernel_size=(2, 4, 4), stride=(2, 4, 4))
-        self.bn = nn.BatchNorm3d(channels)
-        self.codebook = nn.Parameter(torch.randn(codebook, channels))
-
-    @torch.no_grad()
-    def forward(self, video: torch.Tensor) -> torch.Tensor:
-        z = self.bn(self.conv(video)).flatten(2).transpose(1, 2)  # (B, L, C)
-        dist2 = (z.pow(2).sum(-1, keepdim=True) - 2 * z @ self.codebook.t()
-                 + self.codebook.pow(2).sum(-1))
-        return dist2.argmin(-1)
-
-
-def pretrained_weights(path: str) -> None:
-    """Write a 'trained' tokenizer: random weights and non-default running statistics."""
-    torch.manual_seed(1234)
-    tok = VideoTokenizer()
-    tok.bn.running_mean.normal_(0.0, 0.5)
-    tok.bn.running_var.uniform_(0.2, 3.0)
-    tok.bn.num_batches_tracked.fill_(10_000)
-    save_file(tok.state_dict(), path)
+from shardwise.video_tokenizer import (
+    CLIP,
+    VideoTokenizer,
+    clips,
+    load_on_rank0_only,
+    write_pretrained,
+)
 
 
 def gather_all(t: torch.Tensor) -> list[torch.Tensor]:
@@ -78,10 +59,10 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     dist.broadcast_object_list(workdir)
     path = os.path.join(workdir[0], "tokenizer.safetensors")
     if rank == 0:
-        pretrained_weights(path)
+        write_pretrained(path)
     dist.barrier()
 
-    probe = torch.randn(2, 3, 4, 16, 16, generator=torch.Generator().manual_seed(7))
+    probe = clips(2, seed=7)
     reference = VideoTokenizer().eval()  # unsharded, loaded from the file on this rank
     reference.load_state_dict(load_file(path))
     expected = reference(probe)
@@ -89,8 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
 
     # 0. The failure, re-enacted: weights loaded on rank 0 only.
     naive = VideoTokenizer().eval()
-    if rank == 0:
-        naive.load_state_dict(load_file(path))
+    load_on_rank0_only(naive, load_file(path))
     naive_tokens = gather_all(naive(probe))
     result["naive_tokens_agree"] = all(torch.equal(t, naive_tokens[0]) for t in naive_tokens)
     try:
@@ -112,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own clips
     for step in range(args.steps):
-        tokens = tokenizer(torch.randn(4, 3, 4, 16, 16, generator=g))  # (4, 32)
+        tokens = tokenizer(torch.rand(4, *CLIP, generator=g))  # (4, 32)
         loss = lm(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()

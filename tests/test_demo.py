@@ -1,11 +1,12 @@
-"""``shardwise demo`` end to end: it launches its own ranks, trains, checkpoints, samples."""
+"""``shardwise demo`` end to end: it launches its own ranks, shows a frozen tokenizer's
+buffers identical on every rank (and the rank-0-only load caught), trains, checkpoints,
+samples."""
 
 import math
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,14 +15,39 @@ from shardwise.demo import CharCodec, corpus
 pytestmark = pytest.mark.slow
 
 
+def _rank_lines(text: str, title: str) -> list[str]:
+    """The ``  rank r: ...`` lines printed under the heading that starts with ``title``."""
+    section = text.split("\n" + title, 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^  rank \d+: (.*)$", section, re.M)
+
+
 def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):
     out = tmp_path / "ck"
-    shardwise = Path(sys.executable).parent / "shardwise"
-    done = subprocess.run([str(shardwise), "demo", "--nproc", "3", "--steps", "40",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # -m shardwise.cli rather than the console script: the shardwise on sys.path is the one
+    # under test, wherever the installed script points.
+    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "demo", "--nproc", "3",
+                           "--steps", "40", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     text = done.stdout
+
+    # The frozen tokenizer: loaded on every rank, the same statistics and output everywhere.
+    right = _rank_lines(text, "loaded the shardwise way")
+    assert len(right) == 3 and len(set(right)) == 1, text
+    assert "running_var 1.0000" not in right[0], text  # trained statistics, not defaults
+    # Loaded on rank 0 only: ranks 1 and 2 keep the defaults, compute something else, and
+    # the check names every BatchNorm3d statistic.
+    naive = _rank_lines(text, "loaded on rank 0 only")
+    assert naive[0] == right[0] and naive[1] == naive[2] != naive[0], text
+    assert "running_mean +0.0000, running_var 1.0000" in naive[1], text
+    error = text.split("raised sw.DivergenceError:", 1)[1].split("\n\n", 1)[0]
+    for i in range(3):
+        for stat in ("running_mean", "running_var"):
+            assert f"blocks.{i}.bn.{stat}: ranks [0]" in error, text
+    assert "conv.weight" not in error and "codebook" not in error, text  # params broadcast
+    fixed = _rank_lines(text, "fixed with sw.sync_buffers")
+    assert fixed == right, text
+
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", text).groups())
     vocab = len(CharCodec(corpus()).chars)
     # A fresh model predicts about uniformly; 40 steps must get well below that.
@@ -29,6 +55,7 @@ def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):
     assert re.search(r"largest gathered unit(\s+\d+){4}", text), text  # 3 ranks + unsharded
     assert "consistency check (sw.check_consistency): passed" in text
     assert (out / "checkpoint.json").is_file() and (out / "consolidated.safetensors").is_file()
+    assert (out / "tokenizer.safetensors").is_file()
     sample = text.split("a sample:\n\n", 1)[1]
     assert sample.startswith("MACBETH.\n") and len(sample) > 300
     assert set(sample) <= set(corpus()) | {"\n"}

@@ -1,4 +1,4 @@
-"""``shardwise demo``: train a small character-level GPT on Shakespeare, sharded over CPU ranks.
+"""``shardwise demo``: a frozen BatchNorm3d tokenizer and a sharded GPT, over local CPU ranks.
 
 The command launches its own ranks (torch's elastic launcher, as ``torchrun`` does, gloo
 on CPU), so nothing else is needed::
@@ -6,7 +6,14 @@ on CPU), so nothing else is needed::
     shardwise demo                 # 2 ranks
     shardwise demo --nproc 3 --steps 100
 
-Every rank trains its own slice of the batches; rank 0 shows a progress bar with the
+First, what shardwise exists for: a frozen, pretrained video tokenizer with BatchNorm3d
+buffers (``shardwise.video_tokenizer``) beside the GPT, loaded from a safetensors file.
+Each rank prints its running statistics and its output for the same clip: identical when
+every rank loads with ``sw.load_pretrained``; different when rank 0 alone loads them (the
+DeepSpeed ZeRO-3 failure), which ``sw.check_consistency`` reports, naming each buffer,
+until ``sw.sync_buffers`` fixes it.
+
+Then every rank trains on its own slice of the batches; rank 0 shows a progress bar with the
 loss and tokens per second, then prints a table of what each rank stores against the
 unsharded model, the consistency check's result, and a text sample generated, in one
 process, from the checkpoint the ranks wrote and ``shardwise consolidate`` merged.
@@ -22,12 +29,17 @@ import argparse
 import math
 import os
 import tempfile
+import textwrap
 import time
 import uuid
 from dataclasses import dataclass
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .video_tokenizer import VideoTokenizer
 
 _SAMPLE_PROMPT = "MACBETH.\n"
 
@@ -36,14 +48,19 @@ _SAMPLE_PROMPT = "MACBETH.\n"
 class DemoConfig:
     """What the demo trains, and for how long."""
 
+    # Tuned for validation loss under 2.0 in the least time on 2 CPU ranks (1.908 at
+    # commit 08d0aeb; docs/quickstart.md): shardwise's per-unit cost (gathers, hooks)
+    # dominates blocks this small, so two blocks at a higher learning rate beat four.
     nproc: int = 2
-    steps: int = 400
+    steps: int = 450
     batch: int = 16          # sequences per rank and step
     seq_len: int = 64
-    n_layer: int = 4
+    n_layer: int = 2
     n_head: int = 4
     d_model: int = 128
-    lr: float = 3e-3
+    lr: float = 5e-3         # peak learning rate
+    warmup: float = 0.05     # fraction of the steps spent warming up linearly to ``lr``
+    min_lr: float = 0.1      # the cosine decay ends at this fraction of ``lr``
     sample_chars: int = 300
     out: str | None = None   # where the checkpoint goes (default: a temporary folder)
     progress: bool = True
@@ -98,6 +115,83 @@ def sample(model: torch.nn.Module, codec: CharCodec, prompt: str, n: int,
     return codec.decode(ids[0].tolist())
 
 
+def _rank_report(tokenizer: VideoTokenizer, probe: torch.Tensor) -> str:
+    """One line about this rank's tokenizer: one BatchNorm3d's running statistics (their
+    means), the first tokens of ``probe`` and a hash of the features it computes."""
+    from .consistency import tensor_digest
+
+    mean = tokenizer.get_buffer("blocks.1.bn.running_mean").mean().item()
+    var = tokenizer.get_buffer("blocks.1.bn.running_var").mean().item()
+    tokens = " ".join(str(t) for t in tokenizer(probe)[0, :8].tolist())
+    with torch.no_grad():
+        checksum = tensor_digest(tokenizer.features(probe))[:12]
+    return (f"running_mean {mean:+.4f}, running_var {var:.4f} | tokens {tokens} ... | "
+            f"output checksum {checksum}")
+
+
+def _show_ranks(title: str, tokenizer: VideoTokenizer, probe: torch.Tensor) -> None:
+    """Rank 0 prints every rank's :func:`_rank_report` under ``title``."""
+    import torch.distributed as dist
+
+    lines: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, _rank_report(tokenizer, probe))
+    if dist.get_rank() == 0:
+        print(f"\n{title}\n" + "\n".join(f"  rank {r}: {line}" for r, line in enumerate(lines)),
+              flush=True)
+
+
+def _frozen_tokenizer(out: str) -> VideoTokenizer:
+    """What shardwise exists for: a frozen pretrained model with BatchNorm3d buffers beside
+    the sharded GPT, the same on every rank. Shows the right load, then the ZeRO-3 failure
+    (rank 0 alone loads the statistics) caught by ``sw.check_consistency``, then the fix.
+    Returns the tokenizer, loaded on every rank."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import shardwise as sw
+
+    from .video_tokenizer import VideoTokenizer, clips, load_on_rank0_only, write_pretrained
+
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    path = os.path.join(out, "tokenizer.safetensors")
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        written = write_pretrained(path)
+        n_params = sum(p.numel() for p in written.parameters())
+        say(textwrap.fill(
+            f"A frozen, pretrained video tokenizer (Conv3d + BatchNorm3d x 3, {n_params:,} "
+            f"parameters) beside the GPT, whole on every rank. Its weights and trained "
+            f"BatchNorm running statistics come from {path}. Each rank shows blocks.1.bn's "
+            f"statistics (means over its channels) and what it computes for the same clip.",
+            width=90))
+    dist.barrier()
+    probe = clips(1, seed=7)  # the same clip on every rank
+
+    tokenizer = VideoTokenizer().requires_grad_(False).eval()
+    sw.load_pretrained(tokenizer, path)
+    _show_ranks("loaded the shardwise way, sw.load_pretrained on every rank:", tokenizer, probe)
+    sw.check_consistency(tokenizer)
+    say("  sw.check_consistency(tokenizer): passed")
+
+    naive = VideoTokenizer().requires_grad_(False).eval()
+    load_on_rank0_only(naive, load_file(path))
+    _show_ranks("loaded on rank 0 only, then the parameters broadcast but not the buffers, as "
+                "under DeepSpeed ZeRO-3:", naive, probe)
+    try:
+        sw.check_consistency(naive)
+    except sw.DivergenceError as e:
+        say("  sw.check_consistency(tokenizer) raised sw.DivergenceError:\n    "
+            + str(e).replace("\n", "\n    "))
+    else:
+        raise AssertionError("check_consistency missed the rank-0-only statistics")
+    sw.sync_buffers(naive, src_rank=0)
+    _show_ranks("fixed with sw.sync_buffers(tokenizer, src_rank=0):", naive, probe)
+    sw.check_consistency(naive)
+    say("  sw.check_consistency(tokenizer): passed\n", flush=True)
+    return tokenizer
+
+
 def _worker(cfg: DemoConfig, out: str) -> None:
     """One rank's part: train, report, checkpoint; rank 0 then consolidates and samples."""
     import torch.distributed as dist
@@ -116,11 +210,13 @@ def _worker(cfg: DemoConfig, out: str) -> None:
     split = int(0.9 * len(tokens))
     mcfg = _model_config(cfg, len(codec.chars))
 
+    tokenizer = _frozen_tokenizer(out)
     torch.manual_seed(0)
     plain = GPT(mcfg)
     n_params = sum(p.numel() for p in plain.parameters())
     model = sw.shard(plain)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    # foreach: on CPU torch defaults to a per-tensor loop, slow on DTensor parameters.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, foreach=True)
     if rank == 0:
         print(f"Training a {n_params / 1e6:.2f}M-parameter character-level GPT on "
               f"{len(text) / 1e3:.0f} KB of Shakespeare, sharded over {world} CPU ranks "
@@ -133,15 +229,17 @@ def _worker(cfg: DemoConfig, out: str) -> None:
     everyone = [None] * world
     dist.all_gather_object(everyone, mem)
     sw.check_consistency(model)  # raises on every rank, naming any tensor that differs
+    sw.check_consistency(tokenizer)
     sw.save_checkpoint(out, model, opt, extra={"steps": cfg.steps, "chars": codec.chars})
     if rank == 0:
         print(f"\nloss {first:.3f} -> {last:.3f} (training, step 1 -> {cfg.steps}); "
               f"validation loss {val_loss:.3f}")
         print(_memory_table(everyone, n_params, world))
-        buffers = sum(1 for _ in model.buffers())
-        print(f"\nconsistency check (sw.check_consistency): passed. {buffers} buffers and "
-              f"no replicated parameters to compare: this GPT's parameters are all sharded, "
-              f"each rank holding its own rows by design")
+        print(f"\nconsistency check (sw.check_consistency): passed. The tokenizer's "
+              f"{len(list(tokenizer.buffers()))} buffers and "
+              f"{len(list(tokenizer.parameters()))} parameters are identical on every "
+              f"rank; the GPT has {len(list(model.buffers()))} buffers and no replicated "
+              f"parameters (each rank holds its own rows of every parameter, by design)")
         _consolidate_and_sample(out, cfg, codec, mcfg)
     dist.destroy_process_group()
 
@@ -166,6 +264,8 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data, cfg: DemoCo
     start = time.perf_counter()
     mem: dict[str, int] = {}
     for step in range(1, cfg.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, cfg)
         x, y = next(data)
         loss = model(x, y)
         loss.backward()
@@ -187,19 +287,31 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data, cfg: DemoCo
     return first, last, mem
 
 
+def learning_rate(step: int, cfg: DemoConfig) -> float:
+    """Linear warmup to ``cfg.lr``, then cosine decay to ``cfg.min_lr * cfg.lr`` at the
+    last step (``step`` counts from 1)."""
+    warm = max(1, round(cfg.warmup * cfg.steps))
+    if step <= warm:
+        return cfg.lr * step / warm
+    done = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr + (1 - cfg.min_lr) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
 @torch.no_grad()
 def _validation_loss(model: torch.nn.Module, val: torch.Tensor, cfg: DemoConfig) -> float:
-    """Mean loss over the same held-out windows on every rank (text the model never saw)."""
+    """Mean loss over every window of the held-out text (text the model never saw); each
+    rank scores its share of the windows, and the sums are all-reduced."""
     import torch.distributed as dist
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     model.eval()
     n = (len(val) - 1) // cfg.seq_len
-    x = val[:n * cfg.seq_len].view(n, cfg.seq_len)[:32]
-    y = val[1:n * cfg.seq_len + 1].view(n, cfg.seq_len)[:32]
-    loss = model(x, y)
+    x = val[:n * cfg.seq_len].view(n, cfg.seq_len)[rank::world]
+    y = val[1:n * cfg.seq_len + 1].view(n, cfg.seq_len)[rank::world]
+    total = torch.stack([model(x, y) * len(x), torch.tensor(float(len(x)))])
     model.train()
-    dist.all_reduce(loss)
-    return loss.item() / dist.get_world_size()
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
 
 
 def _memory_table(per_rank: list, n_params: int, world: int) -> str:
