@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardwise.demo import add_arguments
 
     d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks "
-                                    "(about a minute)")
+                                    "(about 80 s on 2 cores)")
     add_arguments(d)
     d.set_defaults(func=_demo)
     args = parser.parse_args(argv)
