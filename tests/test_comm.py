@@ -117,3 +117,27 @@ def test_an_interrupted_exchange_wait_resumes():
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_gloo_exchanges_give_the_collectives_results(world):
     run_ranks(_exchanges_match_gloos_collectives, world)
+
+
+def _transports_on_their_own(rank, world):
+    from shardwise._comm import COLLECTIVES, EXCHANGES
+
+    comm = Comm(None)
+    g = torch.Generator().manual_seed(rank)
+    assert comm.transport(torch.ones(1)) is EXCHANGES  # CPU tensors under gloo
+    inp, shard = torch.randn(world * 64, generator=g), torch.randn(50, generator=g)
+    results = {}
+    for transport in (COLLECTIVES, EXCHANGES):  # the same interface, each on its own
+        out, gathered = torch.empty(64), torch.empty(world * 50)
+        transport.reduce_scatter(comm, out, inp, "a test").wait()
+        transport.all_gather(comm, gathered, shard, "a test").wait()
+        results[transport] = out, gathered
+    expect_rs, expect_ag = torch.empty(64), torch.empty(world * 50)
+    dist.reduce_scatter_tensor(expect_rs, inp.clone())
+    dist.all_gather_into_tensor(expect_ag, shard)
+    for out, gathered in results.values():
+        assert torch.equal(out, expect_rs) and torch.equal(gathered, expect_ag)  # N=2: exact
+
+
+def test_each_transport_gives_the_collectives_results():
+    run_ranks(_transports_on_their_own, 2)

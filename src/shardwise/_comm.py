@@ -25,6 +25,9 @@ take each other's messages; ranks issue exchanges in the same order, which is wh
 collective requires anyway. In a world of one, under any backend, the same code only
 copies. CUDA tensors keep the backend's collectives (gloo cannot send them point to point).
 
+Note [two transports] (below ``Comm``) says how the two ways a unit's collectives travel
+share one interface.
+
 Note [stuck collectives]: every collective carries a description of what it is for
 ("the all-gather of unit 'blocks.3'"). When it fails, because a peer died or because no
 peer joined it before the process group's timeout (ranks that diverged), the error names
@@ -137,13 +140,7 @@ class Comm:
         returned work is waited for (gloo sends and receives them in the background).
         """
         self.stats.add("all_gather", inp)
-        if not self._exchanges(inp):
-            return self._run(what, async_op, _all_gather_flat, out, inp)
-        parts = out.chunk(self.world_size)
-        peers = self._peers()
-        work = self._exchange([(p, inp) for p, _ in peers], [(p, parts[p]) for _, p in peers],
-                              what, "all_gather")
-        parts[self.rank].copy_(inp)
+        work = self.transport(inp).all_gather(self, out, inp, what)
         return self._finish(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
@@ -155,34 +152,18 @@ class Comm:
         are and ``out`` is received into, Note [gloo exchanges]).
         """
         self.stats.add("reduce_scatter", inp)
-        if not self._exchanges(inp):
-            return self._run(what, async_op, _reduce_scatter_flat, out, inp)
-        if self.world_size == 1:
-            out.copy_(inp)
-            return self._finish(_Pending([], self, what), async_op)
-        chunks = inp.chunk(self.world_size)
-        peers = self._peers()
-        if self.world_size == 2:
-            # One addition, received straight into ``out``: a + b equals b + a bit for bit.
-            recvs = [(p, out) for _, p in peers]
-            parts = None
-        else:
-            inbox = torch.empty((self.world_size - 1) * out.numel(), dtype=out.dtype,
-                                device=out.device).chunk(self.world_size - 1)
-            recvs = [(p, inbox[i]) for i, (_, p) in enumerate(peers)]
-            parts = {p: t for p, t in recvs}
-            parts[self.rank] = chunks[self.rank]
-        work = self._exchange([(p, chunks[p]) for p, _ in peers], recvs, what,
-                              "reduce_scatter")
+        work = self.transport(inp).reduce_scatter(self, out, inp, what)
+        return self._finish(work, async_op)
 
-        def add_up() -> None:
-            if parts is None:
-                out.add_(chunks[self.rank])
-                return
-            out.copy_(parts[0])
-            for r in range(1, self.world_size):  # rank order: the same sum on every run
-                out.add_(parts[r])
-        return self._finish(work, async_op, add_up)
+    def transport(self, t: torch.Tensor) -> Transport:
+        """How a unit's collective on ``t`` travels (Note [two transports]): by exchange
+        for CPU tensors under gloo (a mixed "cpu:gloo,cuda:nccl" group included) and for
+        anything in a world of one, whose "collectives" are local copies; by the
+        backend's own collectives otherwise (gloo cannot send CUDA tensors point to
+        point, and NCCL's collectives beat separate sends)."""
+        if self.world_size == 1 or ("gloo" in self.backend and t.device.type == "cpu"):
+            return EXCHANGES
+        return COLLECTIVES
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False,
                    what: str = "an all-reduce", watch: bool = False):
@@ -202,41 +183,7 @@ class Comm:
         self.stats.add("broadcast", tensor)
         self._run(what, False, dist.broadcast, tensor, src=self.global_rank(src))
 
-    def _exchanges(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` travels by exchange (Note [gloo exchanges]): CPU tensors under gloo
-        (a mixed "cpu:gloo,cuda:nccl" group included), and anything in a world of one,
-        whose "collectives" are local copies. gloo cannot send CUDA tensors point to
-        point, and NCCL's collectives beat separate sends."""
-        return self.world_size == 1 or ("gloo" in self.backend and t.device.type == "cpu")
-
-    def _peers(self) -> list[tuple[int, int]]:
-        """(rank to send to, rank to receive from) for each of the N-1 other ranks: every
-        rank sends to and receives from every other directly, k places away."""
-        n = self.world_size
-        return [((self.rank + k) % n, (self.rank - k) % n) for k in range(1, n)]
-
-    def _exchange(self, sends: list[tuple[int, torch.Tensor]],
-                  recvs: list[tuple[int, torch.Tensor]], what: str, kind: str) -> _Pending:
-        """Issue point-to-point sends and receives under one tag (Note [gloo exchanges])."""
-        group = self.group if self.group is not None else dist.group.WORLD
-        count = _next_tags.get(group, 0)
-        _next_tags[group] = (count + 1) % _TAG_SPAN
-        tag = _TAG_BASE | _TAG_KIND[kind] | count
-        works = []
-        try:
-            for peer, tensor in sends:
-                self.stats.sent[kind] += tensor.numel() * tensor.element_size()
-                works.append(dist.isend(tensor, self.global_rank(peer), group=self.group,
-                                        tag=tag))
-            for peer, tensor in recvs:
-                works.append(dist.irecv(tensor, self.global_rank(peer), group=self.group,
-                                        tag=tag))
-        except RuntimeError as err:
-            raise self.stuck(what, err) from err
-        return _Pending(works, self, what, point_to_point=True)
-
-    def _finish(self, work: _Pending, async_op: bool, then=None) -> _Pending | None:
-        work.then = then
+    def _finish(self, work: _Pending, async_op: bool) -> _Pending | None:
         if async_op:
             return work
         work.wait()
@@ -315,6 +262,115 @@ class Comm:
         rows = everyone.view(self.world_size, longest)
         return [pickle.loads(rows[r, :int(sizes[r])].numpy().tobytes())
                 for r in range(self.world_size)]
+
+
+# Note [two transports]
+# A unit's all-gather and reduce-scatter travel one of two ways, chosen per tensor by
+# ``Comm.transport``: the backend's own collectives, or point-to-point exchanges (Note
+# [gloo exchanges]). Both implement :class:`Transport`, issue their work without waiting
+# and return a ``_Pending`` (whose ``then`` finishes what the messages leave to do, a
+# reduce-scatter's sum); ``Comm`` counts bytes and waits or not, the same way for both.
+# A third way (a CUDA stream path) plugs in as a third implementation.
+class Transport:
+    """How a unit's all-gather and reduce-scatter travel."""
+
+    def all_gather(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                   what: str) -> _Pending:
+        raise NotImplementedError
+
+    def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                       what: str) -> _Pending:
+        raise NotImplementedError
+
+
+class _Collectives(Transport):
+    """The backend's collectives (NCCL; gloo's for CUDA tensors)."""
+
+    def all_gather(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                   what: str) -> _Pending:
+        return comm._run(what, True, _all_gather_flat, out, inp)
+
+    def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                       what: str) -> _Pending:
+        return comm._run(what, True, _reduce_scatter_flat, out, inp)
+
+
+class _Exchanges(Transport):
+    """Point-to-point messages to each peer (Note [gloo exchanges]); in a world of one,
+    copies."""
+
+    def all_gather(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                   what: str) -> _Pending:
+        parts = out.chunk(comm.world_size)
+        peers = _peers(comm)
+        work = _exchange(comm, [(p, inp) for p, _ in peers],
+                         [(p, parts[p]) for _, p in peers], what, "all_gather")
+        parts[comm.rank].copy_(inp)
+        return work
+
+    def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
+                       what: str) -> _Pending:
+        if comm.world_size == 1:
+            out.copy_(inp)
+            return _Pending([], comm, what)
+        chunks = inp.chunk(comm.world_size)
+        peers = _peers(comm)
+        parts: dict[int, torch.Tensor] | None
+        if comm.world_size == 2:
+            # One addition, received straight into ``out``: a + b equals b + a bit for bit.
+            recvs = [(p, out) for _, p in peers]
+            parts = None
+        else:
+            inbox = torch.empty((comm.world_size - 1) * out.numel(), dtype=out.dtype,
+                                device=out.device).chunk(comm.world_size - 1)
+            recvs = [(p, inbox[i]) for i, (_, p) in enumerate(peers)]
+            parts = {p: t for p, t in recvs}
+            parts[comm.rank] = chunks[comm.rank]
+        work = _exchange(comm, [(p, chunks[p]) for p, _ in peers], recvs, what,
+                         "reduce_scatter")
+
+        def add_up() -> None:
+            if parts is None:
+                out.add_(chunks[comm.rank])
+                return
+            out.copy_(parts[0])
+            for r in range(1, comm.world_size):  # rank order: the same sum on every run
+                out.add_(parts[r])
+
+        work.then = add_up
+        return work
+
+
+COLLECTIVES: Transport = _Collectives()
+EXCHANGES: Transport = _Exchanges()
+
+
+def _peers(comm: Comm) -> list[tuple[int, int]]:
+    """(rank to send to, rank to receive from) for each of the N-1 other ranks: every
+    rank sends to and receives from every other directly, k places away."""
+    n = comm.world_size
+    return [((comm.rank + k) % n, (comm.rank - k) % n) for k in range(1, n)]
+
+
+def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
+              recvs: list[tuple[int, torch.Tensor]], what: str, kind: str) -> _Pending:
+    """Issue point-to-point sends and receives under one tag (Note [gloo exchanges])."""
+    group = comm.group if comm.group is not None else dist.group.WORLD
+    count = _next_tags.get(group, 0)
+    _next_tags[group] = (count + 1) % _TAG_SPAN
+    tag = _TAG_BASE | _TAG_KIND[kind] | count
+    works = []
+    try:
+        for peer, tensor in sends:
+            comm.stats.sent[kind] += tensor.numel() * tensor.element_size()
+            works.append(dist.isend(tensor, comm.global_rank(peer), group=comm.group,
+                                    tag=tag))
+        for peer, tensor in recvs:
+            works.append(dist.irecv(tensor, comm.global_rank(peer), group=comm.group,
+                                    tag=tag))
+    except RuntimeError as err:
+        raise comm.stuck(what, err) from err
+    return _Pending(works, comm, what, point_to_point=True)
 
 
 class _Pending:
