@@ -258,7 +258,7 @@ def _regather_keeps_saved_tensors_valid(rank, world):
     # leave autograd's version check satisfied and the saved values right. The test drives
     # the unit's state machine (_unit.py) by hand: no public call regathers a unit between
     # a forward and its backward (gathered() refuses to), hence the private accessor.
-    from shardwise._registry import unit_of
+    from shardwise._unit import unit_of
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

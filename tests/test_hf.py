@@ -200,7 +200,7 @@ def test_generate_with_ranks_stopping_at_different_lengths():
 def _from_pretrained_under_sharded_init(rank, world, folder):
     # sharded_init's record of a partitioned parameter: before sw.shard there is no
     # sharded model for sw.inspect to show.
-    from shardwise._registry import init_piece
+    from shardwise._sharded_init import init_piece
 
     with pytest.raises(sw.ShardwiseError, match="from_config"):
         with sw.sharded_init():

@@ -1,7 +1,7 @@
 """sharded_init: partitioned while built, equal to build-then-shard, strictly scoped.
 
 These tests read sharded_init's own record of each partitioned parameter (its piece,
-group and src_rank; ``_registry.init_piece``): before ``sw.shard`` there is no sharded
+group and src_rank; ``_sharded_init.init_piece``): before ``sw.shard`` there is no sharded
 model for ``sw.inspect`` to show.
 """
 
@@ -17,7 +17,7 @@ from loops import train_steps
 from torch.overrides import _get_current_function_mode_stack
 
 import shardwise as sw
-from shardwise._registry import init_piece
+from shardwise._sharded_init import init_piece
 
 D, V, SEED = 16, 40, 1234
 

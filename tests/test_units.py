@@ -123,7 +123,7 @@ def test_cast_after_shard_raises():
 
 def _reduction_states(rank, world):
     from shardwise._reduce import Reduction
-    from shardwise._registry import model_state
+    from shardwise._state import model_state
 
     model = sw.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     reduction = model_state(model).units[1].groups[0].reduction

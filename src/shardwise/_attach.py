@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ._guards import guard_apply, guard_ddp, guard_save_pretrained
-from ._registry import mark_collective_forward, set_model_state, set_unit
-from ._state import ModelState
+from ._registry import mark_collective_forward
+from ._state import ModelState, set_model_state
+from ._unit import set_unit
 
 
 def attach(state: ModelState) -> None:

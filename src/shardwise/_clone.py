@@ -35,8 +35,8 @@ import torch
 import torch.nn as nn
 
 from ._attach import attach
-from ._registry import model_state, set_instance_method
-from ._state import ModelState
+from ._registry import set_instance_method
+from ._state import ModelState, model_state
 from ._unit import FlatGroup, Unit
 from .buffers import BufferSync
 from .errors import ShardwiseError

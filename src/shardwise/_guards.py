@@ -18,23 +18,14 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 
-from ._registry import (
-    model_state,
-    retired_name,
-    set_instance_method,
-    set_retired_name,
-    sharded_param,
-)
+from ._registry import is_sharded_root, retired_name, set_instance_method, set_retired_name
+from ._unit import Unit, sharded_param
 from .errors import ShardwiseError
-
-if TYPE_CHECKING:
-    from ._state import ModelState
-
 
 _RETIRED: dict[type, type] = {}
 
@@ -154,11 +145,11 @@ def _guard_torch_classes() -> None:
 
 def _refuse_sharded_parts(module: Any) -> None:
     """Raise if ``module`` holds a sharded model whose parameters DDP would take."""
-    if not isinstance(module, nn.Module) or model_state(module) is not None:
+    if not isinstance(module, nn.Module) or is_sharded_root(module):
         return  # a sharded root itself: guard_ddp's error comes from DDP's own read
     ignored = set(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
     for name, sub in module.named_modules():
-        if model_state(sub) is None:
+        if not is_sharded_root(sub):
             continue
         taken = [f"{name}.{n}" for n, _ in sub.named_parameters()
                  if f"{name}.{n}" not in ignored]
@@ -188,7 +179,7 @@ def _refuse_factored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"on an unsharded model")
 
 
-def check_model(state: ModelState) -> None:
+def check_model(root: nn.Module, units: list[Unit]) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
@@ -199,7 +190,7 @@ def check_model(state: ModelState) -> None:
     wrong.
     """
     moved, flipped = [], []
-    for u in state.units:
+    for u in units:
         for g in u.groups:
             moved += g.detached()
             flipped += [p.fqns[0] for p in g.params if p.shard.requires_grad != g.requires_grad]
@@ -214,7 +205,7 @@ def check_model(state: ModelState) -> None:
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
             f"sw.shard; shardwise groups frozen and trainable parameters when it shards. "
             f"Freeze or unfreeze parameters before sw.shard(model)")
-    added = [n for n, p in state.root.named_parameters() if sharded_param(p) is None]
+    added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
     if added:
         raise ShardwiseError(
             f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._registry import unit_of
+from ._unit import unit_of
 
 
 # Note [compile]: under torch.compile of a whole sharded model, dynamo must not trace

@@ -10,16 +10,29 @@ first synchronised backward reduces the sum.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ._comm import Comm
 from ._copies import rank_major, row_regions, write_rank_major
+from ._layout import ShardLayout
 from .errors import ShardwiseError
 
-if TYPE_CHECKING:
-    from ._unit import FlatGroup
+
+class Group(Protocol):
+    """What a reduction needs of its :class:`~shardwise._unit.FlatGroup` (which owns it;
+    _unit.py imports this module, not the other way round)."""
+
+    params: list[Any]  # the group's ShardedParams: .full, .shard, .local, .slot, .as_dtensor
+    layout: ShardLayout
+    gaps: Any
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    local: torch.Tensor
+    comm: Comm
+    unit_name: str
 
 
 class Reduction(enum.Enum):
@@ -49,7 +62,7 @@ _ALLOWED = {
 class GradReduction:
     """The gradient side of a :class:`~shardwise._unit.FlatGroup` (states: Reduction)."""
 
-    def __init__(self, group: FlatGroup) -> None:
+    def __init__(self, group: Group) -> None:
         self.group = group
         self.used = [False] * len(group.params)  # had a local gradient since the last sync
         self.state = Reduction.IDLE

@@ -1,7 +1,11 @@
-"""Everything shardwise attaches to modules and tensors, behind typed accessors.
+"""Everything shardwise attaches to modules and tensors.
 
 No other module reads or writes ``__dict__``: the keys below are the whole list of what
 shardwise leaves on user objects, so a reader can see at once what a sharded model carries.
+This module is the bottom of the stack and knows none of shardwise's types: the typed
+accessors of its own objects (``_state.model_state``, ``_unit.unit_of`` and
+``sharded_param``, ``_sharded_init.init_piece``) live with those types and go through
+:func:`attached` and :func:`attach_to`.
 
 On modules:
 - ``_shardwise``: the root's :class:`~shardwise._state.ModelState`;
@@ -34,44 +38,44 @@ On tensors:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-if TYPE_CHECKING:
-    from ._sharded_init import InitPiece
-    from ._state import ModelState
-    from ._unit import ShardedParam, Unit
-
-_STATE = "_shardwise"
-_UNIT = "_shardwise_unit"
-_PARAM = "_shardwise_param"
-_INIT = "_shardwise_init"
+# The keys whose values are shardwise's own objects. Their typed accessors live with the
+# types (``_state.model_state``, ``_unit.unit_of`` and ``sharded_param``,
+# ``_sharded_init.init_piece``), so that this module, at the bottom of the stack, knows
+# none of them; they read and write through :func:`attached` and :func:`attach_to`.
+STATE = "_shardwise"
+UNIT = "_shardwise_unit"
+PARAM = "_shardwise_param"
+INIT = "_shardwise_init"
 _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
 _PREFIX = "_shardwise"
 
 
+# -- generic access ----------------------------------------------------------------------
+def attached(obj: Any, key: str) -> Any:
+    """What shardwise attached to ``obj`` under ``key`` (one of the keys above), or None."""
+    return obj.__dict__.get(key)
+
+
+def attach_to(obj: Any, key: str, value: Any) -> None:
+    obj.__dict__[key] = value
+
+
+def detach_from(obj: Any, key: str) -> None:
+    obj.__dict__.pop(key, None)
+
+
+def is_sharded_root(module: nn.Module) -> bool:
+    """Whether ``module`` is the root of a sharded model (without knowing its state)."""
+    return STATE in module.__dict__
+
+
 # -- modules -----------------------------------------------------------------------------
-def model_state(module: nn.Module) -> ModelState | None:
-    """The state of a sharded root, or ``None``."""
-    return module.__dict__.get(_STATE)
-
-
-def set_model_state(module: nn.Module, state: ModelState) -> None:
-    module.__dict__[_STATE] = state
-
-
-def unit_of(module: nn.Module) -> Unit | None:
-    """The unit ``module`` is the root of, or ``None``."""
-    return module.__dict__.get(_UNIT)
-
-
-def set_unit(module: nn.Module, unit: Unit) -> None:
-    module.__dict__[_UNIT] = unit
-
-
 def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> None:
     """Shadow a method (or attribute) on one instance; its class is left alone."""
     module.__dict__[name] = fn
@@ -85,28 +89,6 @@ def mark_collective_forward(module: nn.Module) -> None:
 
 
 # -- tensors -----------------------------------------------------------------------------
-def sharded_param(t: torch.Tensor) -> ShardedParam | None:
-    """The sharded parameter behind a shard or full parameter, or ``None``."""
-    return t.__dict__.get(_PARAM)
-
-
-def set_sharded_param(t: torch.Tensor, sp: ShardedParam) -> None:
-    t.__dict__[_PARAM] = sp
-
-
-def init_piece(t: torch.Tensor) -> InitPiece | None:
-    """This rank's piece of a parameter partitioned by ``sharded_init``, or ``None``."""
-    return t.__dict__.get(_INIT)
-
-
-def set_init_piece(t: torch.Tensor, info: InitPiece) -> None:
-    t.__dict__[_INIT] = info
-
-
-def clear_init_piece(t: torch.Tensor) -> None:
-    t.__dict__.pop(_INIT, None)
-
-
 def partitioned_as(t: torch.Tensor) -> torch.Tensor | None:
     """The stand-in that replaced original ``t`` under ``sharded_init``, or ``None``."""
     return t.__dict__.get(_TWIN)

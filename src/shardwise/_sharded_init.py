@@ -46,13 +46,15 @@ from ._alloc import freed
 from ._comm import Comm
 from ._layout import ShardLayout, build_layout
 from ._registry import (
+    INIT,
+    attach_to,
+    attached,
     copy_all_attributes,
-    init_piece,
+    detach_from,
     partitioned_as,
-    set_init_piece,
     set_partitioned_as,
-    sharded_param,
 )
+from ._unit import sharded_param
 from .errors import ShardwiseError
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
@@ -309,3 +311,16 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
         if ok:
             ctx.flush()
     ctx.check_not_replaced()
+
+
+def init_piece(t: torch.Tensor) -> InitPiece | None:
+    """This rank's piece of a parameter partitioned by ``sharded_init``, or ``None``."""
+    return attached(t, INIT)
+
+
+def set_init_piece(t: torch.Tensor, info: InitPiece) -> None:
+    attach_to(t, INIT, info)
+
+
+def clear_init_piece(t: torch.Tensor) -> None:
+    detach_from(t, INIT)

@@ -45,6 +45,7 @@ from ._guards import check_model, warn_if_compiled_whole
 from ._log import logger
 from ._order_check import OrderCheck, order_checks_enabled
 from ._peers import ACTIVITY
+from ._registry import STATE, attach_to, attached
 from ._unit import Unit
 from .errors import ShardwiseError
 
@@ -160,7 +161,7 @@ class ModelState:
                 unit.reshard()
 
     def _start_root_forward(self) -> None:
-        check_model(self)
+        check_model(self.root, self.units)
         if not self._compile_checked:
             self._compile_checked = True
             warn_if_compiled_whole(self.root)
@@ -314,3 +315,12 @@ class ModelState:
         for g in groups:
             g.reduction.finish(used_list[offset:offset + len(g.params)])
             offset += len(g.params)
+
+
+def model_state(module: nn.Module) -> ModelState | None:
+    """The state of a sharded root, or ``None``."""
+    return attached(module, STATE)
+
+
+def set_model_state(module: nn.Module, state: ModelState) -> None:
+    attach_to(module, STATE, state)

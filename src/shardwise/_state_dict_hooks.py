@@ -26,8 +26,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ._order_check import announce
-from ._registry import model_state, sharded_param
-from ._unit import ShardedParam
+from ._state import model_state
+from ._unit import ShardedParam, sharded_param
 from .buffers import BufferPolicy
 from .errors import ShardwiseError
 

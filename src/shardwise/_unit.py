@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn, SupportsIndex, cast
+from typing import Any, NoReturn, Protocol, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -72,11 +72,29 @@ from ._comm import Comm
 from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
 from ._reduce import GradReduction
-from ._registry import copy_user_attributes, set_sharded_param
+from ._registry import PARAM, UNIT, attach_to, attached, copy_user_attributes
 from .errors import ShardwiseError
 
-if TYPE_CHECKING:
-    from ._state import ModelState
+
+class Model(Protocol):
+    """What a unit's model is to whoever reaches it through the unit: the module hooks,
+    the post-backward function, the order check, ``gathered()``.
+    :class:`~shardwise._state.ModelState` is the one implementation; naming it here would
+    make this module and _state.py import each other."""
+
+    comm: Comm
+    units: list[Unit]
+
+    @property
+    def awaiting_backward(self) -> bool: ...
+
+    def recover(self) -> None: ...
+
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None: ...
+
+    def on_post_forward(self, unit: Unit, output: Any) -> None: ...
+
+    def on_post_backward(self, unit: Unit) -> None: ...
 
 
 class UnitState(enum.Enum):
@@ -334,7 +352,7 @@ class Unit:
                 p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
-        self.model: ModelState = None  # type: ignore[assignment]  # set by ModelState
+        self.model: Model = None  # type: ignore[assignment]  # set by ModelState
         self.index = 0     # position in the model's units
         self.pins = 0      # open gathered() blocks holding this unit gathered
         self.cast_inputs = cast_inputs  # MixedPrecision.param_dtype
@@ -436,3 +454,21 @@ class Unit:
     def __repr__(self) -> str:
         n = sum(p.numel for p in self.params)
         return f"Unit({self.name!r}, params={n}, state={self.state.value})"
+
+
+def unit_of(module: nn.Module) -> Unit | None:
+    """The unit ``module`` is the root of, or ``None``."""
+    return attached(module, UNIT)
+
+
+def set_unit(module: nn.Module, unit: Unit) -> None:
+    attach_to(module, UNIT, unit)
+
+
+def sharded_param(t: torch.Tensor) -> ShardedParam | None:
+    """The sharded parameter behind a shard or full parameter, or ``None``."""
+    return attached(t, PARAM)
+
+
+def set_sharded_param(t: torch.Tensor, sp: ShardedParam) -> None:
+    attach_to(t, PARAM, sp)

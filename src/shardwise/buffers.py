@@ -27,7 +27,7 @@ import torch.nn as nn
 from ._comm import Comm
 from ._order_check import announce
 from ._peers import operation
-from ._registry import model_state
+from ._state import model_state
 from .errors import ShardwiseError
 
 

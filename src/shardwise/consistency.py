@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ._env import checks_enabled
 from ._order_check import announce
 from ._peers import operation
-from ._registry import sharded_param
+from ._unit import sharded_param
 from .buffers import comm_for, named_buffers
 from .errors import DivergenceError
 

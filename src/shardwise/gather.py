@@ -26,8 +26,7 @@ from ._agree import any_rank
 from ._comm import Comm
 from ._order_check import announce
 from ._peers import ACTIVITY
-from ._registry import sharded_param
-from ._unit import FlatGroup, ShardedParam, Unit, UnitState
+from ._unit import FlatGroup, ShardedParam, Unit, UnitState, sharded_param
 from .buffers import named_buffers
 from .consistency import maybe_check
 from .errors import ReadOnlyGatherError, ShardwiseError

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ._order_check import announce
 from ._peers import operation
-from ._registry import model_state
+from ._state import model_state
 from .errors import ShardwiseError
 
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from ._layout import ALIGN
-from ._registry import model_state, sharded_param, unit_of
+from ._state import model_state
+from ._unit import sharded_param, unit_of
 from .errors import ShardwiseError
 from .memory import _unique_bytes
 

@@ -49,7 +49,7 @@ def gathered_unit_bytes(module: nn.Module) -> dict[str, int]:
         >>> max(gathered_unit_bytes(model).values())   # the largest all-gather's output
         1051136
     """
-    from ._registry import model_state
+    from ._state import model_state
 
     state = model_state(module)
     if state is None:

@@ -33,17 +33,10 @@ from ._plan import (
     group_specs,
     warn_if_one_unit_dominates,
 )
-from ._registry import (
-    clear_init_piece,
-    init_piece,
-    model_state,
-    sharded_param,
-    unit_of,
-)
-from ._sharded_init import full_value
-from ._state import ModelState
+from ._sharded_init import clear_init_piece, full_value, init_piece
+from ._state import ModelState, model_state
 from ._state_dict_hooks import install_state_dict_hooks
-from ._unit import FlatGroup, Unit
+from ._unit import FlatGroup, Unit, sharded_param, unit_of
 from .buffers import BufferPolicy, BufferSync
 from .consistency import maybe_check
 from .errors import ShardwiseError

@@ -9,7 +9,8 @@ from torch.distributed.tensor import DTensor
 
 from ._order_check import announce
 from ._peers import operation
-from ._registry import model_state, sharded_param
+from ._state import model_state
+from ._unit import sharded_param
 from .errors import ShardwiseError
 
 

@@ -10,8 +10,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._comm import Comm
-from .._registry import init_piece, model_state, sharded_param
-from .._unit import ShardedParam, UnitState
+from .._sharded_init import init_piece
+from .._state import model_state
+from .._unit import ShardedParam, UnitState, sharded_param
 from ..errors import ShardwiseError
 from ._format import dtype_name, summary
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from .._agree import agreed
 from .._order_check import announce
 from .._peers import operation
-from .._registry import model_state
+from .._state import model_state
 from ..buffers import BufferPolicy
 from ..consistency import check_consistency
 from ..errors import ShardwiseError

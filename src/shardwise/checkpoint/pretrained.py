@@ -7,7 +7,7 @@ import torch.nn as nn
 from .._agree import agreed
 from .._order_check import announce
 from .._peers import operation
-from .._registry import model_state
+from .._state import model_state
 from ..consistency import maybe_check
 from ..errors import ShardwiseError
 from ._targets import apply_values, comm_of, match_targets, module_targets

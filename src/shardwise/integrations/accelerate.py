@@ -26,7 +26,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from .._order_check import watch_steps
-from .._registry import model_state
+from .._state import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync

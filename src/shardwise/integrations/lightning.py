@@ -47,7 +47,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import _hooks
 from .._order_check import watch_steps
-from .._registry import model_state
+from .._state import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import ShardwiseError
 from ..grads import no_sync
