@@ -45,10 +45,11 @@ def build(cfg: GPTConfig) -> GPT:
     return GPT(cfg)
 
 
-def wrap_fsdp2(model: GPT) -> GPT:
+def wrap_fsdp2(model, blocks=None):
+    """FSDP2: ``fully_shard`` on each block (default: ``model.blocks``), then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.blocks:
+    for block in model.blocks if blocks is None else blocks:
         fully_shard(block)
     fully_shard(model)
     return model
@@ -60,13 +61,26 @@ def compile_blocks(model: GPT) -> GPT:
     return model
 
 
-class System:
-    """One system's model, optimizer and record, kept across rounds."""
+def call_model(model, batch) -> torch.Tensor:
+    """The default step's loss: the model called on the batch, ``model(x, y)``."""
+    return model(*batch)
 
-    def __init__(self, name: str, model, device: torch.device) -> None:
+
+class System:
+    """One system's model, optimizer and record, kept across rounds.
+
+    ``loss_fn(model, batch)`` computes a step's loss from the batch (a tuple of tensors,
+    moved to the device); ``unchecked`` runs the steps with ``SHARDWISE_CHECK=0`` (default:
+    for the system named ``unchecked``).
+    """
+
+    def __init__(self, name: str, model, device: torch.device, loss_fn=call_model,
+                 unchecked: bool | None = None) -> None:
         self.name = name
         self.model = model
         self.device = device
+        self.loss_fn = loss_fn
+        self.unchecked = name == "unchecked" if unchecked is None else unchecked
         self.opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
         self.times: list[list[float]] = []  # per round
         self.losses: list[float] = []
@@ -80,7 +94,7 @@ class System:
     def run(self, data, steps: int) -> None:
         # "unchecked" is shardwise without the collective-order check (on by default
         # under gloo), to measure what the check costs.
-        if self.name == "unchecked":
+        if self.unchecked:
             os.environ["SHARDWISE_CHECK"] = "0"
         else:
             os.environ.pop("SHARDWISE_CHECK", None)
@@ -88,11 +102,11 @@ class System:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         for _ in range(steps):
-            x, y = (t.to(self.device) for t in data[self.step])
+            batch = tuple(t.to(self.device) for t in data[self.step])
             self.sync()
             dist.barrier()
             t0 = time.perf_counter()
-            loss = self.model(x, y)
+            loss = self.loss_fn(self.model, batch)
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -154,23 +168,41 @@ def main() -> None:
         x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len), generator=g)
         data.append((x, torch.roll(x, -1, dims=1)))
     systems = [System(name, MAKERS[name](cfg, device), device) for name in names]
-    for r in range(args.rounds):
-        # Rotate the order so that no system always runs first (or last) in a round.
-        for s in systems[r % len(systems):] + systems[:r % len(systems)]:
-            s.run(data, args.steps)
-            if rank == 0:
-                print(f"  round {r + 1} {s.name:10s} median "
-                      f"{statistics.median(s.times[-1]):.3f} s/step", flush=True)
+    run_rounds(systems, data, args.rounds, args.steps)
     if rank == 0:
         report(systems, args, world)
     dist.destroy_process_group()
 
 
+def run_rounds(systems: list[System], data, rounds: int, steps: int) -> None:
+    """``rounds`` rounds of ``steps`` steps of every system in turn, the order rotating."""
+    rank = dist.get_rank()
+    for r in range(rounds):
+        # Rotate the order so that no system always runs first (or last) in a round.
+        for s in systems[r % len(systems):] + systems[:r % len(systems)]:
+            s.run(data, steps)
+            if rank == 0:
+                print(f"  round {r + 1} {s.name:10s} median "
+                      f"{statistics.median(s.times[-1]):.3f} s/step", flush=True)
+
+
+def round_median(s: System, r: int, warmup: int) -> float:
+    """System ``s``'s median step time in round ``r`` (the first round's warm-up left out)."""
+    return statistics.median(s.times[r][warmup:] if r == 0 else s.times[r])
+
+
+def compare(s: System, ref: System, warmup: int) -> tuple[list[float], float]:
+    """Per-round ratios of ``s``'s median step time to ``ref``'s, and the largest
+    difference between their losses over all steps."""
+    ratios = [round_median(s, r, warmup) / round_median(ref, r, warmup)
+              for r in range(len(s.times))]
+    return ratios, max(abs(a - b) for a, b in zip(s.losses, ref.losses))
+
+
 def report(systems: list[System], args, world: int) -> None:
     """Per-round medians, each round's ratio to DDP, and the median of those ratios."""
     def med(s: System, r: int) -> float:
-        times = s.times[r][args.warmup:] if r == 0 else s.times[r]
-        return statistics.median(times)
+        return round_median(s, r, args.warmup)
 
     print(f"\nworld {world}, torch {torch.__version__}, device {systems[0].device}, threads "
           f"{torch.get_num_threads()}, {args.rounds} interleaved rounds of {args.steps} steps")
@@ -185,8 +217,7 @@ def report(systems: list[System], args, world: int) -> None:
             ref = by_name.get(ref_name)
             if ref is None or ref is s:
                 continue
-            ratios = [med(s, r) / med(ref, r) for r in range(args.rounds)]
-            dl = max(abs(a - b) for a, b in zip(s.losses, ref.losses))
+            ratios, dl = compare(s, ref, args.warmup)
             line += (f"; ratio to {ref_name} per round "
                      f"{' '.join(f'{x:.3f}' for x in ratios)}, median "
                      f"{statistics.median(ratios):.3f}, max |loss - its loss| {dl:.2e}")

@@ -1,0 +1,182 @@
+"""Step time of shardwise against DDP and FSDP2 on several workloads, interleaved rounds.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/workloads.py \\
+        [--workloads llama,bert,cnn,gpt] [--rounds 3 --steps 8]
+
+Workloads, fp32, AdamW, 2 ranks (batch sizes per rank):
+
+- ``llama``: Hugging Face ``LlamaForCausalLM``, 4 layers, hidden 256, intermediate 688,
+  4 heads, vocab 8192, sequence 64, batch 4; units: its ``_no_split_modules``
+  (``no_split_units``), FSDP2 on the same decoder layers.
+- ``bert``: Hugging Face ``BertForMaskedLM``, 4 layers, hidden 256, intermediate 1024,
+  4 heads, vocab 8192, sequence 128, batch 8, 15% of tokens masked, dropout off (so
+  losses compare); it names no ``_no_split_modules``: shardwise's default units (each
+  ``BertLayer``), FSDP2 on the same layers.
+- ``cnn``: ``shardwise.models.SmallCNN`` with channels 3-32-64-128-128 (conv, BatchNorm,
+  ReLU per block), 32x32 images, batch 32, cross-entropy; shardwise's default units (the
+  blocks, BatchNorm buffers broadcast from rank 0, as DDP does).
+- ``gpt``: step_time.py's reference GPT (6 layers, d_model 512, sequence 256, batch 4).
+
+Each workload builds every system from the same initial weights and gives it the same data,
+then runs step_time.py's interleaved rounds (``run_rounds``: every system in turn, the order
+rotating). Systems: ``ddp``, ``fsdp2`` (``fully_shard`` on each block, then the root),
+``shardwise`` and ``shardwise_unchecked`` (shardwise with ``SHARDWISE_CHECK=0`` around its
+steps: the cost of the collective-order check). Printed per workload: each round's medians,
+then a Markdown table of the median step time over all timed steps, the ratio to DDP per
+round and the median of those ratios, and the largest loss difference from DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from step_time import GPTConfig, System, build, call_model, compare, report, run_rounds, wrap_fsdp2
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import shardwise as sw
+from shardwise.integrations._units import no_split_units
+from shardwise.models import SmallCNN
+
+SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked")
+VOCAB = 8192
+
+
+class Workload:
+    """How to build one workload's model (same weights at every call), its batches and its
+    loss; ``units(model)`` is shardwise's ``units=`` (None: the default)."""
+
+    def __init__(self, build, batch, loss_fn, units=lambda model: None) -> None:
+        self.build, self.batch, self.loss_fn, self.units = build, batch, loss_fn, units
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return SmallCNN(channels=(3, 32, 64, 128, 128))
+
+
+def tokens(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(5, VOCAB, (batch, seq), generator=g)
+
+
+def masked(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masked-LM batch: 15% of the tokens replaced by id 4, labels only there."""
+    x = tokens(g, 8, 128)
+    mask = torch.rand(x.shape, generator=g) < 0.15
+    return x.masked_fill(mask, 4), x.masked_fill(~mask, -100)
+
+
+def gpt_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    x = tokens(g, 4, GPTConfig.seq_len)
+    return x, torch.roll(x, -1, dims=1)
+
+
+WORKLOADS = {
+    "llama": Workload(llama, lambda g: (tokens(g, 4, 64),),
+                      lambda m, b: m(input_ids=b[0], labels=b[0]).loss, no_split_units),
+    "bert": Workload(bert, masked, lambda m, b: m(input_ids=b[0], labels=b[1]).loss),
+    "cnn": Workload(cnn, lambda g: (torch.randn(32, 3, 32, 32, generator=g),
+                                    torch.randint(0, 10, (32,), generator=g)),
+                    lambda m, b: F.cross_entropy(m(b[0]), b[1])),
+    "gpt": Workload(lambda: build(GPTConfig()), gpt_batch, call_model),
+}
+
+
+def blocks(model: nn.Module, units) -> list[nn.Module]:
+    """The modules shardwise makes units of, for FSDP2: those ``units`` selects, else (its
+    default) the entries holding parameters of the outermost ``nn.ModuleList`` s."""
+    if units is not None:
+        return [m for n, m in model.named_modules() if n and units(n, m)]
+    lists: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(o + ".") for o in lists):
+            lists.append(name)
+    return [b for n in lists for b in model.get_submodule(n)
+            if any(True for _ in b.parameters())]
+
+
+def make(name: str, w: Workload, device: torch.device) -> System:
+    model = w.build()
+    units = w.units(model)
+    if name == "ddp":
+        model = DDP(model.to(device))
+    elif name == "fsdp2":
+        model = wrap_fsdp2(model.to(device), blocks(model, units))
+    else:
+        model = sw.shard(model, units=units)
+    return System(name, model, device, w.loss_fn, unchecked=name == "shardwise_unchecked")
+
+
+def table(systems: list[System], warmup: int) -> None:
+    ddp = systems[0]
+    print("\n| system | median s/step | ratio to DDP per round; median | max abs loss diff "
+          "from DDP |\n|---|---|---|---|")
+    for s in systems:
+        timed = [t for r, ts in enumerate(s.times) for t in (ts[warmup:] if r == 0 else ts)]
+        ratios, dl = compare(s, ddp, warmup)
+        print(f"| {s.name} | {statistics.median(timed):.4f} | "
+              f"{' '.join(f'{x:.3f}' for x in ratios)}; **{statistics.median(ratios):.3f}** "
+              f"| {dl:.2e} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default="llama,bert,cnn,gpt",
+                        help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per system and round")
+    parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"of {', '.join(SYSTEMS)}; ratios are to the first (ddp)")
+    args = parser.parse_args()
+    args.reference = args.systems.split(",")[0]
+    names = args.workloads.split(",")
+    if set(names) - set(WORKLOADS) or set(args.systems.split(",")) - set(SYSTEMS):
+        parser.error("unknown workload or system")
+    sw.init_distributed(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    for name in names:
+        w = WORKLOADS[name]
+        g = torch.Generator().manual_seed(100 + rank)
+        data = [w.batch(g) for _ in range(args.rounds * args.steps)]
+        systems = [make(s, w, device) for s in args.systems.split(",")]
+        if rank == 0:
+            n = sum(p.numel() for p in systems[0].model.parameters())  # ddp: full
+            print(f"\n## {name}: {n / 1e6:.2f}M parameters", flush=True)
+        run_rounds(systems, data, args.rounds, args.steps)
+        if rank == 0:
+            report(systems, args, world)
+            table(systems, args.warmup)
+        del systems
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
