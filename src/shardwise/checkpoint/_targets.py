@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -29,10 +30,7 @@ class ParamTarget:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def local_range(self) -> tuple[int, int]:
         """(offset into the flattened parameter, element count) this rank stores."""
