@@ -104,16 +104,19 @@ def ddp_reference(rank: int, name: str) -> tuple[nn.Module, torch.Tensor, dict]:
     return base, losses, cpu_state(ddp.module)
 
 
-def shardwise_run(rank: int, name: str, base: nn.Module) -> tuple[nn.Module, torch.Tensor, dict]:
-    """shardwise's model, losses and consolidated state (rank 0's; ``{}`` elsewhere)."""
+def shardwise_run(rank: int, name: str, base: nn.Module,
+                  mesh=None) -> tuple[nn.Module, torch.Tensor, dict]:
+    """shardwise's model, losses and consolidated state (rank 0's; ``{}`` elsewhere);
+    ``mesh``: a 2-D mesh for hybrid sharding."""
     _, batches, loss_fn = MODELS[name]
-    model = sw.shard(copy.deepcopy(base))
+    model = sw.shard(copy.deepcopy(base), mesh=mesh)
     losses = train(model, batches(rank), loss_fn)
     return model, losses, sw.full_state_dict(model)
 
 
-def fsdp2_run(rank: int, name: str, base: nn.Module) -> tuple[torch.Tensor, dict]:
-    """FSDP2 (``fully_shard`` per block, then the root) on the same model and data."""
+def fsdp2_run(rank: int, name: str, base: nn.Module, mesh=None) -> tuple[torch.Tensor, dict]:
+    """FSDP2 (``fully_shard`` per block, then the root) on the same model and data;
+    ``mesh``: a 2-D mesh for its hybrid sharding (HSDP)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -123,8 +126,8 @@ def fsdp2_run(rank: int, name: str, base: nn.Module) -> tuple[torch.Tensor, dict
         for t in [*model.parameters(), *model.buffers()]:
             torch.distributed.broadcast(t, src=0)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     losses = train(model, batches(rank), loss_fn)
     sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
           for k, v in model.state_dict().items()}

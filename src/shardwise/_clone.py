@@ -100,8 +100,8 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     for u in state.units:
         for g in u.groups:
             twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
-                             [p.shard for p in g.params], state.comm, state.comm.mesh(),
-                             g.local.device, g.compute_dtype, g.reduce_dtype)
+                             [p.shard for p in g.params], g.topology, g.local.device,
+                             g.compute_dtype, g.reduce_dtype)
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):
@@ -120,7 +120,7 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         units.append(Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
                           u.reshard_after_forward, u.is_root, cast_inputs=u.cast_inputs))
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
-    twin_state = ModelState(root, state.comm, units, buffers, state.src_rank)
+    twin_state = ModelState(root, state.topology, units, buffers, state.src_rank)
     twin_state.prefetch = state.prefetch
     root.__dict__.pop("save_pretrained", None)  # the original's guard: attach makes one
     attach(twin_state)

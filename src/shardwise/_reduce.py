@@ -4,7 +4,10 @@ After a unit's backward, each full parameter's gradient is written, scaled by 1/
 a rank-major buffer (``_copies.py``) and reduce-scattered asynchronously (in a world of
 one the buffer is the result); when backward ends, each rank's rows become the DTensor
 parameters' ``.grad``. Inside ``no_sync`` the buffer keeps accumulating instead, and the
-first synchronised backward reduces the sum.
+first synchronised backward reduces the sum. Under hybrid sharding (Note [hybrid
+sharding] in _mesh.py) the reduced shard is then summed across the replicas holding the
+same rows, also asynchronously: ``advance`` starts that sum as soon as the reduce-scatter
+is done, so it overlaps the backward of the units that follow, as the reduce-scatter does.
 """
 
 from __future__ import annotations
@@ -32,29 +35,38 @@ class Group(Protocol):
     reduce_dtype: torch.dtype
     local: torch.Tensor
     comm: Comm
+    replicate: Comm | None
     unit_name: str
+
+    @property
+    def data_parallel_size(self) -> int: ...
 
 
 class Reduction(enum.Enum):
     """Where a group's gradients are between backward passes.
 
     ``IDLE`` -> (``start``, ``no_sync``) ``ACCUMULATING`` -> ... -> (``start``, synced)
-    ``REDUCING`` -> (``wait``) ``REDUCED`` -> (``finish``) ``IDLE``. In a world of one a
-    synced ``start`` goes straight to ``REDUCED``: the buffer is the sum. ``drop`` (an
-    aborted backward) goes back to ``IDLE`` from ``REDUCING`` or ``REDUCED``, and keeps
-    what earlier ``no_sync`` passes accumulated.
+    ``REDUCING`` -> (``wait``) ``REDUCED`` -> (``finish``) ``IDLE``; under hybrid sharding
+    ``REDUCING`` -> (``advance``) ``REPLICATING`` -> (``wait``) ``REDUCED``. In a world of
+    one a synced ``start`` goes straight to ``REDUCED``: the buffer is the sum. ``drop`` (an
+    aborted backward) goes back to ``IDLE`` from ``REDUCING``, ``REPLICATING`` or
+    ``REDUCED``, and keeps what earlier ``no_sync`` passes accumulated.
     """
 
     IDLE = "idle"                    # nothing held
     ACCUMULATING = "accumulating"    # _buf: full gradients summed under no_sync
     REDUCING = "reducing"            # _buf in flight to _out (_work pending)
+    REPLICATING = "replicating"      # _out summed across replicas in place (_work pending)
     REDUCED = "reduced"              # _out: this rank's reduced rows, to publish
 
 
 _ALLOWED = {
-    Reduction.IDLE: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REDUCED},
-    Reduction.ACCUMULATING: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REDUCED},
-    Reduction.REDUCING: {Reduction.REDUCED},
+    Reduction.IDLE: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REPLICATING,
+                     Reduction.REDUCED},
+    Reduction.ACCUMULATING: {Reduction.ACCUMULATING, Reduction.REDUCING,
+                             Reduction.REPLICATING, Reduction.REDUCED},
+    Reduction.REDUCING: {Reduction.REPLICATING, Reduction.REDUCED},
+    Reduction.REPLICATING: {Reduction.REDUCED},
     Reduction.REDUCED: {Reduction.IDLE},
 }
 
@@ -99,8 +111,11 @@ class GradReduction:
             self._buf = buf
             return
         if g.comm.world_size == 1:
-            self._move(Reduction.REDUCED)
             self._buf, self._out = None, buf  # the sum over one rank, in this rank's layout
+            if g.replicate is None:
+                self._move(Reduction.REDUCED)
+            else:
+                self._replicate()
             return
         self._move(Reduction.REDUCING)
         self._buf = buf
@@ -116,7 +131,7 @@ class GradReduction:
         gradients from earlier ``no_sync`` backward passes."""
         g = self.group
         slot = g.layout.slots[i]
-        inv_n = 1.0 / g.comm.world_size
+        inv_n = 1.0 / g.data_parallel_size
         if grad is None and not seen:
             write_rank_major(buf, g.layout, slot, torch.zeros(()).expand(slot.shape))
         elif grad is not None and seen:
@@ -133,13 +148,35 @@ class GradReduction:
         """Whether gradients accumulated under ``no_sync`` await their reduction."""
         return self.state is Reduction.ACCUMULATING
 
-    def wait(self) -> None:
-        """Wait for an in-flight reduce-scatter (nothing to do in other states)."""
+    def advance(self) -> None:
+        """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
+        across replicas without waiting for it."""
         if self.state is Reduction.REDUCING:
             assert self._work is not None
             self._work.wait()
-            self._move(Reduction.REDUCED)
             self._work = self._buf = None
+            if self.group.replicate is None:
+                self._move(Reduction.REDUCED)
+            else:
+                self._replicate()
+
+    def wait(self) -> None:
+        """Wait until this rank's reduced rows are complete (nothing to do in other
+        states)."""
+        self.advance()
+        if self.state is Reduction.REPLICATING:
+            assert self._work is not None
+            self._work.wait()
+            self._work = None
+            self._move(Reduction.REDUCED)
+
+    def _replicate(self) -> None:
+        g = self.group
+        assert g.replicate is not None and self._out is not None
+        self._move(Reduction.REPLICATING)
+        self._work = g.replicate.all_reduce(
+            self._out, async_op=True,
+            what=f"the all-reduce of unit {g.unit_name!r}'s gradients across replicas")
 
     def drop(self) -> None:
         """Forget an unfinished reduction (its backward was aborted); what earlier

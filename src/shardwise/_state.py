@@ -43,6 +43,7 @@ from ._autograd import in_backward, output_tensors, prepare_inputs
 from ._comm import Comm
 from ._guards import check_model, warn_if_compiled_whole
 from ._log import logger
+from ._mesh import Topology
 from ._order_check import OrderCheck, order_checks_enabled
 from ._peers import ACTIVITY
 from ._registry import STATE, attach_to, attached
@@ -62,10 +63,11 @@ class Phase(enum.Enum):
 class ModelState:
     """Everything shardwise knows about one sharded model."""
 
-    def __init__(self, root: nn.Module, comm: Comm, units: list[Unit], buffer_sync: Any,
-                 src_rank: int) -> None:
+    def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
+                 buffer_sync: Any, src_rank: int) -> None:
         self.root = root
-        self.comm = comm
+        self.topology = topology
+        self.comm: Comm = topology.world  # every rank of the model (Note [hybrid sharding])
         self.units = units  # root first, then in module order
         self.buffers = buffer_sync
         self.src_rank = src_rank
@@ -250,10 +252,11 @@ class ModelState:
         unit.start_reduce(self.requires_grad_sync)
         unit.reshard()
         # At most two reductions in flight: each holds a unit-sized gradient buffer, and
-        # letting them pile up until the end of backward would hold a whole model's.
+        # letting them pile up until the end of backward would hold a whole model's. (A
+        # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
         if self._reducing is not None:
             for g in self._reducing.trainable_groups:
-                g.reduction.wait()
+                g.reduction.advance()
         self._reducing = unit
 
     def finish_backward(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ._order_check import announce
 from ._state import model_state
@@ -94,16 +94,19 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 
 def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
     assert sp.unit is not None
-    comm = sp.unit.model.comm
+    comm = sp.unit.model.topology.shard  # the rows follow the shard group's ranks
+    mine = cast(DTensor, sp.shard)
     if isinstance(value, DTensor):
-        if (tuple(value.placements) == (Shard(0),) and value.device_mesh.size() ==
-                comm.world_size and tuple(value.shape) == tuple(sp.shape)
+        if (tuple(value.placements) == tuple(mine.placements)
+                and value.device_mesh.shape == mine.device_mesh.shape
+                and tuple(value.shape) == tuple(sp.shape)
                 and tuple(value.to_local().shape) == tuple(sp.local.shape)):
             return sp.as_dtensor(value.to_local().to(sp.local.device))
         raise ShardwiseError(
             f"load_state_dict: {key} is a DTensor of shape {tuple(value.shape)} placed "
             f"{tuple(value.placements)} over {value.device_mesh.size()} rank(s), but this "
-            f"model shards it Shard(0) over {comm.world_size}: a sharded state dict (as "
+            f"model places it {tuple(mine.placements)} over "
+            f"{tuple(mine.device_mesh.shape)}: a sharded state dict (as "
             f"torch.save(model.state_dict()) writes per rank) loads only at the world size "
             f"it was saved at. To change world size, save with sw.save_checkpoint and load "
             f"with sw.load_checkpoint, or use torch.distributed.checkpoint (dcp.save / "

@@ -65,12 +65,12 @@ from typing import Any, NoReturn, Protocol, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ._comm import Comm
 from ._copies import copy_out, padding_gaps, rank_major, write_rank_major
 from ._layout import Piece, ShardLayout, Slot, build_layout
+from ._mesh import Topology
 from ._reduce import GradReduction
 from ._registry import PARAM, UNIT, attach_to, attached, copy_user_attributes
 from .errors import ShardwiseError
@@ -83,6 +83,7 @@ class Model(Protocol):
     make this module and _state.py import each other."""
 
     comm: Comm
+    topology: Topology
     units: list[Unit]
 
     @property
@@ -144,9 +145,9 @@ class ShardedParam:
     def as_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's rows) as a DTensor sharded like the parameter."""
         with torch.no_grad():
-            return DTensor.from_local(local, cast(DTensor, self.shard).device_mesh, (Shard(0),),
-                                      run_check=False, shape=self.shape,
-                                      stride=self.shard.stride())
+            dt = cast(DTensor, self.shard)
+            return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False,
+                                      shape=self.shape, stride=self.shard.stride())
 
 
 class FlatGroup:
@@ -161,10 +162,14 @@ class FlatGroup:
     """
 
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
-                 originals: list[nn.Parameter], comm: Comm, mesh: DeviceMesh,
+                 originals: list[nn.Parameter], topology: Topology,
                  device: torch.device, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype) -> None:
-        self.comm = comm
+        self.topology = topology
+        self.comm = comm = topology.shard
+        # Hybrid sharding (Note [hybrid sharding] in _mesh.py): the ranks holding the same
+        # rows, across which the reduced gradient shard is summed.
+        self.replicate = topology.replicate
         self.dtype = originals[0].dtype
         self.requires_grad = originals[0].requires_grad
         self.compute_dtype = compute_dtype
@@ -180,7 +185,7 @@ class FlatGroup:
         self.gaps = padding_gaps(self.layout)
         self.params: list[ShardedParam] = []
         for i, orig in enumerate(originals):
-            self.params.append(self._make_param(i, orig, names[i], slots[i], mesh))
+            self.params.append(self._make_param(i, orig, names[i], slots[i]))
         self._free_full()
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work = None
@@ -189,14 +194,15 @@ class FlatGroup:
         self.unit_name = "?"  # set by its Unit; names the group's collectives
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
-                    slots: list[tuple[nn.Module, str]], mesh: DeviceMesh) -> ShardedParam:
+                    slots: list[tuple[nn.Module, str]]) -> ShardedParam:
         slot = self.layout.slots[i]
         rows = slot.local_rows(self.comm.rank)
         local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
             rows, *slot.shape[1:])
         with torch.no_grad():
-            dt = DTensor.from_local(local, mesh, (Shard(0),), run_check=False,
-                                    shape=orig.shape, stride=_contiguous_stride(orig.shape))
+            dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
+                                    run_check=False, shape=orig.shape,
+                                    stride=_contiguous_stride(orig.shape))
         shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
         full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
                             .view(orig.shape), requires_grad=orig.requires_grad)
@@ -242,16 +248,29 @@ class FlatGroup:
                 m._parameters[attr] = sp.shard
 
     def fill_local(self, values: list[torch.Tensor] | None, src: int) -> None:
-        """Set every rank's shard from rank ``src``'s full ``values`` (a scatter)."""
-        chunks = None
-        if self.comm.rank == src:
-            assert values is not None, "src_rank passes the values"
-            buf = rank_major(self.layout, self.gaps, self.dtype, self.local.device)
-            for slot, v in zip(self.layout.slots, values):
-                write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
-            chunks = list(buf.chunk(self.comm.world_size))
-        with torch.no_grad():
-            self.comm.scatter(self.local, chunks, src)
+        """Set every rank's shard from world rank ``src``'s full ``values``: a scatter
+        over ``src``'s shard group, then (hybrid) a broadcast to the other replicas."""
+        replica, shard_src = self.topology.source(src)
+        if self.topology.replica_index == replica:
+            chunks = None
+            if self.comm.rank == shard_src:
+                assert values is not None, "src_rank passes the values"
+                buf = rank_major(self.layout, self.gaps, self.dtype, self.local.device)
+                for slot, v in zip(self.layout.slots, values):
+                    write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
+                chunks = list(buf.chunk(self.comm.world_size))
+            with torch.no_grad():
+                self.comm.scatter(self.local, chunks, shard_src)
+        if self.replicate is not None:
+            with torch.no_grad():
+                self.replicate.broadcast(self.local, replica,
+                                         what="the broadcast of initial shards to replicas")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks' gradients a reduction averages: the shard group's, times the
+        replicas' under hybrid sharding."""
+        return self.comm.world_size * self.topology.replicas
 
     def gather_full(self) -> torch.Tensor:
         """A fresh full buffer with every full parameter, in ``dtype`` (a collective)."""

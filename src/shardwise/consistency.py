@@ -1,8 +1,10 @@
 """Consistency checks: every replicated tensor identical on every rank, or a loud error.
 
 ``check_consistency`` compares a hash of the raw bytes of every buffer and every
-unsharded parameter across ranks. ``SHARDWISE_CHECK=1`` runs it after ``shard``,
-``load_pretrained`` and a ``gathered(..., modifier_rank=...)`` block (``maybe_check``).
+unsharded parameter across ranks, and, under hybrid sharding (Note [hybrid sharding] in
+_mesh.py), of every shard across the replicas that hold it. ``SHARDWISE_CHECK=1`` runs
+it after ``shard``, ``load_pretrained`` and a ``gathered(..., modifier_rank=...)`` block
+(``maybe_check``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from ._env import checks_enabled
 from ._order_check import announce
 from ._peers import operation
+from ._state import model_state
 from ._unit import sharded_param
 from .buffers import comm_for, named_buffers
 from .errors import DivergenceError
@@ -33,6 +36,35 @@ def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every tensor that should be identical on all ranks: buffers, unsharded parameters."""
     out = [(n, p) for n, p in module.named_parameters() if sharded_param(p) is None]
     return out + named_buffers(module)
+
+
+def _replica_shards(module: nn.Module) -> tuple[int, int, dict[str, str]]:
+    """Under hybrid sharding: (this rank's replica, its shard rank, a hash of its rows of
+    each sharded parameter); replicas must hold the same rows bit for bit."""
+    state = model_state(module)
+    if state is None or state.topology.replicate is None:
+        return 0, 0, {}
+    topo = state.topology
+    rows = {p.fqns[0]: tensor_digest(p.local) for u in state.units for p in u.params}
+    return topo.replica_index, topo.shard.rank, rows
+
+
+def _replica_differences(everyone: list[tuple[int, int, dict[str, str]]]) -> list[str]:
+    """One line per parameter whose rows differ between replicas of the same shard."""
+    problems = []
+    by_shard: dict[int, list[tuple[int, int, dict[str, str]]]] = {}
+    for rank, (replica, shard, rows) in enumerate(everyone):
+        by_shard.setdefault(shard, []).append((rank, replica, rows))
+    for shard, holders in sorted(by_shard.items()):
+        for name in sorted(holders[0][2]):
+            seen: dict[str | None, list[str]] = {}
+            for rank, replica, rows in holders:
+                seen.setdefault(rows.get(name), []).append(f"replica {replica} (rank {rank})")
+            if len(seen) > 1:
+                parts = [f"{', '.join(who)}: version {chr(65 + k)}"
+                         for k, who in enumerate(seen.values())]
+                problems.append(f"  {name}, rows of shard {shard}: " + "; ".join(parts))
+    return problems
 
 
 def _optimizer_facts(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -62,6 +94,7 @@ def _optimizer_facts(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def check_consistency(module: nn.Module, group=None,
                       optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that every buffer and replicated parameter is bit-identical on every rank,
+    under hybrid sharding that every replica holds the same rows of every parameter,
     and, given ``optimizer``, that every rank's optimizer has taken as many steps with
     the same hyperparameters.
 
@@ -90,9 +123,11 @@ def check_consistency(module: nn.Module, group=None,
     mine = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_digest(t))
             for n, t in _replicated(module)}
     facts = _optimizer_facts(optimizer) if optimizer is not None else {}
-    everyone = comm.all_gather_object((mine, facts))
-    problems = _differences([d for d, _ in everyone], lambda v: f"{v[0]} {list(v[1])}")
-    problems += _differences([f for _, f in everyone], lambda v: v[0], versions=False)
+    everyone = comm.all_gather_object((mine, facts, _replica_shards(module)))
+    problems = _differences([d for d, _, _ in everyone], lambda v: f"{v[0]} {list(v[1])}")
+    problems += _differences([f for _, f, _ in everyone], lambda v: v[0], versions=False)
+    if any(rows for _, _, (_, _, rows) in everyone):
+        problems += _replica_differences([r for _, _, r in everyone])
     if problems:
         raise DivergenceError(f"{len(problems)} replicated value(s) differ across the "
                               f"{comm.world_size} ranks:\n" + "\n".join(problems))

@@ -67,13 +67,16 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
                              for g in nonempty]).to(device)
     else:
         norms = torch.zeros(1, device=device)
+    # Over the shard group only: replicas (Note [hybrid sharding]) hold the same rows, and
+    # summing over them too would count each row once per replica.
+    shards = state.topology.shard
     if math.isinf(norm_type):
         local = norms.max()
-        state.comm.all_reduce(local, op=dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce")
+        shards.all_reduce(local, op=dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce")
         total = local
     else:
         local = norms.pow(norm_type).sum()
-        state.comm.all_reduce(local, what="clip_grad_norm_'s all-reduce")
+        shards.all_reduce(local, what="clip_grad_norm_'s all-reduce")
         total = local.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:

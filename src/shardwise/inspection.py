@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn as nn
 
+from ._comm import CommStats
 from ._layout import ALIGN
 from ._state import model_state
 from ._unit import sharded_param, unit_of
@@ -28,7 +29,7 @@ from .errors import ShardwiseError
 from .memory import _unique_bytes
 
 if TYPE_CHECKING:
-    from ._comm import CommStats
+    from ._state import ModelState
     from ._unit import FlatGroup, ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
@@ -173,7 +174,12 @@ class ModelView:
     grad_bytes: int              # this rank's gradient shards (``p.grad``), each storage once
     full_bytes: int              # full parameters allocated now (gathered units)
     largest_gathered_bytes: int  # the largest unit's full parameters while gathered
-    comm: CommView
+    comm: CommView               # within the model's group (hybrid: the shard groups)
+    shard_size: int              # ranks a parameter is sharded over (S)
+    replicas: int                # ranks holding each shard (R; 1 unless hybrid)
+    # Hybrid sharding: the gradient sums across replicas (Note [hybrid sharding]); None
+    # when flat.
+    comm_across: CommView | None
     # Parameters the model holds that no unit manages (added after ``shard``).
     unmanaged: tuple[str, ...]
     units: tuple[UnitView, ...] = field(repr=False)  # root first, then in module order
@@ -255,6 +261,15 @@ def _comm_view(backend: str, stats: CommStats) -> CommView:
     return CommView(backend, counts(stats.bytes), counts(stats.calls), counts(stats.sent))
 
 
+def _within(state: ModelState) -> CommStats:
+    """The world group's counters, plus the shard groups' when they differ (hybrid)."""
+    world, shard = state.comm.stats, state.topology.shard.stats
+    if shard is world:
+        return world
+    return CommStats(world.bytes + shard.bytes, world.calls + shard.calls,
+                     world.sent + shard.sent)
+
+
 def inspect(module: nn.Module) -> ModelView:
     """A read-only snapshot of a sharded model's engine state on this rank.
 
@@ -305,6 +320,9 @@ def inspect(module: nn.Module) -> ModelView:
         grad_bytes=_unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
         full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated),
         largest_gathered_bytes=max((u.gathered_bytes for u in units), default=0),
-        comm=_comm_view(state.comm.backend, state.comm.stats),
+        comm=_comm_view(state.comm.backend, _within(state)),
+        shard_size=state.topology.shard.world_size, replicas=state.topology.replicas,
+        comm_across=(None if (across := state.topology.replicate) is None
+                     else _comm_view(across.backend, across.stats)),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
         units=units)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _hooks
 from ._agree import agreed
@@ -23,6 +24,7 @@ from ._clone import guard_model_copies
 from ._comm import Comm
 from ._guards import retire
 from ._log import logger
+from ._mesh import Topology, topology
 from ._plan import (
     GroupSpec,
     ParamRecord,
@@ -94,7 +96,8 @@ def _device_for(module: nn.Module, comm: Comm) -> torch.device:
     return torch.device("cpu")
 
 
-def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: UnitSpec = None,
+def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
+          mesh: DeviceMesh | None = None, units: UnitSpec = None,
           mixed_precision: MixedPrecision | None = None,
           buffers: str | BufferPolicy = "broadcast",
           src_rank: int = 0, reshard_after_forward: bool = True,
@@ -112,6 +115,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     Args:
         module: the model; its parameters must be real tensors on ``src_rank``.
         group: process group (default: the world).
+        mesh: a ``DeviceMesh`` instead of ``group``: 1-D, the same as
+            ``group=mesh.get_group()``; 2-D, dims (replicate, shard), hybrid sharding
+            (Note [hybrid sharding] in _mesh.py): parameters sharded within each row of
+            the mesh and replicated across rows, placed ``(Replicate(), Shard(0))``;
+            gradients reduce-scattered within a row, then summed across rows.
+            ``src_rank`` is then a rank of the whole mesh.
         units: submodules gathered together: a class, tuple of classes, or a callable
             ``(qualified_name, module) -> bool``; every match becomes a unit, nested
             matches too (each owns the parameters no inner unit owns). ``()`` makes the
@@ -131,7 +140,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
 
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
-            its submodules is already sharded, ``src_rank`` is out of range, a policy or
+            its submodules is already sharded, both ``group`` and ``mesh`` are given or
+            the mesh is not 1-D or 2-D, ``src_rank`` is out of range, a policy or
             ``units`` is invalid, ``units`` matches no submodule, a parameter is 0-dim,
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
@@ -141,8 +151,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
         >>> sw.init_distributed()
         >>> model = sw.shard(GPT(cfg))
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> # across 2 nodes of 8 GPUs: shard within a node, replicate across nodes
+        >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
     """
-    comm = _check_arguments(module, group, src_rank)
+    topo = _check_arguments(module, group, mesh, src_rank)
+    comm = topo.world
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
     mp = mixed_precision or MixedPrecision()
@@ -164,18 +177,18 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
     _agree_structure(comm, chosen, per_unit)
     unit_names = [n for n, _ in chosen]
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
-                               unit_names, comm.world_size, units)
+                               unit_names, topo.shard.world_size, units)
     built = []
     for i, (name, mod) in enumerate(chosen):
-        groups = [_build_group(spec, comm, device, src_rank)
+        groups = [_build_group(spec, topo, device, src_rank)
                   for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
         built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
                           cast_inputs=mp.param_dtype))
-    _log_plan(built, comm)
+    _log_plan(built, topo)
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
-    state = ModelState(module, comm, built, buffer_sync, src_rank)
+    state = ModelState(module, topo, built, buffer_sync, src_rank)
     state.prefetch = prefetch
     for unit in built:
         unit.module.register_forward_pre_hook(_hooks.pre_forward, prepend=True,
@@ -189,8 +202,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
 
 
 def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
-                     src_rank: int) -> Comm:
-    """Refuse what cannot be sharded; the group's :class:`Comm` otherwise."""
+                     mesh: DeviceMesh | None, src_rank: int) -> Topology:
+    """Refuse what cannot be sharded; the groups' :class:`Topology` otherwise."""
     if not isinstance(module, nn.Module):
         raise ShardwiseError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if not dist.is_initialized():
@@ -202,19 +215,20 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
             raise ShardwiseError(f"cannot shard {type(module).__name__}: {where} is already "
                                  f"sharded. Shard the outermost model once and pick units "
                                  f"with units=...")
-    comm = Comm(group)
-    if not 0 <= src_rank < comm.world_size:
+    topo = topology(group, mesh)
+    if not 0 <= src_rank < topo.world.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
-                             f"{comm.world_size}")
-    return comm
+                             f"{topo.world.world_size}")
+    return topo
 
 
-def _log_plan(units: list[Unit], comm: Comm) -> None:
+def _log_plan(units: list[Unit], topo: Topology) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     total = sum(p.numel for u in units for p in u.params)
-    logger.info("sharded %d parameters over %d ranks (%s) in %d units", total,
-                comm.world_size, comm.backend, len(units))
+    replicas = f", {topo.replicas} replicas" if topo.replicate is not None else ""
+    logger.info("sharded %d parameters over %d ranks%s (%s) in %d units", total,
+                topo.shard.world_size, replicas, topo.world.backend, len(units))
     for u in units:
         n = sum(p.numel for p in u.params)
         padded = sum(g.layout.gathered_numel for g in u.groups)
@@ -258,18 +272,17 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
                                  f"under sw.sharded_init()")
 
 
-def _build_group(spec: GroupSpec, comm: Comm, device: torch.device,
+def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
                  src_rank: int) -> FlatGroup:
     """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
     place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
     g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
-                  originals, comm, comm.mesh(), device, spec.compute_dtype,
-                  spec.reduce_dtype)
+                  originals, topo, device, spec.compute_dtype, spec.reduce_dtype)
     # Parameters partitioned by sharded_init are gathered one group at a time, so no
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]
-    g.fill_local(values if comm.rank == src_rank else None, src_rank)
+    g.fill_local(values if topo.world.rank == src_rank else None, src_rank)
     released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
     del values
     g.install()

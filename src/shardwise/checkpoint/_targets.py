@@ -38,6 +38,18 @@ class ParamTarget:
             return self.sharded.piece.param_offset, self.sharded.piece.numel
         return 0, self.numel
 
+    @property
+    def writes(self) -> bool:
+        """Whether this rank saves its rows: under hybrid sharding only replica 0 does, so
+        a checkpoint holds each shard once (Note [hybrid sharding] in _mesh.py)."""
+        sp = self.sharded
+        return sp is None or sp.unit is None or sp.unit.model.topology.replica_index == 0
+
+    def saved_range(self) -> tuple[int, int]:
+        """:meth:`local_range` if this rank :attr:`writes`, else an empty piece."""
+        lo, n = self.local_range()
+        return (lo, n) if self.writes else (lo, 0)
+
     def local_values(self) -> torch.Tensor:
         """This rank's elements, flattened."""
         if self.sharded is not None:

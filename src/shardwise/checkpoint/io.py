@@ -79,8 +79,10 @@ def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
                              f"lists, non-string keys become strings): {obj!r:.200}")
 
 
-def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
-    """Split an optimizer's state into JSON metadata and this rank's tensors."""
+def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
+                     unsaved: set[str]):
+    """Split an optimizer's state into JSON metadata and this rank's tensors; the rows of
+    parameters in ``unsaved`` (another replica saves them) are saved empty."""
     sd = optimizer.state_dict()
     order = [p for g in optimizer.param_groups for p in g["params"]]
     missing = [i for i, p in enumerate(order) if id(p) not in name_of]
@@ -102,7 +104,9 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str]):
                 value = v.detach().to("cpu", copy=True).contiguous()
                 # State shaped like the parameter is stored flat: it is cut into the same
                 # pieces as the parameter, and reloads at any world size.
-                tensors[f"optim/{name}/{k}"] = value.reshape(-1) if sharded else value
+                if sharded:
+                    value = value.reshape(-1)[:0] if name in unsaved else value.reshape(-1)
+                tensors[f"optim/{name}/{k}"] = value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
                             "dtype": dtype_name(v.dtype), "shape": shape}
             else:
@@ -304,11 +308,12 @@ def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer |
     for t in params:
         key = t.sharded.shard if t.sharded is not None else t.plain
         name_of[id(key)] = t.names[0]
-    tensors = {f"param/{t.names[0]}": t.local_values().to("cpu", copy=True).contiguous()
-               for t in params}
+    tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
+               .to("cpu", copy=True).contiguous() for t in params}
     opt_meta = None
     if optimizer is not None:
-        opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of)
+        unsaved = {t.names[0] for t in params if not t.writes}
+        opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, unsaved)
         tensors.update(opt_tensors)
     tensors["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -347,7 +352,7 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
 
     The file's own header records the pieces it holds, so that metadata claiming other
     pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
-    pieces = {t.names[0]: list(t.local_range()) for t in params}
+    pieces = {t.names[0]: list(t.saved_range()) for t in params}
     fname = rank_file(rank, world)
     header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
     info = write_atomic(os.path.join(data_dir, fname),

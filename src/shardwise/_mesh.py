@@ -1,0 +1,124 @@
+"""Where a sharded model's ranks sit: who shards a parameter, who holds the same shard.
+
+Note [hybrid sharding]
+``sw.shard(model, mesh=mesh)`` with a 2-D ``DeviceMesh`` whose dims are (replicate,
+shard), as FSDP2's ``fully_shard(mesh=...)`` takes it: each parameter is sharded over the
+S ranks of a shard group (one row of the mesh, typically the GPUs of one node) and
+replicated over the R rows. Three groups then do three jobs (:class:`Topology`):
+
+- ``shard``: a unit's all-gathers and gradient reduce-scatters, over S ranks, so that
+  they stay on a node's fast links; the layout, a rank's rows and its file pieces follow
+  the rank's place in this group;
+- ``replicate``: after a unit's reduce-scatter, its gradient shard is summed across the
+  R replicas holding the same rows (``_reduce.py``): the only traffic between nodes, P/S
+  elements per step, and none inside ``no_sync``, which defers both;
+- ``world``: every rank of the mesh, for what must hold everywhere: buffers (broadcast
+  from ``src_rank``), the collective-order check, agreement on errors, ``gathered()``'s
+  modifier rank, the used-parameter flags and the checkpoint's protocol. ``src_rank``
+  and ``modifier_rank`` are ranks of this group (the global rank, when the mesh spans the
+  world).
+
+Gradients are scaled by 1/(R*S) as they are copied in, then summed over S and over R:
+the DDP average over the same R*S ranks, summed in another order (R=S=2:
+(a+b)+(c+d) against gloo's ring), so equal to DDP within the last bits, not bit for bit.
+Parameters are ``DTensor``s placed ``(Replicate(), Shard(0))`` on the user's mesh, so
+``clip_grad_norm_`` and ``state_dict()`` keep their meaning (a norm reduces over the shard
+dim only). A checkpoint holds each shard once: only replica 0 writes parameter and
+optimizer rows (the other replicas' files record empty pieces), so it loads at any
+layout, flat or hybrid. A 1-D mesh is the same as ``group=mesh.get_group()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ._comm import Comm
+from ._scalars import mark
+from .errors import ShardwiseError
+
+
+@dataclass
+class Topology:
+    """The groups of one sharded model (Note [hybrid sharding]); flat ZeRO-3 has
+    ``shard is world`` and no ``replicate``."""
+
+    world: Comm
+    shard: Comm
+    replicate: Comm | None
+    mesh: DeviceMesh  # the DTensor parameters' mesh
+    placements: tuple[Placement, ...]
+
+    @property
+    def replicas(self) -> int:
+        """R: how many ranks hold each shard."""
+        return 1 if self.replicate is None else self.replicate.world_size
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's replica (row of the mesh); 0 when flat."""
+        return 0 if self.replicate is None else self.replicate.rank
+
+    def source(self, src_rank: int) -> tuple[int, int]:
+        """(replica index, shard rank) of the world rank ``src_rank``."""
+        if self.replicate is None:
+            return 0, src_rank
+        target = self.world.global_rank(src_rank)
+        rows = self.mesh.mesh.tolist()
+        for i, row in enumerate(rows):
+            if target in row:
+                return i, row.index(target)
+        raise ShardwiseError(f"internal: rank {src_rank} is not in the mesh {rows}")
+
+
+def topology(group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Topology:
+    """The groups for ``shard(group=, mesh=)``; raises ``ShardwiseError`` on a bad mesh."""
+    if mesh is not None and group is not None:
+        raise ShardwiseError("pass group= or mesh= to sw.shard, not both: a 1-D mesh is the "
+                             "same as group=mesh.get_group()")
+    if mesh is None:
+        comm = Comm(group)
+        return Topology(comm, comm, None, comm.mesh(), (Shard(0),))
+    if not isinstance(mesh, DeviceMesh):
+        raise ShardwiseError(f"mesh={mesh!r} is not a torch.distributed.device_mesh."
+                             f"DeviceMesh: build one with init_device_mesh(device, (R, S))")
+    if mesh.ndim == 1:
+        return topology(mesh.get_group(), None)
+    if mesh.ndim != 2:
+        raise ShardwiseError(f"mesh has {mesh.ndim} dimensions; sw.shard takes a 1-D mesh "
+                             f"(flat sharding) or a 2-D one, dims (replicate, shard)")
+    if mesh.get_coordinate() is None:
+        raise ShardwiseError(f"this rank ({dist.get_rank()}) is not in the mesh "
+                             f"{mesh.mesh.tolist()}: every rank that calls sw.shard must be")
+    shard, replicate = Comm(mesh.get_group(1)), Comm(mesh.get_group(0))
+    # The layout's row ranges follow the rank's place in the shard group; DTensor's
+    # Shard(0) follows its mesh coordinate: they must be the same order.
+    if shard.rank != mesh.get_local_rank(1) or replicate.rank != mesh.get_local_rank(0):
+        raise ShardwiseError(f"the mesh {mesh.mesh.tolist()} orders ranks differently from "
+                             f"its process groups; build it with init_device_mesh or with "
+                             f"ranks increasing along each dimension")
+    world = _world(mesh, shard, replicate)
+    mark(mesh)  # Note [rank-local scalars] in _scalars.py
+    return Topology(world, shard, replicate, mesh, (Replicate(), Shard(0)))
+
+
+def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
+    """A group over every rank of ``mesh``: the default group, or one of the mesh's own
+    when a dimension has size 1. A mesh over part of the world with both dimensions
+    above 1 would need a new group that only its ranks create, which torch cannot make
+    reliably while other ranks create theirs."""
+    if mesh.size() == dist.get_world_size():
+        return Comm(None)
+    if replicate.world_size == 1:
+        return shard
+    if shard.world_size == 1:
+        return replicate
+    raise ShardwiseError(
+        f"the mesh {mesh.mesh.tolist()} spans {mesh.size()} of the "
+        f"{dist.get_world_size()} ranks with both dimensions above 1; hybrid sharding "
+        f"takes a mesh over the whole world (or over part of it with one dimension of "
+        f"size 1)")
