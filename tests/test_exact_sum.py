@@ -377,3 +377,26 @@ def test_headroom_bound_is_safe_and_enforced():
     es.check_terms(limit)
     with pytest.raises(ShardwiseError, match="headroom"):
         es.check_terms(limit + 1)
+
+
+def test_the_fast_decode_path_equals_the_integer_one():
+    # K=2 decodes through float64 TwoSum when every top sum fits in 53 bits, else through
+    # integers; both must give the same round-to-odd value, also for sums far from any
+    # single term (large low sums that carry, opposite signs).
+    g = torch.Generator().manual_seed(6)
+    n = 20_000
+    spec = es.DEFAULT
+    top = torch.randint(-(2**50), 2**50, (n,), generator=g)
+    low = torch.randint(-(2**61), 2**61, (n,), generator=g)
+    low[: n // 2] >>= torch.randint(0, 60, (n // 2,), generator=g)
+    bins = torch.stack([top, low], dim=1)
+    bottom = spec.base + (torch.randint(1, spec.top_index + 1, (n,), generator=g) - 1) * spec.W
+    fast = es._round_to_odd_fast(bins, bottom, spec.W)
+    assert fast is not None
+    slow = es._round_to_odd(bins, bottom, spec.W)
+    assert torch.equal(fast.view(torch.int64), slow.view(torch.int64))
+    idx = torch.full((4,), 3, dtype=torch.int8)
+    few = es.Binned(idx, bins[:4].clone(), terms=2)
+    unit = Fraction(2) ** (spec.base + 2 * spec.W)
+    expected = [_round_f32((hi * 2**spec.W + lo) * unit) for hi, lo in bins[:4].tolist()]
+    assert es.decode(few).tolist() == expected

@@ -209,16 +209,16 @@ def encode(x: torch.Tensor, spec: Spec = DEFAULT) -> Binned:
     top = torch.div(lead + 126, W, rounding_mode="floor") + 1
     top = torch.where((x != 0) & finite, top, torch.zeros_like(top))
     r = torch.where(finite, x, torch.zeros_like(x)).to(torch.float64)  # exact
-    slots = []
+    # Scaled so that bin t's unit is 1. Scaling by powers of two and subtracting the rounded
+    # part are exact in float64 (<= 53 bits), and round-half-even gives the balanced digit,
+    # so the kept digits of any cut are a round-to-nearest of x (Note [exact sums]).
+    r = r * _pow2(-(spec.base + top * W))
+    bins = torch.empty(x.shape[0], K, dtype=torch.int64, device=x.device)
     for k in range(K):
-        pos = spec.base + (top - k) * W  # P_{t-k}
-        # r / 2**pos and d * 2**pos are exact (scaling by powers of two, <= 53 bits), and
-        # round-half-even gives the balanced digit, so the kept digits of any cut are a
-        # round-to-nearest of x (Note [exact sums]).
-        d = torch.round(r * _pow2(-pos))
-        r = r - d * _pow2(pos)
-        slots.append(d.to(torch.int64))
-    bins = torch.stack(slots, dim=1)
+        d = torch.round(r) if k < K - 1 else r  # the last slot is an integer: encoding is exact
+        bins[:, k] = d.to(torch.int64)
+        if k < K - 1:
+            r = (r - d) * float(2**W)
     index = top.to(INDEX_DTYPE)
     if not bool(finite.all()):
         bad = ~finite
@@ -314,18 +314,33 @@ def _carry(slots: list[torch.Tensor], W: int) -> None:
         slots[k - 1] = slots[k - 1] + c
 
 
-_F32_OVERFLOW = 2.0**128 - 2.0**103  # RNE rounds values >= this (midpoint past max) to inf
+def _round_to_odd_fast(bins: torch.Tensor, bottom: torch.Tensor, W: int) -> torch.Tensor | None:
+    """K=2: the exact sum rounded to odd in float64, or None when a top sum needs > 53 bits.
 
-
-def decode(b: Binned, *, nonfinite: Literal["propagate", "raise"] = "propagate") -> torch.Tensor:
-    """The fp32 sum, correctly rounded (to nearest, ties to even) from the exact kept sum.
-
-    ``nonfinite="propagate"`` gives NaN/inf for elements with NaN/inf terms and +-inf for
-    sums beyond fp32's range; ``"raise"`` raises ``ShardwiseError`` naming them instead.
+    After one carry the value is ``hi + lo`` with both parts exact in float64; TwoSum gives
+    the rounded sum and its exact error, and a non-zero error moves an even result one ulp
+    towards it (round to odd).
     """
-    K, W = b.spec.K, b.spec.W
-    check_terms(b.terms, b.spec)
-    slots = [b.bins[:, k].clone() for k in range(K)]
+    c = bins[:, 1] >> W
+    lo_i = bins[:, 1] - (c << W)
+    hi_i = bins[:, 0] + c
+    if bool((hi_i.abs() >= 2**53).any()):
+        return None
+    unit = _pow2(bottom)
+    hi = hi_i.to(torch.float64) * (unit * float(2**W))
+    lo = lo_i.to(torch.float64) * unit
+    s = hi + lo
+    back = s - hi
+    err = (hi - (s - back)) + (lo - back)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.copysign(torch.full_like(s, float("inf")), err)
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+
+
+def _round_to_odd(bins: torch.Tensor, bottom: torch.Tensor, W: int) -> torch.Tensor:
+    """Any K, any headroom: the exact sum rounded to odd at 53 bits, in integers."""
+    K = bins.shape[1]
+    slots = [bins[:, k].clone() for k in range(K)]
     _carry(slots, W)
     neg = slots[0] < 0
     # Magnitude: negate every slot of a negative value and carry again, so that all slots
@@ -337,8 +352,7 @@ def decode(b: Binned, *, nonfinite: Literal["propagate", "raise"] = "propagate")
     for k in range(K):
         lk = _bit_length(slots[k]) + (K - 1 - k) * W
         length = torch.maximum(length, torch.where(slots[k] > 0, lk, 0))
-    # Keep the top 53 bits and OR every lower bit into the last one (round to odd): a later
-    # round-to-nearest to 24 bits or fewer is then the correct rounding of the exact value.
+    # Keep the top 53 bits and OR every lower bit into the last one (round to odd).
     start = (length - 53).clamp(min=0)
     window = torch.zeros_like(start)
     sticky = torch.zeros_like(start, dtype=torch.bool)
@@ -352,14 +366,32 @@ def decode(b: Binned, *, nonfinite: Literal["propagate", "raise"] = "propagate")
         window = window | torch.where(sh >= 0, left, right)
         sticky = sticky | ((sh < 0) & (lost != 0))
     window = window | sticky.to(torch.int64)
+    mag = window.to(torch.float64) * _pow2(start + bottom)  # exact: <= 53 bits, in range
+    return torch.where(neg, -mag, mag)
+
+
+_F32_OVERFLOW = 2.0**128 - 2.0**103  # RNE rounds values >= this (midpoint past max) to inf
+
+
+def decode(b: Binned, *, nonfinite: Literal["propagate", "raise"] = "propagate") -> torch.Tensor:
+    """The fp32 sum, correctly rounded (to nearest, ties to even) from the exact kept sum.
+
+    ``nonfinite="propagate"`` gives NaN/inf for elements with NaN/inf terms and +-inf for
+    sums beyond fp32's range; ``"raise"`` raises ``ShardwiseError`` naming them instead.
+    """
+    K, W = b.spec.K, b.spec.W
+    check_terms(b.terms, b.spec)
     bad = b.index == NONFINITE
     top = torch.where(bad, 0, b.index.to(torch.int64))  # keep _pow2 in range; bad is replaced
     bottom = b.spec.base + (top - (K - 1)) * W  # P of slot K-1
-    mag = window.to(torch.float64) * _pow2(start + bottom)  # exact: <= 53 bits, in range
-    over = mag >= _F32_OVERFLOW
-    out = mag.to(torch.float32)
-    out = torch.where(over, torch.full_like(out, float("inf")), out)
-    out = torch.where(neg, -out, out)
+    ro = _round_to_odd_fast(b.bins, bottom, W) if K == 2 else None
+    if ro is None:
+        ro = _round_to_odd(b.bins, bottom, W)
+    # ro holds the exact sum rounded to odd at 53 bits: a round-to-nearest-even to 24 bits
+    # (or fewer, for subnormals) from it is the correct rounding of the exact sum.
+    over = ro.abs() >= _F32_OVERFLOW
+    out = ro.to(torch.float32)
+    out = torch.where(over, torch.copysign(torch.full_like(out, float("inf")), out), out)
     any_bad = bool(bad.any())
     if nonfinite == "raise" and (any_bad or bool(over.any())):
         raise ShardwiseError(_nonfinite_message(b, bad, over & ~bad))
