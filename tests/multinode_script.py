@@ -1,10 +1,12 @@
 """A few training steps under torchrun; prints a digest of the losses and final state.
 
 Run by tests/test_multinode.py once as two agents (``--nnodes 2``) and once as one agent
-with two processes: the digests must be identical.
+with all the processes: the digests must be identical. ``--mesh R,S`` shards hybrid on an
+(R, S) mesh (R rows of S ranks: with ``--nproc_per_node S``, one row per agent).
 """
 
 import hashlib
+import sys
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,13 @@ sw.init_distributed()
 rank = dist.get_rank()
 torch.manual_seed(0)
 cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
-model = sw.shard(GPT(cfg))
+mesh = None
+if "--mesh" in sys.argv:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(int(n) for n in sys.argv[sys.argv.index("--mesh") + 1].split(","))
+    mesh = init_device_mesh("cpu", shape)
+model = sw.shard(GPT(cfg), mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 losses = []
 for step in range(4):

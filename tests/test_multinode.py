@@ -1,5 +1,6 @@
-"""Two torchrun agents on loopback (``--nnodes 2``, one process each) train exactly as
-one agent with two processes does."""
+"""Two torchrun agents on loopback (``--nnodes 2``) train exactly as one agent with all
+the processes does: flat (one process each), and hybrid (two processes each, mesh (2, 2)
+with the replicate dim across agents, as on real nodes; README "Across nodes")."""
 
 import os
 import re
@@ -20,32 +21,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args, SCRIPT]
+def _torchrun(*args: str, script_args: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, SCRIPT, *script_args]
 
 
-def _digest(outputs: str) -> str:
-    found = re.findall(r"digest ([0-9a-f]{64}) world 2", outputs)
+def _digest(outputs: str, world: int) -> str:
+    found = re.findall(rf"digest ([0-9a-f]{{64}}) world {world}\b", outputs)
     assert len(found) == 1, outputs[-3000:]
     return found[0]
 
 
-def test_two_agents_train_like_one():
+@pytest.mark.parametrize("per_node,script_args", [(1, ()), (2, ("--mesh", "2,2"))],
+                         ids=["flat", "hybrid"])
+def test_two_agents_train_like_one(per_node, script_args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    one = subprocess.run(_torchrun("--standalone", "--nproc_per_node", "2"), env=env,
-                         capture_output=True, text=True, timeout=180)
+    world = 2 * per_node
+    one = subprocess.run(_torchrun("--standalone", "--nproc_per_node", str(world),
+                                   script_args=script_args),
+                         env=env, capture_output=True, text=True, timeout=180)
     assert one.returncode == 0, one.stderr[-3000:]
     port = str(_free_port())
-    agents = [subprocess.Popen(_torchrun("--nnodes", "2", "--nproc_per_node", "1",
+    agents = [subprocess.Popen(_torchrun("--nnodes", "2", "--nproc_per_node", str(per_node),
                                          "--node_rank", str(node), "--master_addr",
-                                         "127.0.0.1", "--master_port", port),
+                                         "127.0.0.1", "--master_port", port,
+                                         script_args=script_args),
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
               for node in (0, 1)]
     outs = [a.communicate(timeout=180) for a in agents]
     for a, (_, err) in zip(agents, outs):
         assert a.returncode == 0, err[-3000:]
-    assert _digest("".join(o for o, _ in outs)) == _digest(one.stdout)
+    assert _digest("".join(o for o, _ in outs), world) == _digest(one.stdout, world)
 
 
 def test_killing_one_agent_ends_the_whole_job_within_seconds():
