@@ -182,6 +182,23 @@ def _consistency_and_checkpoints(rank, world, root):
             gpt_loss(model, x, x).backward()
     _steps(model, opt, 1, rank)
 
+    # The global gradient norm counts each row once, not once per replica: shardwise's
+    # and torch's (through DTensor) agree with the norm of the full gradients.
+    gpt_loss(model, x, x).backward()
+    ours = sw.clip_grad_norm_(model, 1e9)
+    theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor()
+    full = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(p.grad.full_tensor()) for p in model.parameters()]))
+    assert torch.allclose(ours, full, rtol=1e-6) and torch.allclose(theirs, full, rtol=1e-6), \
+        (ours, theirs, full)
+    opt.zero_grad()
+
+    # A deep copy (an EMA, a reference model) is an independent model on the same mesh.
+    twin = copy.deepcopy(model)
+    _same(sw.full_state_dict(twin, rank0_only=False),
+          sw.full_state_dict(model, rank0_only=False), "deep copy")
+    assert sw.inspect(twin).replicas == 2
+
     # modifier_rank is a rank of the whole mesh: rank 3's edit reaches both replicas.
     with sw.gathered(model, modifier_rank=3):
         if rank == 3:
