@@ -150,3 +150,20 @@ def _default_budget_is_agreed(rank, world):
 def test_default_budget_is_the_smallest_share_on_every_rank():
     results = run_ranks(_default_budget_is_agreed, 3)
     assert all(auto == default for auto, default in results), results
+
+
+def test_the_planner_plans_auto_units_on_the_meta_device():
+    from shardwise._plan import gathered_peak
+    from shardwise.planner import plan
+
+    with torch.device("meta"):
+        model = GPT(CFG)
+    assert plan(model, 2, units="auto", memory_budget=2**40).units == 1
+    assert plan(model, 2, units="auto", memory_budget=1).units == 3 + 6 * CFG.n_layer
+    with pytest.raises(ValueError, match="memory_budget"):
+        plan(model, 2, units="auto")
+    # The root, then the worst window: two neighbours, or a unit inside the one enclosing it.
+    assert gathered_peak(["", "a", "b", "c"], [10, 100, 100, 100], prefetch=1) == 210
+    assert gathered_peak(["", "a", "a.x", "b"], [10, 5, 100, 100], prefetch=1) == 215
+    assert gathered_peak(["", "a", "b"], [10, 1, 2], prefetch=0,
+                         reshard_after_forward=False) == 13
