@@ -309,8 +309,9 @@ def auto_units(root: nn.Module, budget: int, world_size: int,
                param_dtype: torch.dtype | None = None, prefetch: int = 1,
                reshard_after_forward: bool = True) -> AutoChoice:
     """The fewest units, on the ladder of Note [auto units], whose gathered peak
-    (:func:`gathered_peak`) is at most ``budget`` bytes; when none fits, the rung with the
-    lowest peak (the finest, normally), and ``fits`` is False. Derived from the module
+    (:func:`gathered_peak`) is at most ``budget`` bytes; when none fits, the first rung
+    with the lowest peak (finer rungs that gather no less are not worth their units),
+    and ``fits`` is False. Derived from the module
     structure and parameter shapes only, so every rank that built the same model and
     got the same budget chooses the same units.
 

@@ -131,8 +131,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, units: U
             (and the root) also split into its children holding parameters, and so on
             down to modules without such children. Held at once: the root (gathered
             for the whole step), the computing unit, the units enclosing it and the
-            ``prefetch`` units next to it. When even the finest split exceeds the
-            budget, it is used anyway and a warning says by how much.
+            ``prefetch`` units next to it. When no split fits, the one with the lowest
+            peak (the fewest units among those) is used and a warning says by how much
+            it exceeds the budget.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
         buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
             ``"average"`` or ``"local"``; see :mod:`shardwise.buffers`.
@@ -305,12 +306,13 @@ def _report_auto(auto: AutoChoice, given: bool) -> None:
         warnings.warn(
             f"shardwise: units='auto' found no units whose full parameters fit the memory "
             f"budget of {auto.budget} bytes ({auto.budget / 2**20:.2f} MiB"
-            f"{'' if given else ', the default'}): the finest choice, {len(names)} units, "
-            f"gathers {auto.peak} bytes at once, {over} bytes ({over / 2**20:.2f} MiB) "
-            f"over. It is used anyway; its units (modules without parameter-holding "
-            f"submodules, and what the root owns) cannot be split further. Raise "
-            f"memory_budget, gather in lower precision (mixed_precision=), or shard over "
-            f"more ranks", stacklevel=3)
+            f"{'' if given else ', the default'}): the split with the lowest peak, "
+            f"{len(names)} units, gathers {auto.peak} bytes at once, {over} bytes "
+            f"({over / 2**20:.2f} MiB) over, and is used anyway. Finer splits gather no "
+            f"less: the excess is in modules without parameter-holding submodules, or in "
+            f"parameters the root owns (e.g. a tied embedding). Raise memory_budget, "
+            f"gather in lower precision (mixed_precision=), or shard over more ranks",
+            stacklevel=3)
 
 
 def _log_plan(units: list[Unit], comm: Comm) -> None:
