@@ -21,9 +21,12 @@ Each workload builds every system from the same initial weights and gives it the
 then runs step_time.py's interleaved rounds (``run_rounds``: every system in turn, the order
 rotating). Systems: ``ddp``, ``fsdp2`` (``fully_shard`` on each block, then the root),
 ``shardwise`` and ``shardwise_unchecked`` (shardwise with ``SHARDWISE_CHECK=0`` around its
-steps: the cost of the collective-order check). Printed per workload: each round's medians,
-then a Markdown table of the median step time over all timed steps, the ratio to DDP per
-round and the median of those ratios, and the largest loss difference from DDP.
+steps: the cost of the collective-order check), and, when asked for with ``--systems``,
+``shardwise_auto`` (``units="auto"``, with ``--budget BYTES`` as its ``memory_budget``, else
+the default budget); rank 0 prints the units each shardwise system chose. Printed per
+workload: each round's medians, then a Markdown table of the median step time over all
+timed steps, the ratio to DDP per round and the median of those ratios, and the largest
+loss difference from DDP.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ import shardwise as sw
 from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
-SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked")
+SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked", "shardwise_auto")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
 VOCAB = 8192
 
 
@@ -119,13 +123,15 @@ def blocks(model: nn.Module, units) -> list[nn.Module]:
             if any(True for _ in b.parameters())]
 
 
-def make(name: str, w: Workload, device: torch.device) -> System:
+def make(name: str, w: Workload, device: torch.device, budget: int | None = None) -> System:
     model = w.build()
     units = w.units(model)
     if name == "ddp":
         model = DDP(model.to(device))
     elif name == "fsdp2":
         model = wrap_fsdp2(model.to(device), blocks(model, units))
+    elif name == "shardwise_auto":
+        model = sw.shard(model, units="auto", memory_budget=budget)
     else:
         model = sw.shard(model, units=units)
     return System(name, model, device, w.loss_fn, unchecked=name == "shardwise_unchecked")
@@ -150,7 +156,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="steps per system and round")
     parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
+    parser.add_argument("--budget", type=int, default=None,
+                        help="shardwise_auto's memory_budget in bytes (default: its default)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help=f"of {', '.join(SYSTEMS)}; ratios are to the first (ddp)")
     args = parser.parse_args()
     args.reference = args.systems.split(",")[0]
@@ -164,10 +172,17 @@ def main() -> None:
         w = WORKLOADS[name]
         g = torch.Generator().manual_seed(100 + rank)
         data = [w.batch(g) for _ in range(args.rounds * args.steps)]
-        systems = [make(s, w, device) for s in args.systems.split(",")]
+        systems = [make(s, w, device, args.budget) for s in args.systems.split(",")]
         if rank == 0:
             n = sum(p.numel() for p in systems[0].model.parameters())  # ddp: full
             print(f"\n## {name}: {n / 1e6:.2f}M parameters", flush=True)
+            for s in systems:
+                if sw.is_sharded(s.model):
+                    view = sw.inspect(s.model)
+                    units = [u.name for u in view.units]
+                    print(f"{s.name}: {len(units)} units {units[:4]}"
+                          f"{' ...' if len(units) > 4 else ''}, largest gathered "
+                          f"{view.largest_gathered_bytes / 2**20:.2f} MiB", flush=True)
         run_rounds(systems, data, args.rounds, args.steps)
         if rank == 0:
             report(systems, args, world)

@@ -1,4 +1,5 @@
-"""Byte accounting of training state: what each rank actually stores."""
+"""Byte accounting of training state: what each rank actually stores, and what a
+device has free (the default budget of ``units="auto"``)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,30 @@ def gathered_unit_bytes(module: nn.Module) -> dict[str, int]:
         return {"<root>": sum(p.numel() * p.element_size() for p in module.parameters())}
     return {u.name: sum(g.layout.full_numel * g.full.element_size() for g in u.groups)
             for u in state.units}
+
+
+# units="auto"'s default budget takes this fraction of a rank's free memory for gathered
+# parameters. The rest is for what the budget does not count and cannot know at shard
+# time: activations, the computing unit's full gradients and the reduction buffers
+# (about one more unit), the all-gather's temporary, and the allocator's slack.
+AUTO_BUDGET_FRACTION = 0.25
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now: CUDA's ``mem_get_info``, else the host's
+    ``MemAvailable`` (Linux ``/proc/meminfo``), for all processes on the host together.
+
+    Raises:
+        OSError: when the host's available memory cannot be read (not Linux).
+
+    Example:
+        >>> free_memory(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
+    raise OSError("/proc/meminfo has no MemAvailable line")

@@ -18,7 +18,15 @@ import torch
 import torch.nn as nn
 
 from ._layout import build_layout
-from ._plan import UnitSpec, assign_units, choose_units, discover_params, group_specs
+from ._plan import (
+    AUTO,
+    UnitSpec,
+    assign_units,
+    auto_units,
+    choose_units,
+    discover_params,
+    group_specs,
+)
 
 # Optimizer state bytes per parameter element, in the master dtype's element size units,
 # plus per-parameter scalars (torch's AdamW keeps a float32 ``step`` per parameter).
@@ -59,7 +67,7 @@ class MemoryPlan:
 
 def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
          param_dtype: torch.dtype | None = None, units: UnitSpec = None,
-         activation_bytes: int = 0) -> MemoryPlan:
+         activation_bytes: int = 0, memory_budget: int | None = None) -> MemoryPlan:
     """Plan per-rank memory for ``model`` sharded over ``world_size`` ranks.
 
     ``model`` may live on the meta device (build it under ``torch.device("meta")``): only
@@ -70,11 +78,14 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
         world_size: ranks to shard over.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"sgd-momentum"``.
         param_dtype: compute dtype of gathered units (``MixedPrecision.param_dtype``).
-        units: as ``sw.shard``'s ``units``.
+        units: as ``sw.shard``'s ``units``; ``"auto"`` needs ``memory_budget`` (the
+            planner cannot read the free memory of the machine that will train).
         activation_bytes: activations per rank, which only the caller can know.
+        memory_budget: bytes of gathered parameters for ``units="auto"``.
 
     Raises:
-        ValueError: for an unknown optimizer or a world size below 1.
+        ValueError: for an unknown optimizer or a world size below 1, or
+            ``units="auto"`` without ``memory_budget``.
 
     Example:
         >>> with torch.device("meta"):
@@ -83,7 +94,12 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     """
     if optimizer not in _OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r}: choose one of {sorted(_OPTIMIZERS)}")
-    chosen = choose_units(model, units)
+    if units == AUTO:
+        if memory_budget is None:
+            raise ValueError("units='auto' needs memory_budget= (bytes) to plan with")
+        chosen = auto_units(model, memory_budget, world_size, param_dtype).chosen
+    else:
+        chosen = choose_units(model, units)
     names = [n for n, _ in chosen]
     per_unit = assign_units(discover_params(model, names), names)
     per_elem, per_param = _OPTIMIZERS[optimizer]

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
+import warnings
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +29,13 @@ from ._guards import retire
 from ._log import logger
 from ._mesh import Topology, topology
 from ._plan import (
+    AUTO,
+    AutoChoice,
     GroupSpec,
     ParamRecord,
     UnitSpec,
     assign_units,
+    auto_units,
     choose_units,
     discover_params,
     group_specs,
@@ -42,6 +48,7 @@ from ._unit import FlatGroup, Unit, sharded_param, unit_of
 from .buffers import BufferPolicy, BufferSync
 from .consistency import maybe_check
 from .errors import ShardwiseError
+from .memory import AUTO_BUDGET_FRACTION, free_memory
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
           mixed_precision: MixedPrecision | None = None,
           buffers: str | BufferPolicy = "broadcast",
           src_rank: int = 0, reshard_after_forward: bool = True,
-          prefetch: int = 1) -> nn.Module:
+          prefetch: int = 1, memory_budget: int | None = None) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
     Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
@@ -128,6 +135,14 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             ``nn.ModuleList`` s, or, in a model without one, of the outermost
             ``nn.Sequential`` s. The root owns every other parameter. A warning says when
             one unit holds more than half of a model of a million parameters or more.
+            ``"auto"``: the fewest units whose full parameters gathered at once fit
+            ``memory_budget``: the root alone, else the default units, else each unit
+            (and the root) also split into its children holding parameters, and so on
+            down to modules without such children. Held at once: the root (gathered
+            for the whole step), the computing unit, the units enclosing it and the
+            ``prefetch`` units next to it. When no split fits, the one with the lowest
+            peak (the fewest units among those) is used and a warning says by how much
+            it exceeds the budget.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
         buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
             ``"average"`` or ``"local"``; see :mod:`shardwise.buffers`.
@@ -137,12 +152,20 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         prefetch: how many units ahead to gather while one computes, in forward and in
             backward (0: none). Each costs one more unit of full parameters in memory;
             more than 1 helps when all-gathers are slow next to compute.
+        memory_budget: with ``units="auto"`` only: bytes of full parameters (in the
+            compute dtype) that may be gathered at once. Default: a quarter
+            (``memory.AUTO_BUDGET_FRACTION``) of the memory free on this rank's device
+            (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` divided among the
+            ranks on the host), minus the parameter, gradient and AdamW state shards the
+            planner predicts, the minimum over all ranks. The rest of free memory is
+            left for activations, the computing unit's gradients and communication.
 
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
             its submodules is already sharded, both ``group`` and ``mesh`` are given or
             the mesh is not 1-D or 2-D, ``src_rank`` is out of range, a policy or
-            ``units`` is invalid, ``units`` matches no submodule, a parameter is 0-dim,
+            ``units`` is invalid, ``units`` matches no submodule, ``memory_budget`` is not
+            a positive int or is given without ``units="auto"``, a parameter is 0-dim,
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
             ``units=``): then every rank raises the same error.
@@ -151,6 +174,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         >>> sw.init_distributed()
         >>> model = sw.shard(GPT(cfg))
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> big = sw.shard(GPT(cfg), units="auto", memory_budget=2 * 2**30)  # 2 GiB
         >>> # across 2 nodes of 8 GPUs: shard within a node, replicate across nodes
         >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
     """
@@ -158,23 +182,36 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     comm = topo.world
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
+    _check_budget(units, memory_budget)
     mp = mixed_precision or MixedPrecision()
+    budget = None
+    if units == AUTO:
+        budget = memory_budget if memory_budget is not None else _default_budget(module, topo,
+                                                                                   mp)
 
     def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
-                        list[list[ParamRecord]]]:
-        chosen = choose_units(module, units)
+                        list[list[ParamRecord]], AutoChoice | None]:
+        auto = None
+        if budget is not None:
+            auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
+                              bool(reshard_after_forward))
+            chosen = auto.chosen
+        else:
+            chosen = choose_units(module, units)
         records = discover_params(module, [n for n, _ in chosen])
         _check_params(records, comm.rank, src_rank)
         # Each group releases its originals as it is built (_build_group): only
         # per_unit may hold the records.
         return (BufferSync(module, comm, buffers, src_rank), _device_for(module, comm),
-                chosen, assign_units(records, [n for n, _ in chosen]))
+                chosen, assign_units(records, [n for n, _ in chosen]), auto)
 
     # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
     # meta tensors, fails every rank here, before the first collective.
-    buffer_sync, device, chosen, per_unit = agreed(
+    buffer_sync, device, chosen, per_unit, auto = agreed(
         comm, f"sw.shard({type(module).__name__}) failed", plan)
     _agree_structure(comm, chosen, per_unit)
+    if auto is not None:
+        _report_auto(auto, given=memory_budget is not None)
     unit_names = [n for n, _ in chosen]
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
                                unit_names, topo.shard.world_size, units)
@@ -220,6 +257,76 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{topo.world.world_size}")
     return topo
+
+
+def _check_budget(units: UnitSpec, memory_budget: object) -> None:
+    if memory_budget is None:
+        return
+    if units != AUTO:
+        raise ShardwiseError(f"memory_budget={memory_budget!r} applies to units='auto' only "
+                             f"(units={units!r} was passed): pass units='auto' to let "
+                             f"shardwise choose units within the budget, or drop "
+                             f"memory_budget")
+    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) \
+            or memory_budget <= 0:
+        raise ShardwiseError(f"memory_budget={memory_budget!r}: expected a positive int, "
+                             f"in bytes of full parameters gathered at once (e.g. "
+                             f"memory_budget=4 * 2**30 for 4 GiB), or None for the default")
+
+
+def _default_budget(module: nn.Module, topo: Topology, mp: MixedPrecision) -> int:
+    """``units="auto"``'s default budget (see :func:`shard`), the same on every rank.
+
+    One exchange of every rank's free memory: ranks sharing a device (CPU ranks on one
+    host) share its free memory, and the smallest share bounds every rank, since all
+    ranks gather the same units.
+    """
+    comm = topo.world
+    device = _device_for(module, comm)
+    try:
+        mine: tuple[str, str, int | str] = (socket.gethostname(), str(device),
+                                            free_memory(device))
+    except (OSError, ValueError, RuntimeError) as e:
+        mine = (socket.gethostname(), str(device), f"{type(e).__name__}: {e}")
+    everyone = comm.all_gather_object(mine, what="units='auto': the exchange of free memory")
+    failed = [f"rank {r}: {free}" for r, (_, _, free) in enumerate(everyone)
+              if not isinstance(free, int)]
+    if failed:
+        raise ShardwiseError("units='auto' could not read the free memory of every rank ("
+                             + "; ".join(failed) + "): pass memory_budget=<bytes> to sw.shard")
+    sharing = Counter((host, dev) for host, dev, _ in everyone)
+    share = min(int(free) // sharing[(host, dev)] for host, dev, free in everyone)
+    from .planner import plan  # the planner imports _plan; imported here, where it is used
+
+    state = plan(module, topo.shard.world_size, "adamw", mp.param_dtype)
+    sharded = state.parameters + state.gradients + state.optimizer
+    budget = max(int(share * AUTO_BUDGET_FRACTION) - sharded, 0)
+    logger.info("units='auto': default budget %.1f MiB = %.0f%% of %.1f MiB free per rank "
+                "- %.1f MiB of sharded parameters, gradients and AdamW state", budget / 2**20,
+                100 * AUTO_BUDGET_FRACTION, share / 2**20, sharded / 2**20)
+    return budget
+
+
+def _report_auto(auto: AutoChoice, given: bool) -> None:
+    """Log what ``units="auto"`` chose; warn when even its finest choice is over budget."""
+    names = [n or "<root>" for n, _ in auto.chosen]
+    tried = ", ".join(f"{n} units: {peak / 2**20:.2f} MiB" for n, peak in auto.tried)
+    logger.info("units='auto': %d units %s%s, %.2f MiB gathered at once, budget %.2f MiB "
+                "(%s); tried %s", len(names), names[:6], " ..." if len(names) > 6 else "",
+                auto.peak / 2**20, auto.budget / 2**20, "given" if given else "default",
+                tried)
+    if not auto.fits:
+        over = auto.peak - auto.budget
+        warnings.warn(
+            f"shardwise: units='auto' found no units whose full parameters fit the memory "
+            f"budget of {auto.budget} bytes ({auto.budget / 2**20:.2f} MiB"
+            f"{'' if given else ', the default'}): the split with the lowest peak, "
+            f"{len(names)} units, gathers {auto.peak} bytes at once, {over} bytes "
+            f"({over / 2**20:.2f} MiB) over, and is used anyway. Finer splits gather no "
+            f"less: the excess is in modules without parameter-holding submodules, or in "
+            f"parameters the root owns (e.g. a tied embedding). Raise memory_budget, "
+            f"gather in lower precision (mixed_precision=), or shard over more ranks",
+            stacklevel=3)
 
 
 def _log_plan(units: list[Unit], topo: Topology) -> None:
