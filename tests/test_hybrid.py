@@ -290,3 +290,59 @@ def _bad_meshes(rank, world):
 
 def test_bad_meshes_are_refused():
     run_ranks(_bad_meshes, 4, timeout=120)
+
+
+def _secondary_shards(rank, world):
+    """reshard_after_forward=2 at 4 ranks (Note [secondary shards]) against ZeRO-3."""
+    torch.manual_seed(0)
+    base = GPT(GPT_CFG)
+    runs = {}
+    for raf in (True, 2):
+        model = sw.shard(copy.deepcopy(base), reshard_after_forward=raf)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(3):
+            x = torch.randint(0, GPT_CFG.vocab_size, (2, GPT_CFG.seq_len), generator=g)
+            before = sw.inspect(model)
+            loss = gpt_loss(model, x, x)
+            between = sw.inspect(model)  # after the forward, before its backward
+            loss.backward()
+            after = sw.inspect(model)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[raf] = (losses, sw.full_state_dict(model, rank0_only=False), before, between,
+                     after)
+    (z_losses, z_state, z_before, _, z_after), (losses, state, before, between, after) = \
+        runs[True], runs[2]
+    assert losses == z_losses  # the same values gathered: every bit of every loss
+    _same(state, z_state, "reshard_after_forward=2 against True")
+
+    # Between forward and backward each non-root unit keeps 1/k of itself.
+    units = [u for u in after.units if not u.is_root]
+    full = {u.name: sum(g.gathered_numel * g.dtype.itemsize for g in u.groups) for u in units}
+    assert between.kept_bytes == sum(full.values()) // 2, (between.kept_bytes, full)
+    assert after.kept_bytes == 0
+    # The backward gathers every unit but the last (which stays gathered) within groups
+    # of 2: its bytes leave the shard group's all-gathers for the groups' own.
+    regathered = sum(full[u.name] for u in units[:-1])
+    within = after.comm.since(before.comm)
+    z_within = z_after.comm.since(z_before.comm)
+    groups = after.comm_regather.since(before.comm_regather)
+    assert groups.bytes["all_gather"] == regathered // 2
+    assert groups.sent["all_gather"] == regathered // 2  # to the one other rank of the group
+    assert within.bytes["all_gather"] == z_within.bytes["all_gather"] - regathered // 4
+    assert within.sent["all_gather"] == z_within.sent["all_gather"] - 3 * regathered // 4
+    assert z_after.comm_regather is None and z_after.kept_bytes == 0
+
+    for bad, match in ((3, "must divide"), (1, "must divide"), (8, "must divide"),
+                       ("2", "expected True, False or an int")):
+        with pytest.raises(sw.ShardwiseError, match=match):
+            sw.shard(GPT(GPT_CFG), reshard_after_forward=bad)
+    same = sw.shard(GPT(GPT_CFG), reshard_after_forward=4)  # groups of 4 are ZeRO-3 itself
+    assert sw.inspect(same).comm_regather is None
+
+
+def test_reshard_after_forward_to_groups_of_k():
+    run_ranks(_secondary_shards, 4, timeout=180)

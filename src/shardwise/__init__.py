@@ -5,7 +5,8 @@ Public API (every function that communicates is called by every rank, in the sam
 Process group
     init_distributed(backend=None, timeout=None)
 Sharding
-    shard(module, *, group, units, mixed_precision, buffers, src_rank, reshard_after_forward)
+    shard(module, *, group, mesh, units, mixed_precision, buffers, src_rank,
+          reshard_after_forward, prefetch, memory_budget)
         -> the same module; every parameter becomes a DTensor with its original shape,
         sharded on dim 0 (``p.to_local()`` is this rank's rows)
     sharded_init(group=None, src_rank=0)       context manager: partition while building

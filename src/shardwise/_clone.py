@@ -102,6 +102,7 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
             twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
                              [p.shard for p in g.params], g.topology, g.local.device,
                              g.compute_dtype, g.reduce_dtype)
+            twin.regather = g.regather  # Note [secondary shards]: the same groups of k
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):

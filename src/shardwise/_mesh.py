@@ -31,6 +31,7 @@ layout, flat or hybrid. A 1-D mesh is the same as ``group=mesh.get_group()``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -122,3 +123,57 @@ def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
         f"{dist.get_world_size()} ranks with both dimensions above 1; hybrid sharding "
         f"takes a mesh over the whole world (or over part of it with one dimension of "
         f"size 1)")
+
+
+# Note [secondary shards]
+# ``reshard_after_forward=k`` (k dividing the shard group's size S, 1 < k < S): between a
+# unit's forward and its backward, its parameters stay sharded over groups of k
+# contiguous ranks of the shard group (within a node, when nodes hold k or more ranks)
+# instead of over all S. At the forward's gather each rank keeps part j of the gathered
+# (rank-major) buffer, j being its place in its group of k; the backward gathers the k
+# parts within that group, which rebuilds the same buffer, so every value, and therefore
+# every loss, equals ZeRO-3's bit for bit (DeepSpeed's hpZ once did not). A unit holds
+# 1/k of its parameters from forward to backward (ZeRO-3: 1/S, ``False``: all), and its
+# backward all-gather sends (k-1)/k of the unit within the group instead of (S-1)/S
+# across the shard group. If the shard changed in between (an optimizer step between a
+# forward and its backward), the kept part is stale and the backward gathers over the
+# shard group as usual.
+def check_secondary(topo: Topology, k: object) -> None:
+    """Raise ``ShardwiseError`` unless ``reshard_after_forward=k`` can be honoured: a
+    bool, or an int dividing the shard group's size, over a model spanning the world."""
+    if isinstance(k, bool):
+        return
+    if type(k) is not int:
+        raise ShardwiseError(f"reshard_after_forward={k!r}: expected True, False or an int")
+    size = topo.shard.world_size
+    if k == size:
+        return  # groups of S ranks are the shard group: ZeRO-3 itself
+    if k < 2 or k > size or size % k:
+        raise ShardwiseError(
+            f"reshard_after_forward={k}: an integer must divide the shard group's size "
+            f"({size}) and be at least 2: the parameters then stay "
+            f"sharded over groups of k ranks between forward and backward. Pass True "
+            f"(ZeRO-3) or False (keep them gathered) otherwise")
+    if topo.world.world_size != dist.get_world_size():
+        raise ShardwiseError(
+            f"reshard_after_forward={k} needs the model's ranks to be the whole world "
+            f"(every rank creates the groups of {k}); this model's group or mesh spans "
+            f"{topo.world.world_size} of {dist.get_world_size()} ranks")
+
+
+def secondary_groups(topo: Topology, k: int) -> Comm:
+    """This rank's group of k contiguous ranks of its shard group (Note [secondary
+    shards]). Every rank creates every such group, in mesh order (:func:`check_secondary`
+    says when that is possible)."""
+    rows = (topo.mesh.mesh.tolist() if topo.replicate is not None
+            else [list(range(dist.get_world_size()))])
+    me = dist.get_rank()
+    mine = None
+    for row in rows:
+        for start in range(0, len(row), k):
+            block = cast(list[int], row[start:start + k])
+            group = dist.new_group(block)
+            if me in block:
+                mine = group
+    assert mine is not None, "every rank is in its shard group's row"
+    return Comm(mine)

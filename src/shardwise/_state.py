@@ -133,7 +133,7 @@ class ModelState:
                 f"itself, or wrap the call in `with sw.gathered(model):`")
         if self.order_check is not None:
             self.order_check.unit(unit)
-        unit.finish_gather()
+        unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
 

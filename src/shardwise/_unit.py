@@ -190,6 +190,13 @@ class FlatGroup:
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work = None
         self._gathered_version = -1
+        # reshard_after_forward=k (Note [secondary shards]): the k ranks' group, this
+        # rank's part of the gathered buffer kept from forward to backward, and its
+        # version.
+        self.regather: Comm | None = None
+        self._kept: torch.Tensor | None = None
+        self._kept_version = -1
+        self._kept_sending: torch.Tensor | None = None
         self.reduction = GradReduction(self)  # used by trainable groups only
         self.unit_name = "?"  # set by its Unit; names the group's collectives
 
@@ -307,6 +314,19 @@ class FlatGroup:
     def start_gather(self) -> None:
         # The full buffer is allocated only at the copy-out: a prefetched unit holds the
         # all-gather output alone until it is needed.
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            if self.shard_version() == self._kept_version:  # else an optimizer step ran
+                assert self.regather is not None
+                self._gathered_version = self._kept_version
+                self._gathered = torch.empty(self.layout.gathered_numel,
+                                             dtype=self.compute_dtype, device=kept.device)
+                self._kept_sending = kept  # read by the exchange until it is waited for
+                self._gather_work = self.regather.all_gather(
+                    self._gathered, kept, async_op=True,
+                    what=f"the all-gather of unit {self.unit_name!r} within its group of "
+                         f"{self.regather.world_size} ranks (reshard_after_forward)")
+                return
         self._gathered_version = self.shard_version()
         src = self.local
         if self._gather_in is not None:
@@ -328,12 +348,15 @@ class FlatGroup:
         gathered = self.full_is_allocated() or self._gathered is not None
         return gathered and self.shard_version() != self._gathered_version
 
-    def wait_gather(self, fill: bool = True) -> None:
+    def wait_gather(self, fill: bool = True, keep: bool = False) -> None:
         """Wait for an issued all-gather and, if ``fill``, copy it out into the full
-        parameters (``fill=False`` when resharding: the values are not needed)."""
+        parameters (``fill=False`` when resharding: the values are not needed). ``keep``:
+        a forward's gather, whose backward gathers again within the group of k ranks
+        (Note [secondary shards])."""
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
+        self._kept_sending = None
         if self._gathered is not None:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
@@ -341,7 +364,20 @@ class FlatGroup:
                 self._alloc_full()
                 copy_out(self._gathered, self.layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+                if keep and self.regather is not None:
+                    parts = self._gathered.chunk(self.regather.world_size)
+                    self._kept = parts[self.regather.rank].clone()
+                    self._kept_version = self._gathered_version
             self._gathered = None
+
+    def drop_kept(self) -> None:
+        """Forget the secondary shard (its backward ran, or never will)."""
+        self._kept = None
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the secondary shard held now (Note [secondary shards])."""
+        return 0 if self._kept is None else self._kept.numel() * self._kept.element_size()
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -360,7 +396,7 @@ class Unit:
     """
 
     def __init__(self, module: nn.Module, name: str, groups: list[FlatGroup],
-                 reshard_after_forward: bool, is_root: bool,
+                 reshard_after_forward: bool | int, is_root: bool,
                  cast_inputs: torch.dtype | None = None) -> None:
         self.module = module
         self.name = name or "<root>"
@@ -380,6 +416,8 @@ class Unit:
 
     def reset_iteration(self) -> None:
         """Forget the bookkeeping of one forward/backward."""
+        for g in self.groups:
+            g.drop_kept()
         self.forward_calls = 0      # grad-enabled forwards since the last backward ended
         self.backward_calls = 0     # of those, how many have finished their backward
         self.reduced = False        # gradients handed to the reduction this backward
@@ -428,13 +466,15 @@ class Unit:
             g.start_gather()
         self.state = UnitState.GATHERING
 
-    def finish_gather(self) -> None:
-        """-> GATHERED: wait for the all-gathers and expose full parameters."""
+    def finish_gather(self, keep: bool = False) -> None:
+        """-> GATHERED: wait for the all-gathers and expose full parameters. ``keep``: a
+        forward's gather, for which a unit resharded to groups of k ranks keeps its
+        part (Note [secondary shards])."""
         if self.state is UnitState.GATHERED:
             return
         self.start_gather()
         for g in self.groups:
-            g.wait_gather()
+            g.wait_gather(keep=keep)
         self._swap(full=True)
         self.state = UnitState.GATHERED
 

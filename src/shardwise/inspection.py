@@ -102,7 +102,7 @@ class UnitView:
     module_type: str             # its class name
     is_root: bool
     state: Literal["sharded", "gathering", "gathered"]
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
     pins: int                    # open ``gathered()`` blocks holding it gathered
     groups: tuple[GroupView, ...]
 
@@ -180,6 +180,11 @@ class ModelView:
     # Hybrid sharding: the gradient sums across replicas (Note [hybrid sharding]); None
     # when flat.
     comm_across: CommView | None
+    # reshard_after_forward=k: the backward all-gathers within groups of k ranks (Note
+    # [secondary shards]), and the bytes of the parts kept for them now; None and 0
+    # otherwise.
+    comm_regather: CommView | None
+    kept_bytes: int
     # Parameters the model holds that no unit manages (added after ``shard``).
     unmanaged: tuple[str, ...]
     units: tuple[UnitView, ...] = field(repr=False)  # root first, then in module order
@@ -324,5 +329,9 @@ def inspect(module: nn.Module) -> ModelView:
         shard_size=state.topology.shard.world_size, replicas=state.topology.replicas,
         comm_across=(None if (across := state.topology.replicate) is None
                      else _comm_view(across.backend, across.stats)),
+        comm_regather=(None if (regather := next(
+            (g.regather for g in groups if g.regather is not None), None)) is None
+            else _comm_view(regather.backend, regather.stats)),
+        kept_bytes=sum(g.kept_bytes for g in groups),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
         units=units)

@@ -27,7 +27,7 @@ from ._clone import guard_model_copies
 from ._comm import Comm
 from ._guards import retire
 from ._log import logger
-from ._mesh import Topology, topology
+from ._mesh import Topology, check_secondary, secondary_groups, topology
 from ._plan import (
     AUTO,
     AutoChoice,
@@ -107,7 +107,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
           mesh: DeviceMesh | None = None, units: UnitSpec = None,
           mixed_precision: MixedPrecision | None = None,
           buffers: str | BufferPolicy = "broadcast",
-          src_rank: int = 0, reshard_after_forward: bool = True,
+          src_rank: int = 0, reshard_after_forward: bool | int = True,
           prefetch: int = 1, memory_budget: int | None = None) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
@@ -147,8 +147,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
             ``"average"`` or ``"local"``; see :mod:`shardwise.buffers`.
         src_rank: rank (in ``group``) whose initial state everyone takes.
-        reshard_after_forward: free non-root units after forward (ZeRO-3) or keep them
-            until their backward (less communication, more memory).
+        reshard_after_forward: free non-root units after forward (``True``, ZeRO-3),
+            keep them until their backward (``False``: less communication, more
+            memory), or an int k dividing the shard group's size: keep them sharded over
+            groups of k contiguous ranks, so that the backward's all-gather stays
+            within them (Note [secondary shards] in _mesh.py; needs the model to span
+            the world).
         prefetch: how many units ahead to gather while one computes, in forward and in
             backward (0: none). Each costs one more unit of full parameters in memory;
             more than 1 helps when all-gathers are slow next to compute.
@@ -163,7 +167,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
             its submodules is already sharded, both ``group`` and ``mesh`` are given or
-            the mesh is not 1-D or 2-D, ``src_rank`` is out of range, a policy or
+            the mesh is not 1-D or 2-D, ``reshard_after_forward`` is an int that does
+            not divide the shard group's size, ``src_rank`` is out of range, a policy or
             ``units`` is invalid, ``units`` matches no submodule, ``memory_budget`` is not
             a positive int or is given without ``units="auto"``, a parameter is 0-dim,
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
@@ -179,6 +184,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
     """
     topo = _check_arguments(module, group, mesh, src_rank)
+    check_secondary(topo, reshard_after_forward)
     comm = topo.world
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
@@ -221,6 +227,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                   for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
         built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
                           cast_inputs=mp.param_dtype))
+    if type(reshard_after_forward) is int:
+        _secondary_shards(built, topo, reshard_after_forward)
     _log_plan(built, topo)
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
@@ -257,6 +265,18 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{topo.world.world_size}")
     return topo
+
+
+def _secondary_shards(units: list[Unit], topo: Topology, k: int) -> None:
+    """Give every non-root unit's groups the group of k ranks its backward gathers in
+    (Note [secondary shards] in _mesh.py); nothing when k is the shard group's size."""
+    if k == topo.shard.world_size:
+        return  # groups of S ranks are the shard group: ZeRO-3 itself
+    regather = secondary_groups(topo, k)
+    for u in units:
+        if not u.is_root:
+            for g in u.groups:
+                g.regather = regather
 
 
 def _check_budget(units: UnitSpec, memory_budget: object) -> None:
