@@ -91,7 +91,14 @@ def _training(rank, world):
     shard_bytes = sum(g.shard_numel * g.dtype.itemsize for g in trainable)
     assert across.bytes["all_reduce"] == shard_bytes, (across, shard_bytes)
     assert across.calls["all_reduce"] == len(trainable)
-    assert sum(across.calls.values()) == len(trainable)  # nothing else crosses nodes
+    assert sum(across.calls.values()) == len(trainable)
+    # Over every rank of the mesh, so also across nodes, only small control collectives:
+    # the order check's all-reduces (one per unit, the end of the forward, the start of
+    # the backward) and the used-parameter flags'.
+    world = after.comm_world.since(before.comm_world)
+    assert {k for k, v in world.calls.items() if v} == {"all_reduce"}, world
+    assert world.calls["all_reduce"] == len(after.units) + 3, world
+    assert world.bytes["all_reduce"] < 1024, world
     assert shard_bytes * 2 <= total + padding  # P/S of the model, up to padding
 
     # Gradient accumulation: nothing crosses nodes (and nothing is reduce-scattered)
@@ -181,6 +188,41 @@ def _consistency_and_checkpoints(rank, world, root):
         else:
             gpt_loss(model, x, x).backward()
     _steps(model, opt, 1, rank)
+
+    # A backward that raises half-way (a batch skipped) is abandoned; recovering waits for
+    # what was in flight but starts no sum across replicas of it. Training goes on.
+    def skip(*_):
+        raise RuntimeError("skip this batch")
+
+    handle = model.blocks[0].register_full_backward_pre_hook(skip)
+    with pytest.raises(RuntimeError, match="skip this batch"):
+        gpt_loss(model, x, x).backward()
+    handle.remove()
+    before = sw.inspect(model)
+    with torch.no_grad():
+        gpt_loss(model, x, x)
+    assert sum(sw.inspect(model).comm_across.since(before.comm_across).calls.values()) == 0
+    _steps(model, opt, 1, rank)
+    sw.check_consistency(model)
+
+    # The step log counts every group: the shard group's, every rank's, across replicas.
+    import logging
+
+    from shardwise._log import logger
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    _steps(model, opt, 1, rank)
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+    lines = [r.getMessage() for r in records if "step communication" in r.getMessage()]
+    if rank == 0:  # shardwise logs from rank 0
+        for part in ("all_gather", "reduce_scatter", "world all_reduce",
+                     "across replicas all_reduce"):
+            assert part in lines[-1], lines
 
     # The global gradient norm counts each row once, not once per replica: shardwise's
     # and torch's (through DTensor) agree with the norm of the full gradients.
@@ -319,10 +361,12 @@ def _secondary_shards(rank, world):
     assert losses == z_losses  # the same values gathered: every bit of every loss
     _same(state, z_state, "reshard_after_forward=2 against True")
 
-    # Between forward and backward each non-root unit keeps 1/k of itself.
+    # Between forward and backward each non-root unit keeps 1/k of itself, but the last,
+    # which stays gathered for its backward, which comes first.
     units = [u for u in after.units if not u.is_root]
     full = {u.name: sum(g.gathered_numel * g.dtype.itemsize for g in u.groups) for u in units}
-    assert between.kept_bytes == sum(full.values()) // 2, (between.kept_bytes, full)
+    kept = sum(full[u.name] for u in units[:-1]) // 2
+    assert between.kept_bytes == kept, (between.kept_bytes, full)
     assert after.kept_bytes == 0
     # The backward gathers every unit but the last (which stays gathered) within groups
     # of 2: its bytes leave the shard group's all-gathers for the groups' own.

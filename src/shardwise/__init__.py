@@ -6,7 +6,7 @@ Process group
     init_distributed(backend=None, timeout=None)
 Sharding
     shard(module, *, group, mesh, units, mixed_precision, buffers, src_rank,
-          reshard_after_forward, prefetch, memory_budget)
+          reshard_after_forward, prefetch, reproducible, memory_budget)
         -> the same module; every parameter becomes a DTensor with its original shape,
         sharded on dim 0 (``p.to_local()`` is this rank's rows)
     sharded_init(group=None, src_rank=0)       context manager: partition while building
@@ -17,6 +17,9 @@ Sharding
                                                phase, counters; read-only, no collective
     clip_grad_norm_(module, max_norm, norm_type=2.0)
     no_sync(module)
+Reproducible mode (shard(..., reproducible=True): the same bits at any world size)
+    micro_batches(batch, count, group=None)    this rank's share of a global batch
+    global_mean(values, group=None)            a mean over every rank's micro-batches
 Consistency
     gathered(module_or_params, modifier_rank=None)
     sync_buffers(module, src_rank=0, group=None)
@@ -61,6 +64,7 @@ from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, Shard
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
 from .inspection import ModelView, inspect
+from .reproducible import global_mean, micro_batches
 from .shard import MixedPrecision, is_sharded, shard
 from .state_dict import full_state_dict
 
@@ -93,11 +97,13 @@ __all__ = [
     "from_pretrained",
     "full_state_dict",
     "gathered",
+    "global_mean",
     "init_distributed",
     "inspect",
     "is_sharded",
     "load_checkpoint",
     "load_pretrained",
+    "micro_batches",
     "no_sync",
     "save_checkpoint",
     "shard",

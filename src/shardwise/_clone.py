@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from ._attach import attach
 from ._registry import set_instance_method
+from ._running_stats import RunningStats
 from ._state import ModelState, model_state
 from ._unit import FlatGroup, Unit
 from .buffers import BufferSync
@@ -103,6 +104,7 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
                              [p.shard for p in g.params], g.topology, g.local.device,
                              g.compute_dtype, g.reduce_dtype)
             twin.regather = g.regather  # Note [secondary shards]: the same groups of k
+            twin.exact = g.exact
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):
@@ -123,6 +125,8 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
     twin_state = ModelState(root, state.topology, units, buffers, state.src_rank)
     twin_state.prefetch = state.prefetch
+    if state.running_stats is not None:  # Note [reproducible running statistics]
+        twin_state.running_stats = RunningStats(root, state.comm)
     root.__dict__.pop("save_pretrained", None)  # the original's guard: attach makes one
     attach(twin_state)
     guard_model_copies(root)

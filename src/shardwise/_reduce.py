@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from ._comm import Comm
 from ._copies import rank_major, row_regions, write_rank_major
+from ._exact_reduce import ExactExchange, exchange
+from ._exact_sum import Binned, add_, encode
 from ._layout import ShardLayout
 from .errors import ShardwiseError
 
@@ -37,6 +39,7 @@ class Group(Protocol):
     comm: Comm
     replicate: Comm | None
     unit_name: str
+    exact: bool  # Note [reproducible reduction]
 
     @property
     def data_parallel_size(self) -> int: ...
@@ -65,8 +68,8 @@ _ALLOWED = {
                      Reduction.REDUCED},
     Reduction.ACCUMULATING: {Reduction.ACCUMULATING, Reduction.REDUCING,
                              Reduction.REPLICATING, Reduction.REDUCED},
-    Reduction.REDUCING: {Reduction.REPLICATING, Reduction.REDUCED},
-    Reduction.REPLICATING: {Reduction.REDUCED},
+    Reduction.REDUCING: {Reduction.REPLICATING, Reduction.REDUCED, Reduction.IDLE},
+    Reduction.REPLICATING: {Reduction.REDUCED, Reduction.IDLE},
     Reduction.REDUCED: {Reduction.IDLE},
 }
 
@@ -81,6 +84,8 @@ class GradReduction:
         self._buf: torch.Tensor | None = None   # ACCUMULATING, REDUCING
         self._out: torch.Tensor | None = None   # REDUCING, REDUCED
         self._work = None                       # REDUCING
+        self._acc: Binned | None = None         # ACCUMULATING, exact mode
+        self._exact: ExactExchange | None = None  # REDUCING, exact mode
 
     def _move(self, to: Reduction) -> None:
         if to not in _ALLOWED[self.state]:
@@ -96,6 +101,9 @@ class GradReduction:
         DistributedDataParallel does, so results match it bit for bit at N=2.
         """
         g = self.group
+        if g.exact:
+            self._start_exact(sync)
+            return
         accumulating = self.state is Reduction.ACCUMULATING
         buf = self._buf if accumulating else None
         if buf is None:
@@ -125,6 +133,28 @@ class GradReduction:
             self._out, buf, async_op=True,
             what=f"the reduce-scatter of unit {g.unit_name!r}'s gradients")
 
+    def _start_exact(self, sync: bool) -> None:
+        """:meth:`start` in reproducible mode (Note [reproducible reduction]): this
+        backward's gradients, unscaled, become one exact term of the accumulator."""
+        g = self.group
+        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.local.device)
+        with torch.no_grad():
+            for i, p in enumerate(g.params):
+                grad = p.full.grad
+                p.full.grad = None
+                if grad is not None:
+                    write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
+                    self.used[i] = True
+        term = encode(buf)
+        del buf
+        self._acc = term if self._acc is None else add_(self._acc, term)
+        if not sync:
+            self._move(Reduction.ACCUMULATING)
+            return
+        acc, self._acc = self._acc, None
+        self._exact = exchange(g.comm, acc, f"unit {g.unit_name!r}'s gradients")
+        self._move(Reduction.REDUCING)
+
     def _take(self, buf: torch.Tensor, i: int, grad: torch.Tensor | None, seen: bool,
               sync: bool) -> None:
         """Parameter ``i``'s part of :meth:`start`. ``seen``: ``buf`` already holds its
@@ -151,6 +181,11 @@ class GradReduction:
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
         across replicas without waiting for it."""
+        if self.state is Reduction.REDUCING and self._exact is not None:
+            exact, self._exact = self._exact, None
+            self._out = exact.result()
+            self._move(Reduction.REDUCED)
+            return
         if self.state is Reduction.REDUCING:
             assert self._work is not None
             self._work.wait()
@@ -180,11 +215,19 @@ class GradReduction:
 
     def drop(self) -> None:
         """Forget an unfinished reduction (its backward was aborted); what earlier
-        ``no_sync`` passes accumulated stays."""
-        self.wait()
-        if self.state is Reduction.REDUCED:
+        ``no_sync`` passes accumulated stays. Communication in flight is waited for (its
+        buffers must outlive it) but nothing new starts: no sum across replicas of a
+        result that is thrown away."""
+        if self.state in (Reduction.REDUCING, Reduction.REPLICATING):
+            if self._exact is not None:
+                self._exact.result()
+            elif self._work is not None:
+                self._work.wait()
+            self._work = self._buf = self._exact = None
             self._move(Reduction.IDLE)
-            self._out = None
+        elif self.state is Reduction.REDUCED:
+            self._move(Reduction.IDLE)
+        self._out = None
 
     def finish(self, used_anywhere: list[bool]) -> None:
         """Accumulate the reduced rows into each parameter's DTensor ``.grad``.

@@ -47,6 +47,7 @@ from ._mesh import Topology
 from ._order_check import OrderCheck, order_checks_enabled
 from ._peers import ACTIVITY
 from ._registry import STATE, attach_to, attached
+from ._running_stats import RunningStats
 from ._unit import Unit
 from .errors import ShardwiseError
 
@@ -83,6 +84,8 @@ class ModelState:
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
         self._compile_checked = False  # warn_if_compiled_whole ran
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
+        # reproducible=True: Note [reproducible running statistics]
+        self.running_stats: RunningStats | None = None
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -154,13 +157,19 @@ class ModelState:
         elif not torch.is_grad_enabled():
             unit.reshard()
         elif unit.reshard_after_forward:
+            # A unit that stays gathered is not gathered again for its backward: the part
+            # kept for that (Note [secondary shards]) would only take memory.
             if hooked:
                 if not self._runs_last(unit):  # else its backward comes next: keep it
                     unit.reshard()
+                else:
+                    unit.drop_kept()
             # Without a hooked output nothing would gather the unit again before its
             # backward: a frozen one may go, a trainable one stays until backward ends.
             elif not any(p.requires_grad for p in unit.params):
                 unit.reshard()
+            else:
+                unit.drop_kept()
 
     def _start_root_forward(self) -> None:
         check_model(self.root, self.units)
@@ -276,6 +285,8 @@ class ModelState:
         self.release_all()
         self.phase = Phase.IDLE
         self.steps += 1
+        if self.running_stats is not None and self.requires_grad_sync:
+            self.running_stats.replay()
         ACTIVITY.leave(f"the backward of step {self.steps}")
         self._sync_buffers_if_due()  # Note [buffer sync point]
         self._log_step()
@@ -284,14 +295,34 @@ class ModelState:
         """Log this step's communication (bytes fed into each kind of collective)."""
         if not logger.isEnabledFor(logging.INFO):
             return
-        stats = self.comm.stats
-        now = {k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes}
+        now = {}
+        for label, comm in self.comm_groups():
+            stats = comm.stats
+            prefix = f"{label} " if label else ""
+            now.update({prefix + k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes})
         last = self._logged
         parts = [f"{k} {(b - last.get(k, (0, 0))[0]) / 2**20:.1f} MiB in "
                  f"{c - last.get(k, (0, 0))[1]} calls" for k, (b, c) in sorted(now.items())
                  if c != last.get(k, (0, 0))[1]]
         self._logged = now
         logger.info("step communication: %s", ", ".join(parts))
+
+    def comm_groups(self) -> list[tuple[str, Comm]]:
+        """Every group the model communicates over, each once, labelled for a log: the
+        model's group (hybrid: the shard group and, as "world", every rank), "across
+        replicas" (Note [hybrid sharding]) and "within groups of k" (Note [secondary
+        shards])."""
+        topo = self.topology
+        out = [("", topo.shard)]
+        if self.comm is not topo.shard:
+            out.append(("world", self.comm))
+        if topo.replicate is not None and topo.replicate is not self.comm:
+            out.append(("across replicas", topo.replicate))
+        regather = next((g.regather for u in self.units for g in u.groups
+                         if g.regather is not None), None)
+        if regather is not None:
+            out.append(("within groups of k", regather))
+        return out
 
     def _needs_reduction(self, u: Unit) -> bool:
         # A unit whose backward never ran here may have run on another rank, so it joins

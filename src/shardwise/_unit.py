@@ -194,6 +194,7 @@ class FlatGroup:
         # rank's part of the gathered buffer kept from forward to backward, and its
         # version.
         self.regather: Comm | None = None
+        self.exact = False  # Note [reproducible reduction] in _exact_reduce.py
         self._kept: torch.Tensor | None = None
         self._kept_version = -1
         self._kept_sending: torch.Tensor | None = None
@@ -416,8 +417,7 @@ class Unit:
 
     def reset_iteration(self) -> None:
         """Forget the bookkeeping of one forward/backward."""
-        for g in self.groups:
-            g.drop_kept()
+        self.drop_kept()
         self.forward_calls = 0      # grad-enabled forwards since the last backward ended
         self.backward_calls = 0     # of those, how many have finished their backward
         self.reduced = False        # gradients handed to the reduction this backward
@@ -477,6 +477,11 @@ class Unit:
             g.wait_gather(keep=keep)
         self._swap(full=True)
         self.state = UnitState.GATHERED
+
+    def drop_kept(self) -> None:
+        """Forget the parts kept for a backward gather (Note [secondary shards])."""
+        for g in self.groups:
+            g.drop_kept()
 
     def reshard(self, keep_grads: bool = False) -> None:
         """-> SHARDED: expose shards again and free the full parameters (and, unless

@@ -29,7 +29,6 @@ from .errors import ShardwiseError
 from .memory import _unique_bytes
 
 if TYPE_CHECKING:
-    from ._state import ModelState
     from ._unit import FlatGroup, ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
@@ -174,12 +173,14 @@ class ModelView:
     grad_bytes: int              # this rank's gradient shards (``p.grad``), each storage once
     full_bytes: int              # full parameters allocated now (gathered units)
     largest_gathered_bytes: int  # the largest unit's full parameters while gathered
-    comm: CommView               # within the model's group (hybrid: the shard groups)
+    comm: CommView               # over the model's group (hybrid: this rank's shard group)
     shard_size: int              # ranks a parameter is sharded over (S)
     replicas: int                # ranks holding each shard (R; 1 unless hybrid)
-    # Hybrid sharding: the gradient sums across replicas (Note [hybrid sharding]); None
-    # when flat.
+    # Hybrid sharding: the gradient sums across replicas (Note [hybrid sharding]), and
+    # the small control collectives over every rank of the mesh (order checks, flags,
+    # buffers); None when flat (``comm`` holds everything).
     comm_across: CommView | None
+    comm_world: CommView | None
     # reshard_after_forward=k: the backward all-gathers within groups of k ranks (Note
     # [secondary shards]), and the bytes of the parts kept for them now; None and 0
     # otherwise.
@@ -266,15 +267,6 @@ def _comm_view(backend: str, stats: CommStats) -> CommView:
     return CommView(backend, counts(stats.bytes), counts(stats.calls), counts(stats.sent))
 
 
-def _within(state: ModelState) -> CommStats:
-    """The world group's counters, plus the shard groups' when they differ (hybrid)."""
-    world, shard = state.comm.stats, state.topology.shard.stats
-    if shard is world:
-        return world
-    return CommStats(world.bytes + shard.bytes, world.calls + shard.calls,
-                     world.sent + shard.sent)
-
-
 def inspect(module: nn.Module) -> ModelView:
     """A read-only snapshot of a sharded model's engine state on this rank.
 
@@ -325,7 +317,9 @@ def inspect(module: nn.Module) -> ModelView:
         grad_bytes=_unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
         full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated),
         largest_gathered_bytes=max((u.gathered_bytes for u in units), default=0),
-        comm=_comm_view(state.comm.backend, _within(state)),
+        comm=_comm_view(state.comm.backend, state.topology.shard.stats),
+        comm_world=(None if state.comm is state.topology.shard
+                    else _comm_view(state.comm.backend, state.comm.stats)),
         shard_size=state.topology.shard.world_size, replicas=state.topology.replicas,
         comm_across=(None if (across := state.topology.replicate) is None
                      else _comm_view(across.backend, across.stats)),

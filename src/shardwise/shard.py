@@ -41,6 +41,7 @@ from ._plan import (
     group_specs,
     warn_if_one_unit_dominates,
 )
+from ._running_stats import RunningStats
 from ._sharded_init import clear_init_piece, full_value, init_piece
 from ._state import ModelState, model_state
 from ._state_dict_hooks import install_state_dict_hooks
@@ -108,7 +109,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
           mixed_precision: MixedPrecision | None = None,
           buffers: str | BufferPolicy = "broadcast",
           src_rank: int = 0, reshard_after_forward: bool | int = True,
-          prefetch: int = 1, memory_budget: int | None = None) -> nn.Module:
+          prefetch: int = 1, reproducible: bool = False,
+          memory_budget: int | None = None) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
     Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
@@ -163,6 +165,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             ranks on the host), minus the parameter, gradient and AdamW state shards the
             planner predicts, the minimum over all ranks. The rest of free memory is
             left for activations, the computing unit's gradients and communication.
+        reproducible: results that do not depend on the world size (Note
+            [reproducible reduction] in _exact_reduce.py; docs/reproducible.md): each
+            backward is one micro-batch, whose gradients are summed exactly; the
+            gradient is their mean over all micro-batches of all ranks. Split batches
+            with :func:`~shardwise.micro_batches`. Flat sharding only for now.
 
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
@@ -185,6 +192,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     """
     topo = _check_arguments(module, group, mesh, src_rank)
     check_secondary(topo, reshard_after_forward)
+    _check_reproducible(reproducible, topo, mixed_precision)
     comm = topo.world
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
@@ -229,12 +237,17 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                           cast_inputs=mp.param_dtype))
     if type(reshard_after_forward) is int:
         _secondary_shards(built, topo, reshard_after_forward)
+    for u in built:
+        for g in u.groups:
+            g.exact = reproducible
     _log_plan(built, topo)
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
     state = ModelState(module, topo, built, buffer_sync, src_rank)
     state.prefetch = prefetch
+    if reproducible:
+        state.running_stats = RunningStats(module, comm)
     for unit in built:
         unit.module.register_forward_pre_hook(_hooks.pre_forward, prepend=True,
                                               with_kwargs=True)
@@ -265,6 +278,27 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{topo.world.world_size}")
     return topo
+
+
+def _check_reproducible(reproducible: object, topo: Topology,
+                        mp: MixedPrecision | None) -> None:
+    """Refuse what the reproducible mode cannot honour (Note [reproducible reduction])."""
+    if not isinstance(reproducible, bool):
+        raise ShardwiseError(f"reproducible={reproducible!r}: expected True or False")
+    if not reproducible:
+        return
+    if topo.replicate is not None:
+        raise ShardwiseError("reproducible=True with a 2-D mesh (hybrid sharding) is not "
+                             "supported yet: shard flat (group= or a 1-D mesh)")
+    if mp is not None and mp.reduce_dtype not in (None, torch.float32):
+        raise ShardwiseError(f"reproducible=True sums gradients exactly and hands them out "
+                             f"in fp32; reduce_dtype={mp.reduce_dtype} would round them per "
+                             f"rank first. Leave reduce_dtype unset")
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and \
+            not torch.are_deterministic_algorithms_enabled():
+        raise ShardwiseError("reproducible=True on CUDA needs deterministic kernels: call "
+                             "torch.use_deterministic_algorithms(True) first (and set "
+                             "CUBLAS_WORKSPACE_CONFIG=:4096:8, as torch asks)")
 
 
 def _secondary_shards(units: list[Unit], topo: Topology, k: int) -> None:
