@@ -123,6 +123,7 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         units.append(Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
                           u.reshard_after_forward, u.is_root, cast_inputs=u.cast_inputs))
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
+    buffers.exact = state.buffers.exact
     twin_state = ModelState(root, state.topology, units, buffers, state.src_rank)
     twin_state.prefetch = state.prefetch
     if state.running_stats is not None:  # Note [reproducible running statistics]

@@ -24,13 +24,25 @@ sums").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
 from ._comm import Comm
-from ._exact_sum import INDEX_DTYPE, Binned, align, check_terms, decode
+from ._exact_sum import (
+    DEFAULT,
+    INDEX_DTYPE,
+    NONFINITE,
+    Binned,
+    align,
+    check_terms,
+    decode,
+    encode,
+    max_terms,
+)
 from .errors import ShardwiseError
 
 
@@ -84,3 +96,72 @@ def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
     work = comm.reduce_scatter(out.view(-1), sending, async_op=True,
                                what=f"the reduce-scatter of {what}'s bins")
     return ExactExchange(work, index[mine].clone(), out, acc.terms * world, sending)
+
+
+def exact_total(comm: Comm, tensors: list[torch.Tensor]) -> float:
+    """The sum of every element of every rank's ``tensors``, exact up to the bits kept
+    (Note [exact sums]: 40 below the top bin of the largest element), so the same float
+    however the elements are spread over ranks; rounded once, to float64. For
+    ``clip_grad_norm_`` and the like in the reproducible mode (a collective).
+    """
+    spec = DEFAULT
+    flat = (torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors
+            else torch.zeros(0))
+    b = encode(flat, spec)
+    top = torch.tensor([int(b.index.max()) if flat.numel() else 0], dtype=torch.int32)
+    if comm.world_size > 1:
+        comm.all_reduce(top, op=dist.ReduceOp.MAX, what="the exchange of an exact sum's top")
+    t = int(top[0])
+    aligned = align(b, torch.full_like(b.index, t))
+    sums = [0] * spec.K
+    step = max_terms(spec)  # elements per chunk: no int64 accumulator can overflow
+    for start in range(0, flat.numel(), step):
+        part = aligned.bins[start:start + step].sum(dim=0)
+        sums = [s + int(v) for s, v in zip(sums, part.tolist())]
+    everyone = [sums] if comm.world_size == 1 else comm.all_gather_object(
+        sums, what="the exchange of an exact sum's bins")
+    totals = [sum(r[k] for r in everyone) for k in range(spec.K)]
+    if t == NONFINITE:  # slot 0 counts +inf terms, slot 1 -inf (NaN counts as both)
+        if totals[0] and totals[1]:
+            return math.nan
+        return math.inf if totals[0] else -math.inf
+    value = sum(Fraction(s) * Fraction(2) ** (spec.base + (t - k) * spec.W)
+                for k, s in enumerate(totals))
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def exact_average(comm: Comm, tensors: list[torch.Tensor], what: str) -> None:
+    """Replace floating ``tensors`` in place by their mean over ranks, each element the
+    exact sum of the ranks' values (bits kept as in Note [exact sums]) divided by the
+    number of ranks and rounded once: a function of the set of values, not of their
+    order. For ``buffers="average"`` in the reproducible mode; elementwise in Python,
+    so meant for buffers (BatchNorm statistics), not for parameters.
+    """
+    tensors = [t for t in tensors if t.is_floating_point()]
+    if not tensors or comm.world_size == 1:
+        return
+    spec = DEFAULT
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+    b = encode(flat, spec)
+    index = b.index.to(torch.int32)
+    comm.all_reduce(index, op=dist.ReduceOp.MAX, what=f"the exchange of top bins of {what}")
+    bins = align(b, index.to(INDEX_DTYPE)).bins.clone()
+    comm.all_reduce(bins, what=f"the exact sum of {what}")
+    unit = Fraction(2) ** spec.W
+    out = []
+    for top, row in zip(index.tolist(), bins.tolist()):
+        if top == NONFINITE:
+            out.append(math.nan if row[0] and row[1] else math.inf if row[0] else -math.inf)
+            continue
+        exact = sum(Fraction(v) / unit ** k for k, v in enumerate(row))
+        out.append(float(exact * Fraction(2) ** (spec.base + top * spec.W) / comm.world_size))
+    values = torch.tensor(out, dtype=torch.float64)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(values[offset:offset + n].view(t.shape).to(t.dtype))
+            offset += n

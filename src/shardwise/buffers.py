@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._comm import Comm
+from ._exact_reduce import exact_average
 from ._order_check import announce
 from ._peers import operation
 from ._state import model_state
@@ -61,6 +62,7 @@ class BufferSync:
         self.root = root
         self.comm = comm
         self.src_rank = src_rank
+        self.exact = False  # reproducible mode: "average" sums exactly (_exact_reduce.py)
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
@@ -79,7 +81,10 @@ class BufferSync:
             return
         floating = [b for b in buffers if b.is_floating_point() or b.is_complex()]
         exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
-        self.comm.average_tensors(floating, "the averaging of buffers after the forward")
+        if self.exact:
+            exact_average(self.comm, floating, "buffers after the forward")
+        else:
+            self.comm.average_tensors(floating, "the averaging of buffers after the forward")
         self.comm.broadcast_tensors(exact, self.src_rank,
                                     "the broadcast of buffers after the forward")
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._exact_reduce import exact_total
 from ._order_check import announce
 from ._peers import operation
 from ._state import model_state
@@ -37,7 +38,11 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         norm_type: p of the p-norm; ``float("inf")`` for the largest absolute value.
 
     Returns:
-        The total norm before clipping, identical on every rank.
+        The total norm before clipping, identical on every rank. In the reproducible
+        mode (``shard(reproducible=True)``) the sum of powers is exact, so the norm is
+        the same at every world size; ``torch.nn.utils.clip_grad_norm_`` on the
+        parameters sums in fp32 over each rank's rows instead, which differs in the last
+        bits from one world size to another: use this function there.
 
     Raises:
         ShardwiseError: for a non-positive ``norm_type``.
@@ -70,7 +75,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     # Over the shard group only: replicas (Note [hybrid sharding]) hold the same rows, and
     # summing over them too would count each row once per replica.
     shards = state.topology.shard
-    if math.isinf(norm_type):
+    if not math.isinf(norm_type) and any(g.exact for u in state.units for g in u.groups):
+        # Reproducible mode: the sum of |g|^p over every element, exact (Note [exact
+        # sums]), so the norm does not depend on how rows are split over ranks. The
+        # infinity norm's MAX needs nothing more.
+        powered = [g.float().abs().pow(norm_type) for g in nonempty]
+        value = exact_total(shards, powered) ** (1.0 / norm_type)
+        total = torch.tensor(value, dtype=torch.float32, device=device)
+    elif math.isinf(norm_type):
         local = norms.max()
         shards.all_reduce(local, op=dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce")
         total = local

@@ -248,6 +248,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     state.prefetch = prefetch
     if reproducible:
         state.running_stats = RunningStats(module, comm)
+        buffer_sync.exact = True
     for unit in built:
         unit.module.register_forward_pre_hook(_hooks.pre_forward, prepend=True,
                                               with_kwargs=True)
