@@ -38,6 +38,19 @@ def _non_negative(text: str) -> float:
     return _number(text, allow_zero=True)
 
 
+def _mesh(text: str) -> tuple[int, int]:
+    """``R,S``: R replicas of a shard group of S ranks (Note [hybrid sharding])."""
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected R,S (replicas, shard size), got {text!r}")
+    try:
+        r, s = (_positive_int(part.strip()) for part in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"expected R,S (two whole numbers, at least 1), "
+                                         f"got {text!r}: {e}") from None
+    return r, s
+
+
 def _float_dtype(text: str):
     import torch
 
@@ -85,10 +98,22 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from shardwise.errors import ShardwiseError
-    from shardwise.planner import build_on_meta, plan, to_json, uniform_plan
+    from shardwise.planner import (
+        MeshPlan,
+        build_on_meta,
+        comm_plan,
+        plan,
+        to_json,
+        uniform_comm_plan,
+        uniform_plan,
+    )
 
     dtype = args.param_dtype
     activations = int(args.activation_gib * 2**30)
+    # With --mesh R,S each rank holds 1/S of the state; flat ZeRO-3 over R*S is reported
+    # next to it.
+    replicas, shards = args.mesh or (1, args.world)
+    world = replicas * shards
     if args.model:
         try:
             model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None)
@@ -97,15 +122,28 @@ def _plan(args: argparse.Namespace) -> int:
         if not isinstance(model, torch.nn.Module):
             raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
                                  f"torch.nn.Module")
-        result = plan(model, args.world, args.optimizer, dtype, activation_bytes=activations)
+        result = plan(model, shards, args.optimizer, dtype, activation_bytes=activations)
+        if args.mesh:
+            mesh = MeshPlan(result, comm_plan(model, replicas, shards, dtype),
+                            plan(model, world, args.optimizer, dtype,
+                                 activation_bytes=activations),
+                            comm_plan(model, 1, world, dtype))
     elif args.params and args.layers:
         compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
-        result = uniform_plan(int(args.params), args.layers, args.world, 4, args.optimizer,
-                              compute, activations)
+        n, layers = int(args.params), args.layers
+        result = uniform_plan(n, layers, shards, 4, args.optimizer, compute, activations)
+        if args.mesh:
+            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, 4, compute),
+                            uniform_plan(n, layers, world, 4, args.optimizer, compute,
+                                         activations),
+                            uniform_comm_plan(n, layers, 1, world, 4, compute))
     else:
         raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
                              "or --params and --layers")
-    print(to_json(result) if args.json else result.table())
+    if args.mesh:
+        print(mesh.to_json() if args.json else mesh.table())
+    else:
+        print(to_json(result) if args.json else result.table())
     return 0
 
 
@@ -130,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         $ shardwise inspect ckpt/latest
         $ shardwise consolidate ckpt/latest export/
         $ shardwise plan --params 7e9 --layers 32 --world 8
+        $ shardwise plan --params 7e9 --layers 32 --mesh 16,8
     """
     parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -152,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=_positive, help="parameter count, without --model")
     p.add_argument("--layers", type=_positive_int,
                    help="number of equal blocks, without --model")
-    p.add_argument("--world", type=_positive_int, required=True, help="ranks to shard over")
+    p.add_argument("--world", type=_positive_int,
+                   help="ranks to shard over (with --mesh: optional, must be R*S)")
+    p.add_argument("--mesh", type=_mesh, metavar="R,S",
+                   help="hybrid sharding: R replicas of S ranks (a node) each; adds bytes "
+                        "per step within and across nodes, and flat ZeRO-3 over R*S")
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adam", "sgd", "sgd-momentum"])
     p.add_argument("--param-dtype", type=_float_dtype,
@@ -182,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         problem = output_problem(args.checkpoint, args.output)
         if problem:
             c.error(problem)
+    if args.command == "plan":
+        if args.mesh is None and args.world is None:
+            p.error("give --world N, or --mesh R,S for hybrid sharding")
+        if args.mesh is not None and args.world not in (None, args.mesh[0] * args.mesh[1]):
+            r, s = args.mesh
+            p.error(f"--world {args.world} does not match --mesh {r},{s} ({r * s} ranks); "
+                    f"--world may be left out with --mesh")
     from shardwise.errors import ShardwiseError
 
     try:

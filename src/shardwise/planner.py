@@ -155,3 +155,175 @@ def build_on_meta(spec: str, kwargs: dict | None = None) -> nn.Module:
 
 def to_json(p: MemoryPlan) -> str:
     return json.dumps({**asdict(p), "total": p.total}, indent=2)
+
+
+# -- bytes per step on a (replicate, shard) mesh -------------------------------------------
+
+@dataclass
+class CommPlan:
+    """Bytes one rank feeds into the collectives of one training step (input bytes, as
+    ``sw.inspect(model).comm`` counts them), on a mesh of ``replicas`` x ``shard_size``
+    ranks (Note [hybrid sharding] in ``_mesh.py``; flat ZeRO-3 is ``replicas == 1``).
+
+    ``all_gather`` and ``reduce_scatter`` run within a shard group (a node, when a row of
+    the mesh is a node); ``all_reduce`` is the sum of each gradient shard across the
+    replicas, the only traffic between shard groups. The ``*_wire`` properties are what a
+    rank sends under ring algorithms: an all-gather sends its shard to the S-1 others,
+    a reduce-scatter (S-1)/S of its input, an all-reduce 2(R-1)/R of its input.
+    """
+
+    replicas: int
+    shard_size: int
+    all_gather: int
+    reduce_scatter: int
+    all_reduce: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shard_size
+
+    @property
+    def within(self) -> int:
+        """Input bytes per step of the shard group's collectives."""
+        return self.all_gather + self.reduce_scatter
+
+    @property
+    def within_wire(self) -> int:
+        s = self.shard_size
+        return (s - 1) * self.all_gather + (s - 1) * self.reduce_scatter // s
+
+    @property
+    def across_wire(self) -> int:
+        r = self.replicas
+        return 2 * (r - 1) * self.all_reduce // r
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "within": self.within, "within_wire": self.within_wire,
+                "across_wire": self.across_wire}
+
+
+def comm_plan(model: nn.Module, replicas: int, shard_size: int,
+              param_dtype: torch.dtype | None = None,
+              reduce_dtype: torch.dtype | None = None, units: UnitSpec = None) -> CommPlan:
+    """Input bytes one rank feeds into each collective per training step, sharded over
+    ``shard_size`` ranks and replicated ``replicas`` times (``replicas=1``: flat ZeRO-3).
+
+    Uses the engine's units, groups and padded layout, as :func:`plan` does. Per step
+    every unit is all-gathered for its forward and again for its backward, except the
+    root and the unit that runs last in forward, which stay gathered (taken here as the
+    last unit in ``units`` order, the order of a model whose blocks run as they are
+    registered); each trainable group's padded gradient buffer is reduce-scattered once,
+    and, with ``replicas > 1``, its gradient shard all-reduced across the replicas once.
+    Gradient accumulation under ``no_sync`` defers both reductions to the last
+    micro-batch.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=24, d_model=2048))
+        >>> comm_plan(model, replicas=8, shard_size=8).all_reduce   # P/S in bytes
+    """
+    if replicas < 1 or shard_size < 1:
+        raise ValueError(f"mesh ({replicas}, {shard_size}): both sizes must be at least 1")
+    chosen = choose_units(model, units)
+    names = [n for n, _ in chosen]
+    per_unit = assign_units(discover_params(model, names), names)
+    gather = scatter = reduce = 0
+    for index, recs in enumerate(per_unit):
+        gathers = 1 if index in (0, len(per_unit) - 1) else 2
+        for spec in group_specs(recs, param_dtype, reduce_dtype):
+            layout = build_layout([tuple(r.param.shape) for r in spec.records], shard_size)
+            gather += gathers * layout.shard_numel * _itemsize(spec.compute_dtype)
+            if spec.records[0].param.requires_grad:
+                size = _itemsize(spec.reduce_dtype)
+                scatter += layout.gathered_numel * size
+                reduce += layout.shard_numel * size
+    if shard_size == 1:  # a shard group of one gathers and reduces without collectives
+        gather = scatter = 0
+    return CommPlan(replicas, shard_size, gather, scatter, reduce if replicas > 1 else 0)
+
+
+def uniform_comm_plan(n_params: int, n_layers: int, replicas: int, shard_size: int,
+                      dtype_bytes: int = 4, compute_bytes: int | None = None) -> CommPlan:
+    """:func:`comm_plan` for a model known only by its size: ``n_layers`` equal blocks
+    and an empty root, so the last block alone is gathered once; padding is ignored."""
+    if replicas < 1 or shard_size < 1:
+        raise ValueError(f"mesh ({replicas}, {shard_size}): both sizes must be at least 1")
+    shard = -(-n_params // shard_size)
+    block_shard = -(-n_params // max(n_layers, 1)) / shard_size
+    gather = round((2 * shard - block_shard) * (compute_bytes or dtype_bytes))
+    scatter = shard * shard_size * dtype_bytes
+    if shard_size == 1:
+        gather = scatter = 0
+    return CommPlan(replicas, shard_size, gather, scatter,
+                    shard * dtype_bytes if replicas > 1 else 0)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class MeshPlan:
+    """Memory and bytes per step of one rank on a (replicas, shard_size) mesh, next to
+    flat ZeRO-3 over the same R*S ranks; :func:`mesh_plan` makes one."""
+
+    memory: MemoryPlan       # sharded over S: what each rank holds
+    comm: CommPlan
+    flat_memory: MemoryPlan  # sharded over R*S
+    flat_comm: CommPlan
+
+    def table(self) -> str:
+        """A readable report, in MiB. "Spanning nodes": bytes in collectives whose group
+        reaches beyond one shard group (node): for hybrid the all-reduce across
+        replicas, for flat ZeRO-3 over several nodes every all-gather and reduce-scatter."""
+        c, f = self.comm, self.flat_comm
+        r, s = c.replicas, c.shard_size
+        f_span = f.within if r > 1 else 0
+        rows = [
+            ("all-gather", c.all_gather, f.all_gather),
+            ("reduce-scatter", c.reduce_scatter, f.reduce_scatter),
+            ("all-reduce across replicas", c.all_reduce, 0),
+            ("in collectives within a node", c.within, f.within - f_span),
+            ("in collectives spanning nodes", c.all_reduce, f_span),
+            ("ring, sent: within a node", c.within_wire, f.within_wire if r == 1 else 0),
+            ("ring, sent: spanning nodes", c.across_wire, f.within_wire if r > 1 else 0),
+        ]
+        width = max(len(n) for n, _, _ in rows)
+        head = f"mesh ({r}, {s}) = {c.world_size} ranks, sharded over {s}"
+        lines = [self.memory.table().replace(f"world size {self.memory.world_size}", head),
+                 "", f"bytes per rank per step, nodes of {s} ranks (input bytes unless "
+                 f"'ring, sent')",
+                 f"  {'':<{width}}  {f'hybrid ({r}, {s})':>14}  "
+                 f"{f'flat over {c.world_size}':>14}"]
+        lines += [f"  {n:<{width}}  {a / 2**20:10.1f} MiB  {b / 2**20:10.1f} MiB"
+                  for n, a, b in rows]
+        lines.append(f"  flat ZeRO-3 over {c.world_size} ranks: "
+                     f"{self.flat_memory.total / 2**20:.1f} MiB per rank in total")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The memory plan's fields (as :func:`to_json`), plus ``mesh``, ``comm`` and
+        ``flat`` (memory and comm of flat ZeRO-3 over R*S ranks)."""
+        return json.dumps({**asdict(self.memory), "total": self.memory.total,
+                           "mesh": [self.comm.replicas, self.comm.shard_size],
+                           "comm": self.comm.as_dict(),
+                           "flat": {**asdict(self.flat_memory), "total": self.flat_memory.total,
+                                    "comm": self.flat_comm.as_dict()}}, indent=2)
+
+
+def mesh_plan(model: nn.Module, replicas: int, shard_size: int, optimizer: str = "adamw",
+              param_dtype: torch.dtype | None = None, units: UnitSpec = None,
+              activation_bytes: int = 0) -> MeshPlan:
+    """:func:`plan` and :func:`comm_plan` on a (replicas, shard_size) mesh, and both for
+    flat ZeRO-3 over ``replicas * shard_size`` ranks.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=24, d_model=2048))
+        >>> print(mesh_plan(model, replicas=64, shard_size=8).table())
+    """
+    world = replicas * shard_size
+    return MeshPlan(plan(model, shard_size, optimizer, param_dtype, units, activation_bytes),
+                    comm_plan(model, replicas, shard_size, param_dtype, units=units),
+                    plan(model, world, optimizer, param_dtype, units, activation_bytes),
+                    comm_plan(model, 1, world, param_dtype, units=units))
