@@ -1,0 +1,122 @@
+"""What the reproducible mode costs against the default, on the reference workload.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/reproducible.py \\
+        [--rounds 3 --steps 4 --micro 4]
+
+The reference GPT (6 layers, d_model 512, sequence 256) with 4 sequences per rank and
+step, cut into ``--micro`` micro-batches per rank: all but the last backward under
+``sw.no_sync`` (DDP: ``no_sync()``), the last one reducing. Systems, in interleaved
+rounds (step_time.py's ``run_rounds``): ``ddp``, ``shardwise`` (default mode, each
+micro-batch's loss divided by their number), ``reproducible`` (``shard(...,
+reproducible=True)``, Note [reproducible reduction]). Printed: step times and their
+ratios, the bytes each rank fed into collectives per step (``sw.inspect``), and the bytes
+the gradient accumulators held just before the reducing backward (read from the engine's
+own buffers: fp32 rank-major buffers by default, index + bins in the reproducible mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+from step_time import System, build, run_rounds
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import shardwise as sw
+from shardwise._state import model_state
+from shardwise.models import GPTConfig
+
+
+def accumulator_bytes(model) -> int:
+    """Bytes held by the gradient accumulators of a shardwise model right now."""
+    state = model_state(model)
+    total = 0
+    for u in state.units:
+        for g in u.trainable_groups:
+            r = g.reduction
+            if r._buf is not None:
+                total += r._buf.numel() * r._buf.element_size()
+            if r._acc is not None:
+                total += r._acc.index.numel() + r._acc.bins.numel() * 8
+    return total
+
+
+def make_loss(micro: int, reproducible: bool, held: list[int]):
+    """A step_time loss function that runs ``micro`` micro-batches and returns the last
+    one's loss (whose backward, run by System.run, reduces)."""
+    def loss_fn(model, batch):
+        parts = list(zip(*(t.chunk(micro) for t in batch)))
+        sync_off = model.no_sync if isinstance(model, DDP) else (lambda: sw.no_sync(model))
+        for x, y in parts[:-1]:
+            with sync_off():
+                loss = model(x, y)
+                (loss if reproducible else loss / micro).backward()
+        if not isinstance(model, DDP):
+            held.append(accumulator_bytes(model))
+        x, y = parts[-1]
+        loss = model(x, y)
+        return loss if reproducible else loss / micro
+    return loss_fn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=4, help="micro-batches per rank")
+    args = parser.parse_args()
+    sw.init_distributed(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(n_layer=6, d_model=512, seq_len=256)
+    g = torch.Generator().manual_seed(100 + rank)
+    data = []
+    for _ in range(args.rounds * args.steps):
+        x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
+        data.append((x, torch.roll(x, -1, dims=1)))
+    device = torch.device("cpu")
+    held: dict[str, list[int]] = {"shardwise": [], "reproducible": []}
+    systems = [
+        System("ddp", DDP(build(cfg)), device, make_loss(args.micro, False, [])),
+        System("shardwise", sw.shard(build(cfg)), device,
+               make_loss(args.micro, False, held["shardwise"])),
+        System("reproducible", sw.shard(build(cfg), reproducible=True), device,
+               make_loss(args.micro, True, held["reproducible"])),
+    ]
+    counted = {}
+    for s in systems[1:]:
+        before = sw.inspect(s.model).comm
+        s.run(data, 1)  # one step, counted, before the timed rounds
+        counted[s.name] = sw.inspect(s.model).comm.since(before)
+        s.times.clear()
+        s.losses.clear()
+        s.step = 0
+    run_rounds(systems, data, args.rounds, args.steps)
+    if rank != 0:
+        dist.destroy_process_group()
+        return
+
+    def med(s: System, r: int) -> float:
+        return statistics.median(s.times[r][args.warmup:] if r == 0 else s.times[r])
+
+    print(f"\nworld {world}, {args.micro} micro-batches of 1 sequence per rank, "
+          f"{args.rounds} interleaved rounds of {args.steps} steps")
+    ddp = systems[0]
+    print("| system | median s/step per round | median ratio to DDP | collective input per "
+          "step | accumulators before the reduction |")
+    print("|---|---|---|---|---|")
+    for s in systems:
+        ratios = [med(s, r) / med(ddp, r) for r in range(args.rounds)]
+        c = counted.get(s.name)
+        moved = ("" if c is None else ", ".join(
+            f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(c.bytes.items()) if v))
+        acc = f"{max(held[s.name]) / 2**20:.0f} MiB" if s.name in held else ""
+        print(f"| {s.name} | {' '.join(f'{med(s, r):.3f}' for r in range(args.rounds))} | "
+              f"{statistics.median(ratios):.3f} | {moved} | {acc} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
