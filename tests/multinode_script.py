@@ -35,8 +35,11 @@ for step in range(4):
     opt.zero_grad()
     losses.append(loss.detach())
 sd = sw.full_state_dict(model)
+# Every rank's losses: a replica that diverged shows in the digest too.
+everyone = [torch.zeros(len(losses)) for _ in range(dist.get_world_size())]
+dist.all_gather(everyone, torch.stack(losses))
 if rank == 0:
-    h = hashlib.sha256(torch.stack(losses).numpy().tobytes())
+    h = hashlib.sha256(torch.stack(everyone).numpy().tobytes())
     for k in sorted(sd):
         h.update(k.encode())
         h.update(sd[k].numpy().tobytes())

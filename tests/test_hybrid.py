@@ -117,6 +117,9 @@ def _training(rank, world):
 
     if rank != 0:
         return None
+    # FSDP2's HSDP adds the same pairs in the same order: the same bits.
+    assert torch.equal(losses, fsdp_losses)
+    _same(sd, fsdp_sd, "shardwise (2, 2) against FSDP2's HSDP (2, 2)")
     ours = errors(losses, ddp_losses, sd, ddp_sd)
     theirs = errors(fsdp_losses, ddp_losses, fsdp_sd, ddp_sd)
     assert ours.loss <= LOSS_BOUND, ours
@@ -270,6 +273,7 @@ def _consistency_and_checkpoints(rank, world, root):
         _same(_full_optimizer_state(other, other_opt), optim, what + " (optimizer)")
 
     loads_into("flat at 4")
+    loads_into("(2, 2)", mesh=mesh)
     for ranks in ([0], [0, 1, 2]):  # flat at 1 and 3
         group = dist.new_group(ranks)
         if rank in ranks:
@@ -280,6 +284,15 @@ def _consistency_and_checkpoints(rank, world, root):
         loads_into("(1, 2)", mesh=one_row)
     else:
         loads_into("(2, 1)", mesh=one_col)
+
+    # src_rank is a rank of the whole mesh: every rank ends with rank 3's initial weights.
+    torch.manual_seed(rank)
+    mine = GPT(GPT_CFG)
+    ref = {k: v.clone() for k, v in mine.state_dict().items()}
+    for v in ref.values():
+        dist.broadcast(v, src=3)
+    from_three = sw.shard(mine, mesh=mesh, src_rank=3)
+    _same(sw.full_state_dict(from_three, rank0_only=False), ref, "src_rank=3 under (2, 2)")
 
     # The reverse: saved flat at 4, loaded under (2, 2).
     flat, flat_opt = _build(3)
