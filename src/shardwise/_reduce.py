@@ -57,8 +57,8 @@ class Reduction(enum.Enum):
     """
 
     IDLE = "idle"                    # nothing held
-    ACCUMULATING = "accumulating"    # _buf: full gradients summed under no_sync
-    REDUCING = "reducing"            # _buf in flight to _out (_work pending)
+    ACCUMULATING = "accumulating"    # _buf (exact mode: _acc): gradients summed under no_sync
+    REDUCING = "reducing"            # _buf in flight to _out (_work, or _exact, pending)
     REPLICATING = "replicating"      # _out summed across replicas in place (_work pending)
     REDUCED = "reduced"              # _out: this rank's reduced rows, to publish
 
