@@ -11,7 +11,13 @@ accumulation), and the Trainer's saving and loading go through shardwise:
 - a Trainer checkpoint (``checkpoint-N/``) holds that folder plus a shardwise checkpoint
   of the parameters and optimizer state, so ``train(resume_from_checkpoint=...)`` works
   at any world size;
-- evaluation works, and ``generate`` turns on ``synced_gpus`` by itself.
+- evaluation works, and ``generate`` turns on ``synced_gpus`` by itself;
+- with ``shard_kwargs={"reproducible": True}`` (docs/reproducible.md) each
+  per-device batch is one micro-batch whose own mean loss is backpropagated, undivided by
+  the accumulation steps or rescaled by token counts across ranks: the engine takes the
+  mean over all micro-batches. Keep ``gradient_accumulation_steps * world_size`` fixed
+  (the number of micro-batches per step); accelerate's sampler then hands each step the
+  same set of batches at every world size.
 
 Only the Trainer methods that read or write weights are overridden; each falls back to
 the Trainer's own when the folder holds no shardwise checkpoint.
@@ -72,6 +78,22 @@ class ShardwiseTrainer(Trainer):
                 model.to(device)  # before shard: the structure is fixed there
             shard(model, **options)
         super().__init__(model, *args, **kwargs)
+        self._reproducible = _is_reproducible(model)
+        if self._reproducible:
+            # Note [reproducible reduction]: the mean over micro-batches is the engine's;
+            # dividing by the accumulation steps (which depend on the world size) here
+            # would change the gradient's bits from one world size to another.
+            self.loss_is_scaled_for_ga = True
+
+    def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The Trainer's loss; in the reproducible mode each micro-batch's own mean (the
+        token count across ranks and accumulation steps is dropped: it rescales the loss
+        by the number of processes)."""
+        if self._reproducible:
+            num_items_in_batch = None
+        return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -131,6 +153,13 @@ class ShardwiseTrainer(Trainer):
         if best is None or not os.path.isdir(os.path.join(best, CHECKPOINT)):
             return super()._load_best_model()
         load_checkpoint(os.path.join(best, CHECKPOINT), self._sharded)
+
+
+def _is_reproducible(model: nn.Module) -> bool:
+    from .._state import model_state
+
+    state = model_state(model)
+    return state is not None and any(g.exact for u in state.units for g in u.groups)
 
 
 def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
