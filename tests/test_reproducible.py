@@ -157,3 +157,60 @@ def _errors(rank, world):
 
 def test_errors_of_the_reproducible_mode():
     run_ranks(_errors, 4, timeout=120)
+
+
+class _Skipping(torch.nn.Module):
+    """Three linear blocks; ``skip`` leaves one out (a data-dependent path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, skip=None):
+        for i, b in enumerate(self.blocks):
+            if i != skip:
+                x = torch.tanh(b(x))
+        return x.pow(2).mean()
+
+
+def _misuse(rank, world, root):
+    import copy
+
+    model, opt = _build("gpt", True)
+    x = torch.randint(0, GPT_CFG.vocab_size, (2, GPT_CFG.seq_len))
+    # A synced backward per micro-batch (no_sync forgotten) would add partial means.
+    model(x, x).backward()
+    with pytest.raises(sw.ShardwiseError, match="second synced backward"):
+        model(x, x).backward()
+    opt.zero_grad()
+    # Copies and checkpoints between the micro-batches of a step are refused.
+    with sw.no_sync(model):
+        model(x, x).backward()
+    with pytest.raises(sw.ShardwiseError, match="between the micro-batches"):
+        copy.deepcopy(model)
+    with pytest.raises(sw.ShardwiseError, match="between the micro-batches"):
+        sw.save_checkpoint(os.path.join(root, "mid"), model, opt)
+    model(x, x).backward()
+    opt.step()
+    opt.zero_grad()
+    copy.deepcopy(model)
+    sw.save_checkpoint(os.path.join(root, "after"), model, opt)
+    if world != 1:
+        return
+    # The gradient is the mean over every micro-batch, also for a unit that one of them
+    # skipped (it counts as a zero term), as for the plain model.
+    torch.manual_seed(0)
+    plain = _Skipping()
+    skipping = sw.shard(copy.deepcopy(plain), reproducible=True)
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for i, xb in enumerate(inputs):
+        (plain(xb, skip=1 if i == 1 else None) / 4).backward()
+        with contextlib.nullcontext() if i == 3 else sw.no_sync(skipping):
+            skipping(xb, skip=1 if i == 1 else None).backward()
+    for (name, p), q in zip(plain.named_parameters(), skipping.parameters()):
+        assert torch.allclose(q.grad.full_tensor(), p.grad, rtol=1e-5, atol=1e-8), name
+
+
+def test_misuse_of_the_reproducible_mode_is_refused(tmp_path):
+    run_ranks(_misuse, 1, str(tmp_path), timeout=120)
+    run_ranks(_misuse, 2, str(tmp_path), timeout=120)

@@ -169,34 +169,56 @@ def test_trainer_matches_ddp_saves_and_resumes_at_other_world_sizes(tmp_path):
         assert len(resumed) == STEPS - SAVE_AT and all(0 < x < ours[0] for x in resumed)
 
 
+def _images(n: int = 32) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"pixel_values": torch.randn(3, 16, 16, generator=g),
+             "labels": int(torch.randint(0, 3, (1,), generator=g))} for _ in range(n)]
+
+
+def _resnet():
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    return ResNetForImageClassification(ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1],
+        layer_type="basic", num_labels=3))
+
+
 def _reproducible(rank, world, root, reproducible):
     """ShardwiseTrainer in the reproducible mode: 4 micro-batches of 2 rows per step,
-    split over the world by the Trainer's own sampler (accumulation steps 4 / N)."""
+    split over the world by the Trainer's own sampler (accumulation steps 4 / N), on the
+    Llama and on a small ResNet (BatchNorm: the sampler deals batches round robin)."""
     _env(rank, world)
     import hashlib
 
     micro = 4
-    trainer = ShardwiseTrainer(
-        model=_model(), train_dataset=_dataset(),
-        shard_kwargs={"reproducible": reproducible},
-        args=_args(f"{root}/{reproducible}{world}", save_strategy="no", max_steps=4,
-                   gradient_accumulation_steps=micro // world))
-    trainer.train()
-    state = sw.full_state_dict(trainer.model)
-    if rank != 0:
-        return None
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode() + state[k].numpy().tobytes())
-    return h.hexdigest()
+    if reproducible and world == 1:  # the Trainer's default optimizer is fused
+        with pytest.raises(sw.ShardwiseError, match="adamw_torch"):
+            ShardwiseTrainer(model=_model(), train_dataset=_dataset(),
+                             shard_kwargs={"reproducible": True},
+                             args=_args(f"{root}/fused", optim="adamw_torch_fused"))
+    digests = []
+    for build, data in ((_model, _dataset()), (_resnet, _images())):
+        trainer = ShardwiseTrainer(
+            model=build(), train_dataset=data, shard_kwargs={"reproducible": reproducible},
+            args=_args(f"{root}/{reproducible}{world}", save_strategy="no", max_steps=3,
+                       gradient_accumulation_steps=micro // world, optim="adamw_torch"))
+        trainer.train()
+        state = sw.full_state_dict(trainer.model)
+        h = hashlib.sha256()
+        for k in sorted(state):
+            h.update(k.encode() + state[k].numpy().tobytes())
+        digests.append(h.hexdigest())
+    return digests if rank == 0 else None
 
 
 @pytest.mark.slow
 def test_reproducible_trainer_is_bit_identical_at_1_2_and_4_ranks(tmp_path):
     digests = {n: run_ranks(_reproducible, n, str(tmp_path), True, timeout=300)[0]
                for n in (1, 2, 4)}
-    assert len(set(digests.values())) == 1, digests
+    for model in (0, 1):  # the Llama, the ResNet (parameters and BatchNorm buffers)
+        assert len({d[model] for d in digests.values()}) == 1, digests
     # The default mode lands elsewhere at each world size: the test shows something.
     default = {n: run_ranks(_reproducible, n, str(tmp_path), False, timeout=300)[0]
                for n in (1, 2)}
-    assert default[1] != default[2]
+    assert default[1][0] != default[2][0] and default[1][1] != default[2][1]

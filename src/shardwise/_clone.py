@@ -97,6 +97,11 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
             "copy.deepcopy of a sharded model between a forward and its backward: the "
             "copy would miss this step's gradients. Copy it before the forward or after "
             "the backward")
+    if state.mid_step():
+        raise ShardwiseError(
+            "copy.deepcopy of a reproducible model between the micro-batches of a step: "
+            "the copy would miss what they summed so far. Copy it after the step's last "
+            "(synced) backward")
     twins: dict[int, FlatGroup] = {}
     for u in state.units:
         for g in u.groups:

@@ -13,6 +13,7 @@ is done, so it overlaps the backward of the units that follow, as the reduce-sca
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Protocol, cast
 
 import torch
@@ -86,6 +87,8 @@ class GradReduction:
         self._work = None                       # REDUCING
         self._acc: Binned | None = None         # ACCUMULATING, exact mode
         self._exact: ExactExchange | None = None  # REDUCING, exact mode
+        # Exact mode: each .grad this reduction published, and its version then.
+        self._published: dict[int, tuple[weakref.ref, int]] = {}
 
     def _move(self, to: Reduction) -> None:
         if to not in _ALLOWED[self.state]:
@@ -242,6 +245,8 @@ class GradReduction:
         out, self._out = self._out, None
         assert out is not None
         g = self.group
+        if g.exact:
+            self._refuse_a_second_mean(used_anywhere)
         if out.dtype != g.dtype:
             out = out.to(g.dtype)
         for i, p in enumerate(g.params):
@@ -253,4 +258,24 @@ class GradReduction:
             else:
                 with torch.no_grad():
                     cast(DTensor, p.shard.grad).to_local().add_(rows)
+            if g.exact:
+                local = cast(DTensor, p.shard.grad)._local_tensor
+                self._published[i] = (weakref.ref(local), local._version)
         self.used = [False] * len(g.params)
+
+    def _refuse_a_second_mean(self, used_anywhere: list[bool]) -> None:
+        """In the reproducible mode a synced backward hands out the mean over the step's
+        micro-batches; adding a second one onto it (a synced backward per micro-batch,
+        ``no_sync`` forgotten) would give a sum of partial means, scaled and rounded
+        differently at every world size. Untouched since published: raise instead."""
+        for i, p in enumerate(self.group.params):
+            grad, seen = p.shard.grad, self._published.get(i)
+            if not used_anywhere[i] or grad is None or seen is None:
+                continue
+            local = cast(DTensor, grad)._local_tensor
+            if seen[0]() is local and local._version == seen[1]:
+                raise ShardwiseError(
+                    f"reproducible mode: a second synced backward reached {p.fqns[0]} "
+                    f"before its gradient was used or cleared. Run all but the last "
+                    f"micro-batch of a step under sw.no_sync(model) (sw.micro_batches "
+                    f"splits the batch), and call optimizer.zero_grad() after each step")

@@ -8,8 +8,10 @@ So for every BatchNorm module that tracks them, each training forward also recor
 micro-batch's own statistics (mean and unbiased variance per channel, computed from that
 micro-batch alone, in fp32), and the statistics at the step's first micro-batch. When
 the step's gradients are reduced (the first backward outside ``no_sync``), ranks exchange
-their records, put them in micro-batch order (ranks hold consecutive micro-batches, as
-``sw.micro_batches`` hands them out) and every rank replays BatchNorm's update
+their records, put them in micro-batch order (``order``: "contiguous", rank r holding
+micro-batches r*k..(r+1)*k-1 as ``sw.micro_batches`` hands them out, or "round robin",
+rank r holding r, r+N, ... as accelerate's sampler deals batches to the Trainer) and
+every rank replays BatchNorm's update
 ``r = (1 - momentum) * r + momentum * s`` over all of them from the recorded start, in
 that order, then counts them in ``num_batches_tracked``: the same arithmetic on the same
 values at every world size, including one. The kernel's own updates in between are
@@ -57,8 +59,13 @@ class RunningStats:
             if not getattr(m, _HOOKED, False):
                 m.register_forward_pre_hook(_record)
                 setattr(m, _HOOKED, True)
+        self.order = "contiguous"  # or "round robin" (ShardwiseTrainer)
         self._start: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
         self._seen: dict[nn.Module, list[torch.Tensor]] = {}
+
+    def pending(self) -> bool:
+        """Whether records wait for the next reduction."""
+        return bool(self._start)
 
     def record(self, module: nn.Module, args: tuple) -> None:
         """A forward pre-hook of ``module``: note the micro-batch's statistics."""
@@ -87,15 +94,19 @@ class RunningStats:
         mine = [torch.stack(self._seen[m]) for m in recorded]
         everyone = ([mine] if self.comm.world_size == 1 else self.comm.all_gather_object(
             mine, what="the exchange of BatchNorm statistics (reproducible mode)"))
-        if len({len(r) for r in everyone}) > 1:
-            raise ShardwiseError("reproducible=True: ranks ran different BatchNorm modules "
-                                 "in this step")
+        counts = {tuple(t.shape[0] for t in r) for r in everyone}
+        if len(counts) > 1:
+            raise ShardwiseError("reproducible=True: ranks ran different BatchNorm modules, "
+                                 "or different numbers of training forwards, in this step")
         with torch.no_grad():
             for j, bn in enumerate(recorded):
                 assert isinstance(bn, _BatchNorm) and bn.momentum is not None
                 start_mean, start_var, count = self._start[bn]
                 mean, var = start_mean.float().cpu(), start_var.float().cpu()
-                steps = torch.cat([r[j] for r in everyone])  # micro-batch order
+                if self.order == "round robin":  # micro-batch i*N + r is rank r's i-th
+                    steps = torch.stack([r[j] for r in everyone], dim=1).flatten(0, 1)
+                else:
+                    steps = torch.cat([r[j] for r in everyone])
                 keep = 1.0 - bn.momentum
                 for s in steps:
                     mean = keep * mean + bn.momentum * s[0]

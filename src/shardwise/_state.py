@@ -307,6 +307,15 @@ class ModelState:
         self._logged = now
         logger.info("step communication: %s", ", ".join(parts))
 
+    def mid_step(self) -> bool:
+        """Reproducible mode: whether a step's micro-batches are half summed (exact
+        accumulators or BatchNorm records waiting for the reducing backward), so that a
+        copy or a checkpoint now would miss them."""
+        if self.running_stats is not None and self.running_stats.pending():
+            return True
+        return any(g.exact and g.reduction.has_accumulated()
+                   for u in self.units for g in u.trainable_groups)
+
     def comm_groups(self) -> list[tuple[str, Comm]]:
         """Every group the model communicates over, each once, labelled for a log: the
         model's group (hybrid: the shard group and, as "world", every rank), "across
@@ -325,6 +334,8 @@ class ModelState:
         return out
 
     def _needs_reduction(self, u: Unit) -> bool:
+        if any(g.exact for g in u.trainable_groups):
+            return True  # every backward is a micro-batch of every unit's mean (a zero term)
         # A unit whose backward never ran here may have run on another rank, so it joins
         # the reduction with zero gradients (Note [collective order]). So do units whose
         # gradients came without a counted forward (reentrant checkpointing recomputes in

@@ -94,6 +94,11 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
     state = model_state(module)
     if state is not None:
         state.recover()
+        if state.mid_step():
+            raise ShardwiseError(
+                "cannot save or load a reproducible model between the micro-batches of a "
+                "step (what they summed so far is not in a checkpoint): save after the "
+                "step's last (synced) backward")
     for t in params.values():
         unit = t.sharded.unit if t.sharded is not None else None
         if unit is not None and unit.state is not UnitState.SHARDED:

@@ -33,8 +33,10 @@ import torch.nn as nn
 from transformers import Trainer
 
 from .._sharded_init import sharded_init
+from .._state import model_state
 from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from ..distributed import init_distributed
+from ..errors import ShardwiseError
 from ..shard import is_sharded, shard
 from ..state_dict import full_state_dict
 from ._units import no_split_units
@@ -80,10 +82,31 @@ class ShardwiseTrainer(Trainer):
         super().__init__(model, *args, **kwargs)
         self._reproducible = _is_reproducible(model)
         if self._reproducible:
+            optim = str(getattr(self.args.optim, "value", self.args.optim))
+            if "fused" in optim:
+                raise ShardwiseError(
+                    f"reproducible mode: optim={optim!r} (the Trainer's default) "
+                    f"steps a whole tensor and its shards to different bits; pass "
+                    f"TrainingArguments(optim='adamw_torch')")
             # Note [reproducible reduction]: the mean over micro-batches is the engine's;
             # dividing by the accumulation steps (which depend on the world size) here
             # would change the gradient's bits from one world size to another.
             self.loss_is_scaled_for_ga = True
+            # accelerate's sampler deals per-device batches round robin: micro-batch
+            # i*N + r is rank r's i-th (Note [reproducible running statistics]).
+            state = model_state(model)
+            if state is not None and state.running_stats is not None:
+                state.running_stats.order = "round robin"
+
+    def training_step(self, model: nn.Module, inputs: dict, num_items_in_batch: Any = None
+                      ) -> torch.Tensor:
+        """The Trainer's step; in the reproducible mode the loss it returns for logging
+        is divided by the accumulation steps, as the Trainer's own is (only the loss that
+        is backpropagated must stay undivided)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._reproducible:
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
 
     def compute_loss(self, model: nn.Module, inputs: dict, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -156,8 +179,6 @@ class ShardwiseTrainer(Trainer):
 
 
 def _is_reproducible(model: nn.Module) -> bool:
-    from .._state import model_state
-
     state = model_state(model)
     return state is not None and any(g.exact for u in state.units for g in u.groups)
 
