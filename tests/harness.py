@@ -9,6 +9,7 @@ still running after ``timeout`` seconds are killed and reported as hung.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -93,3 +94,14 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
         if errors:
             raise RankFailure("\n".join(errors))
         return results
+
+
+class LogCollector(logging.Handler):
+    """A logging handler that keeps every message (attach it to the "shardwise" logger)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import LogCollector, run_ranks
 from loops import train_steps
 
 import shardwise as sw
@@ -22,15 +22,6 @@ def _names(model):
 def _bytes(model):
     """Each unit's gathered bytes, root first, as the engine allocated them."""
     return [u.gathered_bytes for u in sw.inspect(model).units]
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def _choices(rank, world):
@@ -78,7 +69,7 @@ def _choices(rank, world):
 
     # The default budget (free memory) holds this small model whole; rank 0 logs it.
     log = logging.getLogger("shardwise")
-    collect, level = _Collect(), log.level
+    collect, level = LogCollector(), log.level
     log.addHandler(collect)
     log.setLevel(logging.INFO)
     try:

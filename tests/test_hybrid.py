@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import LogCollector, run_ranks
 from parity import GPT_CFG, ddp_reference, errors, fsdp2_run, gpt_loss, shardwise_run
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -212,16 +212,14 @@ def _consistency_and_checkpoints(rank, world, root):
     import logging
 
     from shardwise._log import logger
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = LogCollector()
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     _steps(model, opt, 1, rank)
     logger.removeHandler(handler)
     logger.setLevel(level)
-    lines = [r.getMessage() for r in records if "step communication" in r.getMessage()]
+    lines = [m for m in handler.messages if "step communication" in m]
     if rank == 0:  # shardwise logs from rank 0
         for part in ("all_gather", "reduce_scatter", "world all_reduce",
                      "across replicas all_reduce"):

@@ -3,7 +3,7 @@
 import logging
 
 import torch
-from harness import run_ranks
+from harness import LogCollector, run_ranks
 
 import shardwise as sw
 from shardwise.models import GPT, GPTConfig
@@ -11,18 +11,9 @@ from shardwise.models import GPT, GPTConfig
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _logs(rank, world):
     log = logging.getLogger("shardwise")
-    collect = _Collect()
+    collect = LogCollector()
     log.addHandler(collect)
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     sw.shard(GPT(CFG))(x, x).backward()
