@@ -258,3 +258,59 @@ def test_a_rank_alone_in_an_operation_learns_why_within_seconds(tmp_path):
     assert "rank 0: waited" in message and "sw.gathered" in message
     # 2 s before the first look, then 3 s of the peer unchanged (SHARDWISE_PEER_TIMEOUT).
     assert float(seconds) < 30, message
+
+
+class Embedded(Stack):
+    """A root with parameters of its own, of another size than the blocks'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(7))
+
+    def forward(self, x, fail: bool = False):
+        for i, b in enumerate(self.blocks):
+            if fail and i == 1:
+                raise ValueError("a bad batch")
+            x = b(x)
+        return x * self.scale[:4]
+
+
+def _diverged_sizes(rank, world):
+    """Under gloo the check compares headers that ride the exchanges (Note [checks ride
+    the exchanges]): exchanges are issued before the headers are compared, so ranks that
+    diverged issue different exchanges at the same point. Here rank 0 prefetches
+    blocks.2 while rank 1, starting over, gathers the root, whose messages have another
+    size: under tags that only counted exchanges these two would pair, and gloo aborts
+    the process on messages of different sizes. Without a synchronous check per unit,
+    the error must still come on every rank, and training must go on."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    torch.manual_seed(0)
+    model = sw.shard(Embedded())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 4)
+    _step(model, x)
+    for _ in range(2):  # twice: the second divergence is in the channel's next epoch
+        with pytest.raises(sw.ShardwiseError,
+                           match=r"ranks diverged \(rank 0: unit blocks\.1, "
+                                 r"rank 1: unit <root>\)"):
+            if rank == 1:
+                try:
+                    model(x, fail=True)
+                except ValueError:
+                    pass
+            _step(model, x)
+    losses = []
+    for _ in range(3):  # training goes on, the same on both ranks
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, losses)
+    assert everyone[0] == everyone[1], everyone
+    sw.check_consistency(model)
+
+
+def test_divergent_exchanges_of_different_sizes_raise_instead_of_aborting():
+    run_ranks(_diverged_sizes, 2, timeout=60)

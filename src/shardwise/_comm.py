@@ -19,11 +19,15 @@ reference workload it takes about 2% off a training step (BENCHMARKS.md).
 The result is the same: an all-gather is a copy; a reduce-scatter's sum is taken in rank
 order, and at N=2 it is one addition, which is commutative, so every bit equals gloo's
 all-reduce (and DDP's). At N>2 the order may differ from gloo's ring in the last bits.
-Each exchange carries a tag that every rank draws from one counter per process group (and
-a bit for its kind), so two models' (or one model's two) exchanges in flight at once never
-take each other's messages; ranks issue exchanges in the same order, which is what a
-collective requires anyway. In a world of one, under any backend, the same code only
-copies. CUDA tensors keep the backend's collectives (gloo cannot send them point to point).
+Each exchange carries a tag (``Channel.data_tag`` in _channel.py) made of its kind, the
+epoch of the order checks, a counter per process group and a fingerprint of its message
+size, so two models' (or one model's two) exchanges in flight at once never take each
+other's messages, and exchanges that diverged ranks issued never pair messages of
+different sizes (gloo aborts the process on those); with the order check on, a header
+goes before each exchange's data (Note [checks ride the exchanges]). Ranks issue
+exchanges in the same order, which is what a collective requires anyway. In a world of
+one, under any backend, the same code only copies. CUDA tensors keep the backend's
+collectives (gloo cannot send them point to point).
 
 Note [two transports] (below ``Comm``) says how the two ways a unit's collectives travel
 share one interface.
@@ -38,7 +42,7 @@ was waiting, not in an anonymous gloo timeout.
 from __future__ import annotations
 
 import pickle
-import weakref
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,22 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._peers import enable_publishing, wait_watched
+from ._channel import EXCHANGE, Channel, channel_of
+from ._peers import enable_publishing, sliced, wait_watched
 from ._scalars import mark
-from .errors import CollectiveError
+from .errors import CollectiveError, ShardwiseError
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# Tags of exchanges (Note [gloo exchanges]): base | kind | counter, far above the small
-# tags user code passes to send/recv. The kind bit keeps an all-gather's messages from
-# ever matching a reduce-scatter's, even between ranks that diverged. One counter per
-# group object, dropped with it: a group re-created after a failure (torch reuses group
-# names) starts again at zero on every rank.
-_TAG_BASE = 0x53500000
-_TAG_KIND = {"all_gather": 0, "reduce_scatter": 1 << 16}
-_TAG_SPAN = 1 << 16
-_next_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # gloo cannot send bool; these travel as the same-size integer.
 _WIRE_DTYPE = {torch.bool: torch.uint8}
@@ -99,8 +94,19 @@ class Comm:
         self.stats = CommStats()
         self.backend = str(dist.get_backend(group))
         self._mesh = None
+        # The group whose channel carries this group's order checks (Note [checks ride
+        # the exchanges]): the model's whole group, for its shard and replica subgroups.
+        self.checks_over: Comm = self
+        self._channel: Channel | None = None
         if self.world_size > 1 and "gloo" in self.backend:
             enable_publishing()  # Note [peer watch]
+
+    @property
+    def channel(self) -> Channel:
+        """The order checks' channel (Note [checks ride the exchanges])."""
+        if self._channel is None:
+            self._channel = channel_of(self.checks_over)
+        return self._channel
 
     @property
     def device(self) -> torch.device:
@@ -195,7 +201,11 @@ class Comm:
         synchronous one is issued asynchronously and waited for in slices that watch the
         peers (Note [peer watch] in _peers.py): a sliced wait costs 150-370 us more on
         this 2-core machine (benchmarks/peer_watch.py), so only the waits where a rank
-        alone shows first are watched."""
+        alone shows first are watched. A synchronous collective first settles the order
+        checks (Note [checks ride the exchanges]): ranks that diverged raise there
+        instead of pairing collectives of different sizes."""
+        if not async_op and self.channel.pending():
+            self.channel.settle()
         try:
             work = collective(*args, group=self.group, async_op=async_op or watch, **kwargs)
         except RuntimeError as err:
@@ -354,11 +364,18 @@ def _peers(comm: Comm) -> list[tuple[int, int]]:
 
 def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
               recvs: list[tuple[int, torch.Tensor]], what: str, kind: str) -> _Pending:
-    """Issue point-to-point sends and receives under one tag (Note [gloo exchanges])."""
+    """Issue point-to-point sends and receives under one tag (Note [gloo exchanges]),
+    after this exchange's header when order checks are on (Note [checks ride the
+    exchanges])."""
+    if not recvs:  # a world of one
+        return _Pending([], comm, what)
     group = comm.group if comm.group is not None else dist.group.WORLD
-    count = _next_tags.get(group, 0)
-    _next_tags[group] = (count + 1) % _TAG_SPAN
-    tag = _TAG_BASE | _TAG_KIND[kind] | count
+    channel = comm.channel
+    nbytes = recvs[0][1].numel() * recvs[0][1].element_size()
+    gen = None
+    if channel.exchange_headers and channel.checking():
+        gen = channel.post(EXCHANGE, zlib.crc32(what.encode()) & 0x7FFFFFFF, nbytes, what)
+    tag = channel.data_tag(group, kind, nbytes)
     works = []
     try:
         for peer, tensor in sends:
@@ -370,26 +387,53 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
                                     tag=tag))
     except RuntimeError as err:
         raise comm.stuck(what, err) from err
-    return _Pending(works, comm, what, point_to_point=True)
+    return _Pending(works, comm, what, point_to_point=True, channel=channel, gen=gen)
 
 
 class _Pending:
     """Issued communication, whose ``wait`` names it when it fails and then runs
-    ``then`` (the sum of a reduce-scatter's exchange)."""
+    ``then`` (the sum of a reduce-scatter's exchange). An exchange's ``wait`` first
+    settles the order checks up to its header (Note [checks ride the exchanges])."""
 
     def __init__(self, works: list[Any], comm: Comm, what: str,
-                 point_to_point: bool = False, watched: bool = False) -> None:
+                 point_to_point: bool = False, watched: bool = False,
+                 channel: Channel | None = None, gen: int | None = None) -> None:
         self._works = works
         self._p2p = point_to_point
         self._watched = watched
         self._comm = comm
         self._what = what
         self._error: RuntimeError | None = None
+        self._channel = channel
+        self._epoch = channel.epoch if channel is not None else 0
+        self._gen = gen
         self.then: Callable[[], None] | None = None
+
+    def _abandoned(self) -> bool:
+        """Whether ranks diverged since this was issued: its messages may never come."""
+        if self._channel is None or self._channel.epoch == self._epoch:
+            return False
+        self._channel.abandoned.extend(self._works)
+        self._works = []
+        return True
+
+    def discard(self) -> None:
+        """Wait without using the result (buffers must outlive the communication); an
+        exchange left behind by a divergence is left to gloo instead."""
+        self.then = None
+        if not self._abandoned():
+            self.wait()
 
     def wait(self) -> None:
         if self._error is not None:  # a failed exchange stays failed
             raise self._comm.stuck(self._what, self._error)
+        if self._abandoned():
+            raise ShardwiseError(
+                f"{self._what} was left behind when ranks diverged (the error raised then "
+                f"says how); start the next step from its forward")
+        if self._channel is not None and self._channel.pending():
+            # Up to its own header, or every header before an exchange without one.
+            self._channel.settle(upto=self._gen)
         try:
             while self._works:
                 # A finished point-to-point work must not be waited for again (gloo would
@@ -400,7 +444,7 @@ class _Pending:
                     if not self._works[0].is_completed():
                         self._works[0].wait()
                 elif self._watched:
-                    wait_watched(self._works[0], self._comm, self._what)
+                    wait_watched(sliced(self._works[0]), self._comm, self._what)
                 else:
                     self._works[0].wait()
                 self._works.pop(0)

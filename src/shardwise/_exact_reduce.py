@@ -65,6 +65,12 @@ class ExactExchange:
         total = decode(Binned(self.index, self.bins, self.terms))
         return total.div_(self.terms)
 
+    def discard(self) -> None:
+        """Let the reduction finish without decoding it (its backward was aborted)."""
+        if self.work is not None:
+            self.work.discard()  # type: ignore[attr-defined]
+            self.work = self.sending = None
+
 
 def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
     """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``.

@@ -55,6 +55,13 @@ class Topology:
     mesh: DeviceMesh  # the DTensor parameters' mesh
     placements: tuple[Placement, ...]
 
+    def __post_init__(self) -> None:
+        # One stream of order checks over every rank of the model (Note [checks ride
+        # the exchanges]), whichever subgroup an exchange travels in.
+        for comm in (self.shard, self.replicate):
+            if comm is not None:
+                comm.checks_over = self.world
+
     @property
     def replicas(self) -> int:
         """R: how many ranks hold each shard."""
@@ -177,4 +184,6 @@ def secondary_groups(topo: Topology, k: int) -> Comm:
             if me in block:
                 mine = group
     assert mine is not None, "every rank is in its shard group's row"
-    return Comm(mine)
+    comm = Comm(mine)
+    comm.checks_over = topo.world
+    return comm

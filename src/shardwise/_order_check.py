@@ -3,17 +3,20 @@
 Note [collective order] in _state.py says why every rank must issue the same collectives
 in the same order. When ranks diverge anyway (a rank that caught an exception and went
 on, skipped a unit, or alone called ``full_state_dict``), their next collectives pair up
-wrongly; under gloo, two collectives of different sizes abort the process (SIGABRT
-inside gloo) instead of raising. So before each unit's forward, at the end of the root's
-forward, at the start of a backward and before each public operation that communicates,
-every rank contributes what it is about to do to one tiny all-reduce: all such checks
-have the same size, so mismatched ones still pair up, and any difference shows in the
-maximum. Every rank then raises one error naming what each rank was doing.
+wrongly; under gloo, two messages of different sizes abort the process (SIGABRT inside
+gloo) instead of raising. So ranks say what they do at each unit's forward, at the end of
+the root's forward, at the start of a backward, after an optimizer step driven by an
+integration, and before each public operation that communicates, and every rank raises
+one error naming what each rank was doing when they differ.
 
-On by default under gloo (about 0.2 ms per check, measured in BENCHMARKS.md; a step of
-the reference workload has 9), off under NCCL, where reading the result would stall the
-host on every unit. ``SHARDWISE_CHECK=1`` turns it on everywhere (with the consistency
-checks of ``consistency.maybe_check``), ``SHARDWISE_CHECK=0`` off everywhere.
+Under gloo (on by default) what ranks say travels in small messages that ride the units'
+exchanges and are compared when their data is waited for, without a round trip of their
+own: Note [checks ride the exchanges] in _channel.py. Under other backends
+(``SHARDWISE_CHECK=1``; off by default, where reading a result would stall the host on
+every unit) each check is one synchronous all-reduce of a fixed size, so that even
+mismatched checks pair up, and any difference shows in the maximum.
+``SHARDWISE_CHECK=0`` turns checks off everywhere, ``SHARDWISE_CHECK=1`` on everywhere
+(with the consistency checks of ``consistency.maybe_check``).
 """
 
 from __future__ import annotations
@@ -24,34 +27,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._agree import same_everywhere
+from ._channel import BACKWARD, END_FORWARD, OPERATION, OPTIMIZER_STEP, diverged
+from ._channel import order_checks_enabled as order_checks_enabled
 from ._comm import Comm
-from ._env import check_setting
-from .errors import ShardwiseError
 
 if TYPE_CHECKING:
     from ._unit import Unit
 
-_UNIT, _END_FORWARD, _BACKWARD, _OPERATION, _OPTIMIZER_STEP = 1, 2, 3, 4, 5
-
-
-def order_checks_enabled(comm: Comm) -> bool:
-    """Whether ranks check the order of what they do (read at each use): as
-    ``SHARDWISE_CHECK`` says, and by default under gloo."""
-    if comm.world_size == 1:
-        return False
-    setting = check_setting()
-    return "gloo" in comm.backend if setting is None else setting
+_UNIT = 6  # the collective check's kind for a unit (the others are the channel's)
 
 
 class OrderCheck:
-    """One root forward's checks: one per unit that communicates, one at its end."""
+    """One root forward's checks: one per unit that communicates, one at its end.
 
-    def __init__(self, comm: Comm) -> None:
+    ``model`` numbers the sharded model among those on its group, so that two models of
+    the same structure (a model and its EMA copy) are told apart."""
+
+    def __init__(self, comm: Comm, model: int) -> None:
         self.comm = comm
+        self.model = model
+        channel = comm.channel
+        self.channel = channel if channel.messages else None
         self._checked = 0  # unit checks in the current root forward
 
     def unit(self, unit: Unit) -> None:
-        """Raise on every rank unless all ranks are about to run ``unit``.
+        """Raise on every rank unless all ranks are about to run ``unit`` (under gloo:
+        note it, for the next header to carry; the next unit's exchange or the end of
+        the forward compares it).
 
         A unit pinned by ``gathered()`` runs without communicating, so ranks may run it
         a different number of times (``generate`` stopping at different lengths): it is
@@ -61,31 +63,55 @@ class OrderCheck:
         if unit.pins or (not unit.groups and all(u.pins for u in unit.model.units
                                                  if u.groups)):
             return
+        position = self._checked
+        self._checked += 1
+        if self.channel is not None:
+            self.channel.set_doing((self.model << 40) | (position << 20) | unit.index,
+                                   f"unit {unit.name}")
+            return
         # The first check of a forward is where a rank running the model alone waits
         # first: only that wait watches the peers (Note [peer watch]).
-        watch = self._checked == 0
-        self._checked += 1
-        _agree(self.comm, _UNIT, unit.index, f"unit {unit.name}", watch)
+        _agree(self.comm, _UNIT, unit.index, f"unit {unit.name}", position == 0)
 
     def end_forward(self, calls: int) -> None:
         """Raise on every rank unless all ranks end the forward here. Catches a rank that
         skips the *last* unit, whose peers would otherwise wait in that unit's check."""
         if self._checked:
             self._checked = 0
-            _agree(self.comm, _END_FORWARD, calls,
-                   f"the end of the forward after {calls} unit calls")
+            self._check(END_FORWARD, calls,
+                        f"the end of the forward after {calls} unit calls")
+            if self.channel is not None:
+                # The forward's divergences surface in the forward (its caller may not
+                # run a backward); one wait per forward, not one per unit.
+                self.channel.settle()
 
     def backward(self) -> None:
         """Raise on every rank unless all ranks start a backward here."""
-        _agree(self.comm, _BACKWARD, 0, "the backward")
+        if self.channel is not None:
+            self.channel.set_doing((self.model << 40) | (1 << 39), "the backward",
+                                   exchange_headers=False)
+        self._check(BACKWARD, 0, "the backward")
+
+    def _check(self, kind: int, index: int, what: str) -> None:
+        if self.channel is not None:
+            self.channel.post(kind, index, self.model, what, what)
+        else:
+            _agree(self.comm, kind, index, what)
 
 
 def announce(comm: Comm | None, operation: str) -> None:
     """Raise on every rank unless all ranks are about to start ``operation`` (a public
     function that communicates), when order checks are on."""
-    if comm is not None and order_checks_enabled(comm):
-        _agree(comm, _OPERATION, zlib.crc32(operation.encode()) & 0x3FFFFFFF, operation,
-               watch=True)
+    if comm is None or not order_checks_enabled(comm):
+        return
+    code = zlib.crc32(operation.encode()) & 0x3FFFFFFF
+    channel = comm.channel
+    if channel.messages:
+        channel.set_doing(code, operation)
+        channel.post(OPERATION, code, 0, operation, operation)
+        channel.settle()  # the operation's collectives follow: every rank must be here
+        return
+    _agree(comm, OPERATION, code, operation, watch=True)
 
 
 def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
@@ -103,18 +129,20 @@ def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
 
     def after_step(*_: object) -> None:
         taken[0] += 1
-        if order_checks_enabled(comm):
-            _agree(comm, _OPTIMIZER_STEP, taken[0], f"optimizer step {taken[0]}")
+        if not order_checks_enabled(comm):
+            return
+        what = f"optimizer step {taken[0]}"
+        channel = comm.channel
+        if channel.messages:
+            channel.post(OPTIMIZER_STEP, taken[0], 0, what, what)
+        else:
+            _agree(comm, OPTIMIZER_STEP, taken[0], what)
 
     return optimizer.register_step_post_hook(after_step)
 
 
 def _agree(comm: Comm, kind: int, index: int, what: str, watch: bool = False) -> None:
+    """The check as one synchronous all-reduce (backends other than gloo)."""
     if same_everywhere(comm, [kind, index], f"the order check before {what}", watch):
         return
-    names = comm.all_gather_object(what, what="the order check's error report")
-    which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-    raise ShardwiseError(
-        f"ranks diverged ({which}). Every rank must run the same units and call "
-        f"shardwise's collective operations (full_state_dict, gathered, "
-        f"save_checkpoint, ...) in the same order")
+    raise diverged(comm.all_gather_object(what, what="the order check's error report"))

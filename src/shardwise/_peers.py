@@ -12,16 +12,18 @@ per public operation. Under NCCL, where the watch does not apply, and in a world
 nothing is written. (A thread publishing in the background would cost the main thread
 nothing, but it would outlive ``destroy_process_group``: Note [teardown].)
 
-A watched wait, under gloo, waits in slices of a second (gloo's collectives survive a
-wait that times out; its point-to-point messages do not, so the exchanges of Note
-[gloo exchanges] in _comm.py cannot be watched); once it has lasted a few seconds it
-reads the peers' notes. A sliced wait costs more than a plain one (150-370 us per
-all-reduce on a loaded 2-core machine, ``benchmarks/peer_watch.py``), so only the waits
-where a rank alone shows first are watched: the order check at the start of each root
-forward (the first collective of a forward under gloo's default settings) and before
-each public operation, and the metadata all-gathers of public operations. One watched
-wait per training step. A rank alone elsewhere (a peer that skipped a backward), or any
-wait with ``SHARDWISE_CHECK=0``, ends at the process group's timeout, as before.
+A watched wait, under gloo, waits in slices of a second; once it has lasted a few seconds
+it reads the peers' notes. Two kinds are watched: the order check's headers (Note
+[checks ride the exchanges] in _channel.py), which are point-to-point messages that cannot
+be waited for in slices (a gloo point-to-point wait that times out breaks the group), so a
+header not there within a few milliseconds is waited for on a helper thread while this
+thread watches; and the collectives of public operations (their order check under other
+backends, their metadata all-gathers), waited in slices (gloo's collectives survive a
+wait that times out; a sliced wait costs 150-370 us more than a plain one on a loaded
+2-core machine, ``benchmarks/peer_watch.py``). Every unit's data waits only once its
+header matched, so it never waits for a peer that is elsewhere. A rank alone elsewhere in
+a backward (whose exchanges carry no header), or any wait with ``SHARDWISE_CHECK=0``, ends
+at the process group's timeout, as before.
 
 A peer that is not in a shardwise operation, or in a different one, and whose note has
 not changed for ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off)
@@ -48,7 +50,7 @@ from .errors import CollectiveError
 
 _KEY = "shardwise/activity/{}"
 _LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
-_SLICE = timedelta(seconds=1)
+_SLICE = 1.0  # seconds
 
 
 class Activity:
@@ -135,24 +137,38 @@ def _publish(activity: Activity) -> None:
         pass
 
 
-def wait_watched(work: Any, comm: Any, what: str) -> None:
-    """``work.wait()``, raising early when the peers are elsewhere (Note [peer watch])."""
+def wait_watched(wait_slice: Callable[[float | None], bool], comm: Any, what: str) -> None:
+    """Wait, raising early when the peers are elsewhere (Note [peer watch]).
+
+    ``wait_slice(seconds)`` waits up to ``seconds`` (``None``: until done) and says
+    whether the wait is over."""
     limit = peer_timeout()
     if limit == 0 or comm.world_size == 1 or "gloo" not in comm.backend:
-        work.wait()
+        wait_slice(None)
         return
     start = time.monotonic()
     seen: dict[int, tuple[str, float]] = {}
-    while True:
-        try:
-            work.wait(_SLICE)
-            return
-        except RuntimeError as err:
-            if "Operation timed out" not in str(err):  # a real failure: a peer died
-                raise
+    while not wait_slice(_SLICE):
         now = time.monotonic()
         if now - start >= _LOOK_AFTER:
             _look(comm, what, now, start, seen, limit)
+
+
+def sliced(work: Any) -> Callable[[float | None], bool]:
+    """``wait_watched``'s slices of a collective's ``work`` (gloo's collectives survive
+    a wait that times out)."""
+    def wait_slice(seconds: float | None) -> bool:
+        if seconds is None:
+            work.wait()
+            return True
+        try:
+            work.wait(timedelta(seconds=seconds))
+            return True
+        except RuntimeError as err:
+            if "Operation timed out" not in str(err):  # a real failure: a peer died
+                raise
+            return False
+    return wait_slice
 
 
 def _look(comm: Any, what: str, now: float, start: float,

@@ -223,9 +223,9 @@ class GradReduction:
         result that is thrown away."""
         if self.state in (Reduction.REDUCING, Reduction.REPLICATING):
             if self._exact is not None:
-                self._exact.result()
+                self._exact.discard()
             elif self._work is not None:
-                self._work.wait()
+                self._work.discard()
             self._work = self._buf = self._exact = None
             self._move(Reduction.IDLE)
         elif self.state is Reduction.REDUCED:

@@ -16,8 +16,8 @@ order units run (forward, then backward, which autograd executes deterministical
 prefetches follow the order recorded in the previous iteration, which is identical on
 every rank when every rank runs the same code (SPMD). Reductions left for the end of
 backward run in the fixed order of ``units``. Under gloo (or with ``SHARDWISE_CHECK=1``)
-every unit's forward first checks, with one tiny all-reduce, that all ranks are about to
-run the same unit, the root's forward ends with one more and a backward starts with one,
+ranks check that they run the same units, end the forward and start a backward together
+(``_order_check.py``; under gloo without a round trip, Note [checks ride the exchanges]),
 so a divergence (a rank skipping the first, a middle or the last unit, or running one
 twice) raises a clear error on every rank instead of hanging, aborting or mixing up
 shards. Units pinned by ``gathered()`` compute without communicating and are not
@@ -86,6 +86,11 @@ class ModelState:
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats: RunningStats | None = None
+        channel = self.comm.channel
+        self.number = channel.models  # among the models on its group, in creation order
+        channel.models += 1
+        self._epoch = channel.epoch  # Note [checks ride the exchanges]
+        self._headers_logged = channel.headers  # the order check's headers at the last log
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -176,7 +181,14 @@ class ModelState:
         if not self._compile_checked:
             self._compile_checked = True
             warn_if_compiled_whole(self.root)
-        self.order_check = OrderCheck(self.comm) if order_checks_enabled(self.comm) else None
+        self.order_check = (OrderCheck(self.comm, self.number)
+                            if order_checks_enabled(self.comm) else None)
+        if self._epoch != self.comm.channel.epoch:
+            # Ranks diverged since the last forward: the orders they recorded may differ,
+            # and prefetches follow them. Every rank forgets its order, so the next
+            # forward prefetches nothing on every rank.
+            self._epoch = self.comm.channel.epoch
+            self._prev_order, self._order = [], []
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
         if not self._joins_pending:
@@ -305,6 +317,10 @@ class ModelState:
                  f"{c - last.get(k, (0, 0))[1]} calls" for k, (b, c) in sorted(now.items())
                  if c != last.get(k, (0, 0))[1]]
         self._logged = now
+        channel = self.comm.channel  # Note [checks ride the exchanges]
+        if channel.headers != self._headers_logged:
+            parts.append(f"order-check headers {channel.headers - self._headers_logged}")
+            self._headers_logged = channel.headers
         logger.info("step communication: %s", ", ".join(parts))
 
     def mid_step(self) -> bool:

@@ -355,7 +355,10 @@ class FlatGroup:
         a forward's gather, whose backward gathers again within the group of k ranks
         (Note [secondary shards])."""
         if self._gather_work is not None:
-            self._gather_work.wait()
+            if fill:
+                self._gather_work.wait()
+            else:
+                self._gather_work.discard()
             self._gather_work = None
         self._kept_sending = None
         if self._gathered is not None:
