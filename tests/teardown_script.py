@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
+from shardwise._order_check import watch_steps
+from shardwise._state import model_state
 from shardwise.models import GPT, GPTConfig
 
 sw.init_distributed()
@@ -17,6 +19,9 @@ torch.manual_seed(0)
 cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=32)
 model = sw.shard(GPT(cfg))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # imports torch._dynamo
+# As the integrations do: the order check after each optimizer step must leave nothing
+# pending (a pending message held gloo's threads past destroy_process_group).
+watch_steps(model_state(model).comm, opt)
 x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
 for _ in range(2):
     model(x, x).backward()

@@ -146,3 +146,41 @@ def _transports_on_their_own(rank, world):
 
 def test_each_transport_gives_the_collectives_results():
     run_ranks(_transports_on_their_own, 2)
+
+
+def _interrupted_header(rank, world):
+    """An order-check header waited for on the helper thread, the wait interrupted
+    (Ctrl-C, or the peer watch's error): the retry waits for the same helper. Before,
+    the retry compared a header that had not arrived yet, and only this rank raised."""
+    import os
+    import time
+
+    import shardwise._channel as ch
+
+    os.environ.pop("SHARDWISE_CHECK", None)
+    comm = Comm(dist.new_group(timeout=datetime.timedelta(seconds=20)))
+    channel = comm.channel
+    if rank == 1:
+        time.sleep(3)  # slow to send its header: rank 0's wait moves to the helper
+        channel.post(ch.OPERATION, 7, 0, "op", "op")
+        channel.settle()
+        return channel.epoch
+    channel.post(ch.OPERATION, 7, 0, "op", "op")
+    real = ch.wait_watched
+
+    def interrupted(*_):
+        time.sleep(0.5)
+        raise KeyboardInterrupt
+
+    ch.wait_watched = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            channel.settle()
+    finally:
+        ch.wait_watched = real
+    channel.settle()  # resumes: no divergence, the same epoch on both ranks
+    return channel.epoch
+
+
+def test_an_interrupted_header_wait_resumes():
+    assert run_ranks(_interrupted_header, 2, timeout=60) == [0, 0]

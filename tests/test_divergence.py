@@ -314,3 +314,73 @@ def _diverged_sizes(rank, world):
 
 def test_divergent_exchanges_of_different_sizes_raise_instead_of_aborting():
     run_ranks(_diverged_sizes, 2, timeout=60)
+
+
+def _recoveries(rank, world):
+    """Cases a review of the message-based check found (each failed before its fix):
+    a hybrid mesh of one rank per shard group, whose backward sums across replicas at
+    once; the reproducible mode, whose reduction starts with a collective; and a rank
+    whose forward an exception ended after its last unit, whose notes must not leak into
+    the next forward's error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.pop("SHARDWISE_CHECK", None)
+    x = torch.ones(2, 4)
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    hybrid = sw.shard(Stack(), mesh=mesh)
+    _step(hybrid, x)
+    with pytest.raises(sw.ShardwiseError, match=r"rank 0: the backward, rank 1: unit <root>"):
+        loss = hybrid(x).sum()
+        if rank == 0:
+            loss.backward()
+        else:
+            _step(hybrid, x)
+    _step(hybrid, x)  # before: rank 0 waited for a sum across replicas rank 1 never began
+    _step(hybrid, x)
+
+    torch.manual_seed(0)
+    exact = sw.shard(Stack(), reproducible=True)
+    opt = torch.optim.SGD(exact.parameters(), lr=0.1)
+
+    def micro_steps(skip_synced: bool = False) -> None:
+        with sw.no_sync(exact):
+            exact(x).sum().backward()
+        loss = exact(x).sum()
+        if not skip_synced:
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    micro_steps()
+    with pytest.raises(sw.ShardwiseError, match="ranks diverged"):
+        micro_steps(skip_synced=rank == 1)
+        if rank == 1:
+            micro_steps()
+    micro_steps()  # before: "ranks accumulated between 2 and 3 micro-batches"
+    micro_steps()
+
+    torch.manual_seed(0)
+    model = sw.shard(Stack())
+    _step(model, x)
+
+    class Late(Exception):
+        pass
+
+    def after_last(*_):
+        if rank == 1:
+            raise Late
+    handle = model.blocks[2].register_forward_hook(after_last)
+    if rank == 1:
+        with pytest.raises(Late):
+            model(x)
+    handle.remove()
+    # Rank 1 starts over at the root: before, both ranks were said to be at blocks.2.
+    with pytest.raises(sw.ShardwiseError, match=r"rank 0: unit blocks\.2, rank 1: unit <root>"):
+        _step(model, x)
+    _step(model, x)
+
+
+def test_recoveries_after_divergence_in_hybrid_reproducible_and_late_failures():
+    run_ranks(_recoveries, 2, timeout=90)

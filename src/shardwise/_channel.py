@@ -7,11 +7,14 @@ model's group at each point it checks. Every exchange of the forward (Note [gloo
 exchanges] in _comm.py) sends a header just before its data, saying what it is (its
 collective, unit and message size) and what the rank is doing ("unit blocks.3"); the
 points that exchange nothing send a header of their own: the end of a forward, the start
-of a backward, an optimizer step driven by an integration, a public operation. A rank
-compares its peers' headers with its own, in order, before it blocks on anything that
-relies on them: the headers up to an exchange's own before waiting for its data, all of
-them before any other wait, before a synchronous collective, at the end of each forward
-(so that a forward's divergence raises in that forward) and at each public operation. A
+of a backward, a public operation (an optimizer step driven by an integration is only
+noted, for the next forward's first header to carry). A rank compares its peers' headers
+with its own, in order, before it relies on them: the headers up to an exchange's own
+before waiting for its data, all of them before any other wait, before any collective,
+before a backward's first gradients are taken for reduction (so a backward the ranks did
+not run together adds nothing to what ``no_sync`` accumulated), at the end of each
+forward (so that a forward's divergence raises in that forward) and at each public
+operation. A
 peer's header leaves with the data of the same exchange, so it is there when the data
 is. The exchanges of a backward carry no header: autograd runs the same graph on every
 rank once the forward and the backward's own header agreed (the old check, too, had one
@@ -33,7 +36,8 @@ Why this is safe:
   epoch, which is part of every tag: what the old epoch left unpaired can never pair with
   new messages, so training goes on after the error with no collective to resynchronise.
   Works of the old epoch are kept alive (gloo still owns their buffers) and never waited
-  for. After 64 such errors in one process, epochs repeat.
+  for. Epochs would repeat after 64 such errors on one group: after 63, shardwise refuses
+  to use the group (``Channel.broken``).
 
 A header that has not arrived when needed is waited for on a helper thread (a gloo
 point-to-point wait that times out breaks the whole group, so it cannot be sliced), while
@@ -93,12 +97,13 @@ def order_checks_enabled(comm: Any) -> bool:
 class _Posted:
     """One header sent to every peer, and theirs being received."""
 
-    __slots__ = ("gen", "mine", "text", "label", "inbox", "recvs", "sends")
+    __slots__ = ("gen", "mine", "text", "label", "inbox", "recvs", "sends", "waiter")
 
     def __init__(self, gen: int, mine: np.ndarray, text: str, label: str,
                  inbox: torch.Tensor, recvs: list, sends: list) -> None:
         self.gen, self.mine, self.text, self.label = gen, mine, text, label
         self.inbox, self.recvs, self.sends = inbox, recvs, sends
+        self.waiter: tuple[threading.Event, list[BaseException]] | None = None
 
     def arrived(self) -> bool:
         # gloo writes a message into the tensor as it arrives, before any wait: a nonzero
@@ -113,10 +118,12 @@ class Channel:
         self.comm = comm
         self.messages = comm.backend == "gloo"  # else checks are collectives
         self.epoch = 0
+        self.broken = False  # after _EPOCHS - 1 divergences (``new_epoch``)
         self.models = 0   # models attached so far: each model's number in headers
         # What this rank does (a key compared, a text reported): the first thing noted
         # since the last header, which is where a rank that diverged first went.
         self._first: tuple[int, str] | None = None
+        self._first_between = False
         self._latest: tuple[int, str] = (0, "nothing yet")
         # In a backward, exchanges carry no header (``set_doing``).
         self.exchange_headers = True
@@ -133,16 +140,27 @@ class Channel:
         """Whether headers are posted now (order checks on, under gloo)."""
         return self.messages and order_checks_enabled(self.comm)
 
-    def set_doing(self, key: int, text: str, exchange_headers: bool = True) -> None:
+    def set_doing(self, key: int, text: str, exchange_headers: bool = True,
+                  between_steps: bool = False) -> None:
         """Note what this rank does now; the next header carries the first thing noted
         since the last one. ``exchange_headers=False`` from the start of a backward:
         its exchanges follow from the forward (autograd runs the same graph on every
         rank), so they carry no header of their own; the backward's header is compared
-        before its first wait (as the old check, one check per backward)."""
+        before its first wait (as the old check, one check per backward).
+        ``between_steps``: a note made outside any forward (an optimizer step), which the
+        next forward's first header carries; other notes are forgotten when a forward
+        starts (``new_forward``), for a forward an exception ended noted them on one rank
+        only."""
         if self._first is None:
             self._first = (key, text)
+            self._first_between = between_steps
         self._latest = (key, text)
         self.exchange_headers = exchange_headers
+
+    def new_forward(self) -> None:
+        """A root forward starts: forget what an unfinished one noted."""
+        if self._first is not None and not self._first_between:
+            self._first = None
 
     # -- tags ------------------------------------------------------------------------
     def data_tag(self, group: Any, kind: str, nbytes: int) -> int:
@@ -162,6 +180,11 @@ class Channel:
         generation. What a divergence error says this rank was doing: the first thing
         noted since the last header (``set_doing``), else ``text``, else the last thing
         noted. ``label`` names the wait in a timeout."""
+        if self.broken:
+            raise ShardwiseError(
+                f"ranks diverged {_EPOCHS - 1} times on this process group; messages "
+                f"left behind by those errors could now pair with new ones, so shardwise "
+                f"stops using it. Restart the run (or create a new process group)")
         gen = self._gen
         self._gen += 1
         self.headers += 1
@@ -205,13 +228,22 @@ class Channel:
         return bool(self._pending)
 
     def _arrive(self, posted: _Posted) -> None:
-        for _ in range(_NAPS):
-            if posted.arrived():
-                break
-            time.sleep(_NAP)
-        else:
-            recvs, posted.recvs = posted.recvs, []  # the helper waits for them, once
-            self._wait_on_helper(recvs, posted.label)
+        if posted.waiter is None:
+            for _ in range(_NAPS):
+                if posted.arrived():
+                    break
+                time.sleep(_NAP)
+            else:
+                posted.waiter = _helper_wait(posted.recvs)
+        if posted.waiter is not None:
+            # Watched; an interrupted wait (Ctrl-C, the peer watch's error) leaves the
+            # helper in charge of the receives, and a retry waits for it again.
+            done, failed = posted.waiter
+            what = f"the order check before {posted.label}"
+            wait_watched(lambda seconds: done.wait(seconds), self.comm, what)
+            if failed:
+                raise self.comm.stuck(what, failed[0]) from failed[0]
+            posted.recvs = []
         try:
             for works in (posted.recvs, posted.sends):
                 while works:
@@ -219,24 +251,6 @@ class Channel:
                     works.pop(0)
         except RuntimeError as err:
             raise self.comm.stuck(f"the order check before {posted.label}", err) from err
-
-    def _wait_on_helper(self, recvs: list, label: str) -> None:
-        done = threading.Event()
-        failed: list[BaseException] = []
-
-        def wait_all() -> None:
-            try:
-                for w in recvs:
-                    w.wait()
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
-                failed.append(err)
-            done.set()
-
-        threading.Thread(target=wait_all, name="shardwise-check", daemon=True).start()
-        what = f"the order check before {label}"
-        wait_watched(lambda seconds: done.wait(seconds), self.comm, what)
-        if failed:
-            raise self.comm.stuck(what, failed[0]) from failed[0]
 
     def _compare(self, posted: _Posted) -> None:
         inbox = posted.inbox.numpy()
@@ -253,6 +267,8 @@ class Channel:
 
     def new_epoch(self) -> None:
         """Leave what is in flight behind: every rank does this at the same header."""
+        if self.epoch + 1 >= _EPOCHS:
+            self.broken = True  # tags would repeat: messages left behind could pair
         self.epoch += 1
         self._gen = 0
         self._counters.clear()
@@ -260,6 +276,24 @@ class Channel:
         for posted in self._pending:
             self.abandoned.extend(posted.recvs + posted.sends + [posted.inbox])
         self._pending.clear()
+
+
+def _helper_wait(works: list) -> tuple[threading.Event, list[BaseException]]:
+    """Wait for ``works`` on a helper thread; the event is set when it is over (the list
+    then holds its error, if any)."""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait_all() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            failed.append(err)
+        done.set()
+
+    threading.Thread(target=wait_all, name="shardwise-check", daemon=True).start()
+    return done, failed
 
 
 def diverged(names: list[str]) -> ShardwiseError:

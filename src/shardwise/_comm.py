@@ -201,10 +201,10 @@ class Comm:
         synchronous one is issued asynchronously and waited for in slices that watch the
         peers (Note [peer watch] in _peers.py): a sliced wait costs 150-370 us more on
         this 2-core machine (benchmarks/peer_watch.py), so only the waits where a rank
-        alone shows first are watched. A synchronous collective first settles the order
-        checks (Note [checks ride the exchanges]): ranks that diverged raise there
-        instead of pairing collectives of different sizes."""
-        if not async_op and self.channel.pending():
+        alone shows first are watched. A collective first settles the order checks (Note
+        [checks ride the exchanges]): ranks that diverged raise there instead of pairing
+        collectives of different sizes (or issuing one a peer never joins)."""
+        if self.channel.pending():
             self.channel.settle()
         try:
             work = collective(*args, group=self.group, async_op=async_op or watch, **kwargs)

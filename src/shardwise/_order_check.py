@@ -48,6 +48,8 @@ class OrderCheck:
         self.model = model
         channel = comm.channel
         self.channel = channel if channel.messages else None
+        if self.channel is not None:
+            self.channel.new_forward()
         self._checked = 0  # unit checks in the current root forward
 
     def unit(self, unit: Unit) -> None:
@@ -118,9 +120,10 @@ def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
     """After each ``optimizer.step()``, raise on every rank unless all ranks have taken
     as many steps, when order checks are on. For the integrations, which drive the
     optimizer: a rank that skipped a step (a caught exception, a data loader that ran
-    out early) would otherwise train on silently, diverged. One check as small as a
-    unit's; a rank that skipped the step meets it with its next forward's check, which
-    names both.
+    out early) would otherwise train on silently, diverged. Under gloo the step is noted
+    for the next forward's first header (Note [checks ride the exchanges]); elsewhere one
+    check as small as a unit's. Either way a rank that skipped the step meets it at its
+    next forward's check, which names both.
 
     Returns:
         The hook's handle (``.remove()`` stops the checks).
@@ -134,7 +137,9 @@ def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
         what = f"optimizer step {taken[0]}"
         channel = comm.channel
         if channel.messages:
-            channel.post(OPTIMIZER_STEP, taken[0], 0, what, what)
+            # Noted, not sent: the next forward's first header carries it, so no header
+            # is left pending after the last step (Note [teardown] in distributed.py).
+            channel.set_doing((OPTIMIZER_STEP << 56) | taken[0], what, between_steps=True)
         else:
             _agree(comm, OPTIMIZER_STEP, taken[0], what)
 

@@ -154,8 +154,10 @@ class GradReduction:
         if not sync:
             self._move(Reduction.ACCUMULATING)
             return
-        acc, self._acc = self._acc, None
-        self._exact = exchange(g.comm, acc, f"unit {g.unit_name!r}'s gradients")
+        # The accumulator is let go only once the exchange started: if ranks diverged it
+        # raises first, and what was accumulated stays, as under ACCUMULATING.
+        self._exact = exchange(g.comm, self._acc, f"unit {g.unit_name!r}'s gradients")
+        self._acc = None
         self._move(Reduction.REDUCING)
 
     def _take(self, buf: torch.Tensor, i: int, grad: torch.Tensor | None, seen: bool,

@@ -265,6 +265,12 @@ class ModelState:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
+        # The order check's headers so far (the backward's own, Note [checks ride the
+        # exchanges]) are compared before any gradient is taken: a backward that ranks
+        # did not run together then aborts before it adds to what no_sync accumulated.
+        channel = self.comm.channel
+        if channel.pending():
+            channel.settle()
         # Free the full parameters before the gradients are copied into the reduction
         # buffer, not after: at the root's reduction, at the end of the backward, that
         # is the difference between holding the root's parameters, gradients and buffer
