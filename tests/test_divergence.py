@@ -12,6 +12,7 @@ Two mechanisms, each tested here without ``SHARDWISE_CHECK`` set:
   raises at once, in an exchange or in the order check, not at the timeout.
 """
 
+import copy
 import datetime
 import os
 import time
@@ -380,6 +381,15 @@ def _recoveries(rank, world):
     with pytest.raises(sw.ShardwiseError, match=r"rank 0: unit blocks\.2, rank 1: unit <root>"):
         _step(model, x)
     _step(model, x)
+
+    # A model and its copy, of one structure: public operations tell them apart. Before,
+    # full_state_dict(model) on one rank and full_state_dict(copy) on the other mixed
+    # the two models' rows without an error.
+    twin = copy.deepcopy(model)
+    with pytest.raises(sw.ShardwiseError, match=r"rank 0: full_state_dict \(sharded model "
+                                                r"\d\), rank 1: full_state_dict \(sharded"):
+        sw.full_state_dict(model if rank == 0 else twin)
+    _step(twin, x)
 
 
 def test_recoveries_after_divergence_in_hybrid_reproducible_and_late_failures():

@@ -101,19 +101,23 @@ class OrderCheck:
             _agree(self.comm, kind, index, what)
 
 
-def announce(comm: Comm | None, operation: str) -> None:
+def announce(comm: Comm | None, operation: str, model: int | None = None) -> None:
     """Raise on every rank unless all ranks are about to start ``operation`` (a public
-    function that communicates), when order checks are on."""
+    function that communicates), when order checks are on. ``model``: the number of the
+    sharded model it works on (``ModelState.number``), so that two models of the same
+    structure (a model and its EMA copy) are told apart."""
     if comm is None or not order_checks_enabled(comm):
         return
     code = zlib.crc32(operation.encode()) & 0x3FFFFFFF
+    text = operation if not model else f"{operation} (sharded model {model})"
     channel = comm.channel
     if channel.messages:
-        channel.set_doing(code, operation)
-        channel.post(OPERATION, code, 0, operation, operation)
+        channel.set_doing(code, text)
+        channel.post(OPERATION, code, 0 if model is None else model + 1, text, text)
         channel.settle()  # the operation's collectives follow: every rank must be here
         return
-    _agree(comm, OPERATION, code, operation, watch=True)
+    _agree(comm, OPERATION, zlib.crc32(f"{operation}#{model}".encode()) & 0x3FFFFFFF, text,
+           watch=True)
 
 
 def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):

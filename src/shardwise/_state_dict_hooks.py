@@ -125,5 +125,5 @@ def _sync_buffers(module: nn.Module, incompatible_keys: Any) -> None:
     state = model_state(module)
     if state is None or state.buffers.policy is BufferPolicy.LOCAL:
         return
-    announce(state.comm, "load_state_dict")
+    announce(state.comm, "load_state_dict", state.number)
     state.buffers.broadcast_all()

@@ -85,6 +85,7 @@ class Model(Protocol):
     comm: Comm
     topology: Topology
     units: list[Unit]
+    number: int  # among the sharded models on its group (Note [checks ride the exchanges])
 
     @property
     def awaiting_backward(self) -> bool: ...

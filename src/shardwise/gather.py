@@ -136,7 +136,8 @@ class _GatherSession:
         r = self.modifier_rank
         # The rank that modifies decides who broadcasts: ranks given different ones must
         # not meet in a broadcast (they would hang), so the check compares it too.
-        announce(self.comm, "gathered()" if r is None else f"gathered(modifier_rank={r!r})")
+        announce(self.comm, "gathered()" if r is None else f"gathered(modifier_rank={r!r})",
+                 self.units[0].model.number if self.units else None)
         if r is not None and (type(r) is not int or not 0 <= r < self.comm.world_size):
             raise ShardwiseError(f"modifier_rank={r!r} is not a rank (an int) of a group of "
                                  f"{self.comm.world_size}")

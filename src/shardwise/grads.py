@@ -59,7 +59,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
     # The infinity norm reduces with MAX, the others with SUM: the check compares it.
-    announce(state.comm, f"clip_grad_norm_(norm_type={norm_type})")
+    announce(state.comm, f"clip_grad_norm_(norm_type={norm_type})", state.number)
     grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
              if p.shard.grad is not None]
     device = state.units[0].groups[0].local.device if state.units[0].groups else \

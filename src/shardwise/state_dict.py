@@ -46,7 +46,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         keep = not rank0_only or state.comm.rank == 0
     else:
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    announce(state.comm if state is not None else None, "full_state_dict")
+    announce(state.comm if state is not None else None, "full_state_dict",
+             state.number if state is not None else None)
     sd = module.state_dict(keep_vars=True)
     pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and sharded_param(v) is None]
     if pieces:  # every rank sees the same keys: every rank raises, before any collective
