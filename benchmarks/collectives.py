@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardwise._comm import Comm
+from shardwise.comm.collectives import Comm
 
 
 def fastest(fn, runs: int = 5) -> float:

@@ -1,4 +1,4 @@
-"""Accuracy and cost of the exact, order-independent sums of issue 24 (``shardwise._exact_sum``).
+"""Accuracy and cost of the exact, order-independent sums of issue 24 (``shardwise.exact.sums``).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/exact_sum.py
 
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from shardwise import _exact_sum as es
+from shardwise.exact import sums as es
 from shardwise.models import GPT, GPTConfig
 
 

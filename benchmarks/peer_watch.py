@@ -1,5 +1,5 @@
 """What the peer watch and the collective-order check cost a training step (Note [peer
-watch] in src/shardwise/_peers.py, Note [collective order] in _state.py).
+watch] in src/shardwise/comm/peers.py, Note [collective order] in engine/state.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/peer_watch.py
 
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise._comm import Comm
-from shardwise._peers import ACTIVITY, wait_watched
+from shardwise.comm.collectives import Comm
+from shardwise.comm.peers import ACTIVITY, wait_watched
 
 ROUNDS, N = 7, 400
 

@@ -25,7 +25,7 @@ from step_time import System, build, run_rounds
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
-from shardwise._state import model_state
+from shardwise.engine.state import model_state
 from shardwise.models import GPTConfig
 
 

@@ -7,7 +7,7 @@ A 1.27B-parameter GPT (24 blocks, d_model 2048, vocab 32000, tied head) is built
 fake backend's collectives move nothing but every shape, buffer and copy is real. One
 AdamW training step (batch 1 x 16 tokens) runs. For each world the script reports what
 rank 0 holds (parameters, gradients, optimizer state, from the storage actually
-allocated) against ``shardwise.planner.plan`` and against the unpadded theory P/N, and
+allocated) against ``shardwise.planning.planner.plan`` and against the unpadded theory P/N, and
 the bytes rank 0 fed into each kind of collective during the step against the ZeRO-3
 theory: all-gathers of 2x the unit parameter bytes divided by N (the root unit once:
 it stays gathered from its forward to its backward; from the second step on, so does the
@@ -17,7 +17,7 @@ carry into the next.
 
     OMP_NUM_THREADS=1 python benchmarks/simulate.py --meshes 8x8,64x8,512x8
 
-Hybrid sharding (Note [hybrid sharding] in _mesh.py) on a (R, S) mesh from
+Hybrid sharding (Note [hybrid sharding] in comm/mesh.py) on a (R, S) mesh from
 ``init_device_mesh``, and flat ZeRO-3 over the same R*S ranks, the same step. A row of the
 mesh is taken as a node of S ranks. Per rank: state bytes against ``planner.plan`` (over
 S for hybrid, R*S for flat), input bytes of the collectives within a node and of those
@@ -44,9 +44,9 @@ WORKER = r"""
 import json, sys, time, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import shardwise as sw
-from shardwise.memory import state_bytes
+from shardwise.planning.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner import plan
+from shardwise.planning.planner import plan
 
 world = int(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -82,9 +82,9 @@ import json, sys, time, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.device_mesh import init_device_mesh
 import shardwise as sw
-from shardwise.memory import state_bytes
+from shardwise.planning.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner import comm_plan, plan
+from shardwise.planning.planner import comm_plan, plan
 
 layout, R, S = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 world = R * S

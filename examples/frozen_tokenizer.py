@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 examples/frozen_tokenizer.py
 
 A frozen video tokenizer (Conv3d + BatchNorm3d layers + a codebook,
-``shardwise.video_tokenizer``, which ``shardwise demo`` shows too) turns clips into tokens
+``shardwise.demo.video_tokenizer``, which ``shardwise demo`` shows too) turns clips into tokens
 that a sharded transformer learns to model. Its pretrained weights, with trained
 BatchNorm running statistics, come from a safetensors file.
 
@@ -31,14 +31,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import shardwise as sw
-from shardwise.models import GPT, GPTConfig
-from shardwise.video_tokenizer import (
+from shardwise.demo.video_tokenizer import (
     CLIP,
     VideoTokenizer,
     clips,
     load_on_rank0_only,
     write_pretrained,
 )
+from shardwise.models import GPT, GPTConfig
 
 
 def gather_all(t: torch.Tensor) -> list[torch.Tensor]:

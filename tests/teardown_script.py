@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import shardwise as sw
-from shardwise._order_check import watch_steps
-from shardwise._state import model_state
+from shardwise.comm.order_check import watch_steps
+from shardwise.engine.state import model_state
 from shardwise.models import GPT, GPTConfig
 
 sw.init_distributed()

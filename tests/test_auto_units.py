@@ -1,7 +1,6 @@
 """``units="auto"``: the fewest units whose gathered parameters fit a memory budget."""
 
 import logging
-import sys
 import warnings
 
 import pytest
@@ -122,9 +121,8 @@ def test_training_with_auto_units_equals_the_same_units_given():
 
 
 def _default_budget_is_agreed(rank, world):
-    from shardwise.planner import plan
-
-    shard_module = sys.modules["shardwise.shard"]  # shardwise.shard is also the function
+    import shardwise.sharding as shard_module  # the module, not the function shard
+    from shardwise.planning.planner import plan
 
     root, *block = _bytes(sw.shard(GPT(CFG)))
     two_blocks = root + 2 * max(block)
@@ -144,8 +142,8 @@ def test_default_budget_is_the_smallest_share_on_every_rank():
 
 
 def test_the_planner_plans_auto_units_on_the_meta_device():
-    from shardwise._plan import gathered_peak
-    from shardwise.planner import plan
+    from shardwise.planning.planner import plan
+    from shardwise.planning.units import gathered_peak
 
     with torch.device("meta"):
         model = GPT(CFG)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import shardwise as sw
-from shardwise._comm import Comm
+from shardwise.comm.collectives import Comm
 
 
 def _exchanges_match_gloos_collectives(rank, world):
@@ -125,7 +125,7 @@ def test_gloo_exchanges_give_the_collectives_results(world):
 
 
 def _transports_on_their_own(rank, world):
-    from shardwise._comm import COLLECTIVES, EXCHANGES
+    from shardwise.comm.collectives import COLLECTIVES, EXCHANGES
 
     comm = Comm(None)
     g = torch.Generator().manual_seed(rank)
@@ -155,7 +155,7 @@ def _interrupted_header(rank, world):
     import os
     import time
 
-    import shardwise._channel as ch
+    import shardwise.comm.channel as ch
 
     os.environ.pop("SHARDWISE_CHECK", None)
     comm = Comm(dist.new_group(timeout=datetime.timedelta(seconds=20)))

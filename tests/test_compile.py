@@ -1,5 +1,5 @@
 """torch.compile and sharded models: per-block compile (the documented path) and the
-warning for compiling the whole sharded model (Note [compile] in _hooks.py)."""
+warning for compiling the whole sharded model (Note [compile] in engine/hooks.py)."""
 
 import copy
 import warnings

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardwise.demo import CharCodec, corpus
+from shardwise.demo.main import CharCodec, corpus
 
 pytestmark = pytest.mark.slow
 

@@ -2,10 +2,10 @@
 
 Two mechanisms, each tested here without ``SHARDWISE_CHECK`` set:
 
-* the collective-order check, on by default under gloo (_order_check.py): ranks that do
+* the collective-order check, on by default under gloo (comm/order_check.py): ranks that do
   different things raise a ``ShardwiseError`` naming what each rank was doing. Before it,
   each of these cases aborted a process inside gloo (SIGABRT) or hung;
-* Note [stuck collectives] in _comm.py: a rank whose peers never come raises a
+* Note [stuck collectives] in comm/collectives.py: a rank whose peers never come raises a
   ``CollectiveError`` naming the collective, its unit and itself, at the process group's
   timeout. Each such case gets its own group with a 3 s timeout (a hang would otherwise
   last the default 10 minutes). A peer that dies closes its connections: the waiting rank

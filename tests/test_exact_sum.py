@@ -1,4 +1,4 @@
-"""The exact, order-independent sums of issue 24 (``shardwise._exact_sum``), single process.
+"""The exact, order-independent sums of issue 24 (``shardwise.exact.sums``), single process.
 
 A "world" of N ranks over M=12 micro-batches is simulated the way the engine will run it:
 each rank sums its micro-batches (``add_``), the ranks agree on the MAX of the indices
@@ -17,8 +17,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from shardwise import _exact_sum as es
 from shardwise.errors import ShardwiseError
+from shardwise.exact import sums as es
 
 M = 12
 N_ELEM = 1200  # divisible by every world size below, so shards are even

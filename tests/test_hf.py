@@ -200,7 +200,7 @@ def test_generate_with_ranks_stopping_at_different_lengths():
 def _from_pretrained_under_sharded_init(rank, world, folder):
     # sharded_init's record of a partitioned parameter: before sw.shard there is no
     # sharded model for sw.inspect to show.
-    from shardwise._sharded_init import init_piece
+    from shardwise.engine.sharded_init import init_piece
 
     with pytest.raises(sw.ShardwiseError, match="from_config"):
         with sw.sharded_init():
@@ -224,7 +224,7 @@ def test_from_pretrained_under_sharded_init_points_to_from_config(tmp_path):
 
 
 def _one_call_loader(rank, world, folder):
-    from shardwise.memory import gathered_unit_bytes
+    from shardwise.planning.memory import gathered_unit_bytes
 
     model = sw.from_pretrained(AutoModelForCausalLM, folder)
     assert sw.is_sharded(model)

@@ -1,4 +1,4 @@
-"""Hybrid sharding on a 2-D mesh (Note [hybrid sharding] in _mesh.py): 4 gloo ranks as
+"""Hybrid sharding on a 2-D mesh (Note [hybrid sharding] in comm/mesh.py): 4 gloo ranks as
 (replicate, shard) = (2, 2), against DDP at 4 ranks and FSDP2's HSDP on the same model.
 
 Hybrid sums gradients in pairs, (a+b)+(c+d), DDP in gloo's ring order, so results match
@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise._state import model_state
+from shardwise.engine.state import model_state
 from shardwise.models import GPT
 
 LOSS_BOUND = 1e-6        # measured at most 1.2e-7 (hybrid and FSDP2's HSDP)

@@ -8,8 +8,8 @@ import torch.nn as nn
 from harness import run_ranks
 
 import shardwise as sw
-from shardwise.memory import gathered_unit_bytes, state_bytes
 from shardwise.models import GPT, GPTConfig
+from shardwise.planning.memory import gathered_unit_bytes, state_bytes
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
@@ -42,7 +42,7 @@ def _through_a_step(rank, world):
                 assert p.padded_numel * world >= p.numel
                 assert p.shard_offset + p.padded_numel <= g.shard_numel
 
-    # Bytes: what memory.py counts from the tensors themselves.
+    # Bytes: what planning/memory.py counts from the tensors themselves.
     assert view.param_bytes == state_bytes(model)["params"] and view.grad_bytes == 0
     assert view.largest_gathered_bytes == max(gathered_unit_bytes(model).values())
     assert view.full_bytes == 0

@@ -1,5 +1,5 @@
 """``shardwise plan --mesh R,S``: its bytes per step within and across nodes against what
-the engine counts under hybrid sharding (Note [hybrid sharding] in _mesh.py), and its
+the engine counts under hybrid sharding (Note [hybrid sharding] in comm/mesh.py), and its
 usage errors."""
 
 import json
@@ -14,7 +14,7 @@ from harness import run_ranks
 import shardwise as sw
 from shardwise.cli import main
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner import comm_plan, mesh_plan
+from shardwise.planning.planner import comm_plan, mesh_plan
 
 CFG = dict(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
 

@@ -10,9 +10,9 @@ import torch
 from harness import run_ranks
 
 import shardwise as sw
-from shardwise.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner import plan
+from shardwise.planning.memory import state_bytes
+from shardwise.planning.planner import plan
 
 CFG = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)
 
@@ -40,9 +40,9 @@ SIMULATED = """
 import json, sys, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import shardwise as sw
-from shardwise.memory import state_bytes
+from shardwise.planning.memory import state_bytes
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner import plan
+from shardwise.planning.planner import plan
 world = int(sys.argv[1])
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 cfg = GPTConfig(vocab_size=96, seq_len=16, n_layer=3, n_head=2, d_model=32)

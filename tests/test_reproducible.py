@@ -1,5 +1,5 @@
 """The reproducible mode (``sw.shard(model, reproducible=True)``, Note [reproducible
-reduction] in _exact_reduce.py): the same global batch, split into M=12 micro-batches,
+reduction] in exact/reduce.py): the same global batch, split into M=12 micro-batches,
 gives bit-identical losses, parameters, buffers and optimizer state at N = 1, 2, 3, 4 and
 6 ranks, and after a resume at another N. The GPT clips its gradients by their global
 norm (``sw.clip_grad_norm_``) every step; the CNN averages its BatchNorm buffers across
@@ -141,9 +141,9 @@ def _errors(rank, world):
     assert [p["x"].tolist() for p in parts] == [[2 * rank, 2 * rank + 1]]
     # A rank that summed one micro-batch more than the others is named at the reduction
     # (in a training loop the order check sees its extra forward first).
-    from shardwise._comm import Comm
-    from shardwise._exact_reduce import exchange
-    from shardwise._exact_sum import add, encode
+    from shardwise.comm.collectives import Comm
+    from shardwise.exact.reduce import exchange
+    from shardwise.exact.sums import add, encode
 
     acc = encode(torch.ones(8))
     if rank == 0:

@@ -17,7 +17,7 @@ from loops import train_steps
 from torch.overrides import _get_current_function_mode_stack
 
 import shardwise as sw
-from shardwise._sharded_init import init_piece
+from shardwise.engine.sharded_init import init_piece
 
 D, V, SEED = 16, 40, 1234
 

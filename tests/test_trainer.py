@@ -99,7 +99,7 @@ def _train_both(rank, world, root):
                              eval_dataset=data[:8])
     ours.train()
     assert sw.is_sharded(ours.model)
-    from shardwise.memory import gathered_unit_bytes  # units: each LlamaDecoderLayer
+    from shardwise.planning.memory import gathered_unit_bytes  # units: each LlamaDecoderLayer
 
     assert set(gathered_unit_bytes(ours.model)) == {"<root>", "model.layers.0", "model.layers.1"}
     full_count = sum(p.numel() for p in _model().parameters())

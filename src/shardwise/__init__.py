@@ -55,18 +55,18 @@ Example::
 
 from typing import Any
 
-from ._sharded_init import sharded_init
-from .buffers import BufferPolicy, sync_buffers
 from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from .checkpoint.state_dict import full_state_dict
+from .comm.process_group import init_distributed
 from .consistency import check_consistency
-from .distributed import init_distributed
+from .engine.buffers import BufferPolicy, sync_buffers
+from .engine.sharded_init import sharded_init
 from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
+from .exact.micro_batches import global_mean, micro_batches
 from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
 from .inspection import ModelView, inspect
-from .reproducible import global_mean, micro_batches
-from .shard import MixedPrecision, is_sharded, shard
-from .state_dict import full_state_dict
+from .sharding import MixedPrecision, is_sharded, shard
 
 __version__ = "0.1.0"
 

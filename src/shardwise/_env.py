@@ -23,7 +23,7 @@ def checks_enabled() -> bool:
 
 def peer_timeout() -> float:
     """``SHARDWISE_PEER_TIMEOUT``: seconds a peer may stay elsewhere before a waiting
-    rank raises (Note [peer watch] in _peers.py); 30 by default, 0 turns the watch off."""
+    rank raises (Note [peer watch] in comm/peers.py); 30 by default, 0 turns the watch off."""
     try:
         return max(0.0, float(os.environ.get("SHARDWISE_PEER_TIMEOUT", "30")))
     except ValueError:

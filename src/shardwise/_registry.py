@@ -8,27 +8,27 @@ accessors of its own objects (``_state.model_state``, ``_unit.unit_of`` and
 :func:`attached` and :func:`attach_to`.
 
 On modules:
-- ``_shardwise``: the root's :class:`~shardwise._state.ModelState`;
-- ``_shardwise_unit``: the :class:`~shardwise._unit.Unit` a module is the root of;
+- ``_shardwise``: the root's :class:`~shardwise.engine.state.ModelState`;
+- ``_shardwise_unit``: the :class:`~shardwise.engine.unit.Unit` a module is the root of;
 - ``save_pretrained``: the guard that replaces a Hugging Face model's method on the
-  instance (``_guards.py``);
+  instance (``engine/guards.py``);
 - ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
 - ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
   every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
   stops skipping layers), on every module of a sharded model;
 - ``_apply``: on every module of a sharded model, the guard that makes moves and casts
-  no-ops or refuses them (``_guards.py``);
+  no-ops or refuses them (``engine/guards.py``);
 - ``__deepcopy__`` and ``__reduce_ex__``: on every module of a sharded model, the deep
-  copy of the whole model and the refusal to pickle (``_clone.py``).
+  copy of the whole model and the refusal to pickle (``engine/clone.py``).
 
-Besides these keys, shardwise registers forward hooks on unit modules (``_hooks.py``) and
+Besides these keys, shardwise registers forward hooks on unit modules (``engine/hooks.py``) and
 ``state_dict`` / ``load_state_dict`` hooks on the modules holding shards
-(``_state_dict_hooks.py``).
+(``engine/state_dict_hooks.py``).
 
 On tensors:
-- ``_shardwise_param``: the :class:`~shardwise._unit.ShardedParam` behind a shard or a
+- ``_shardwise_param``: the :class:`~shardwise.engine.unit.ShardedParam` behind a shard or a
   full parameter;
-- ``_shardwise_init``: the :class:`~shardwise._sharded_init.InitPiece` of a parameter
+- ``_shardwise_init``: the :class:`~shardwise.engine.sharded_init.InitPiece` of a parameter
   partitioned by ``sharded_init``;
 - ``_shardwise_partitioned_as``: the stand-in that replaced an original under
   ``sharded_init``;

@@ -98,7 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from shardwise.errors import ShardwiseError
-    from shardwise.planner import (
+    from shardwise.planning.planner import (
         MeshPlan,
         build_on_meta,
         comm_plan,
@@ -148,7 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shardwise.demo import config_from, run
+    from shardwise.demo.main import config_from, run
 
     run(config_from(args))
     return 0
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan)
-    from shardwise.demo import add_arguments
+    from shardwise.demo.main import add_arguments
 
     d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks "
                                     "(about 80 s on 2 cores)")
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "consolidate":
-        from shardwise.checkpoint.consolidate import output_problem
+        from shardwise.checkpoint.consolidation import output_problem
 
         problem = output_problem(args.checkpoint, args.output)
         if problem:

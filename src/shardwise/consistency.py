@@ -2,7 +2,7 @@
 
 ``check_consistency`` compares a hash of the raw bytes of every buffer and every
 unsharded parameter across ranks, and, under hybrid sharding (Note [hybrid sharding] in
-_mesh.py), of every shard across the replicas that hold it. ``SHARDWISE_CHECK=1`` runs
+comm/mesh.py), of every shard across the replicas that hold it. ``SHARDWISE_CHECK=1`` runs
 it after ``shard``, ``load_pretrained`` and a ``gathered(..., modifier_rank=...)`` block
 (``maybe_check``).
 """
@@ -17,11 +17,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
-from ._order_check import announce
-from ._peers import operation
-from ._state import model_state
-from ._unit import sharded_param
-from .buffers import comm_for, named_buffers
+from .comm.order_check import announce
+from .comm.peers import operation
+from .engine.buffers import comm_for, named_buffers
+from .engine.state import model_state
+from .engine.unit import sharded_param
 from .errors import DivergenceError
 
 

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._agree import any_rank
-from ._comm import Comm
-from ._order_check import announce
-from ._peers import ACTIVITY
-from ._unit import FlatGroup, ShardedParam, Unit, UnitState, sharded_param
-from .buffers import named_buffers
+from .comm.agree import any_rank
+from .comm.collectives import Comm
+from .comm.order_check import announce
+from .comm.peers import ACTIVITY
 from .consistency import maybe_check
+from .engine.buffers import named_buffers
+from .engine.unit import FlatGroup, ShardedParam, Unit, UnitState, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
 

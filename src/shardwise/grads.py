@@ -12,11 +12,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._exact_reduce import exact_total
-from ._order_check import announce
-from ._peers import operation
-from ._state import model_state
+from .comm.order_check import announce
+from .comm.peers import operation
+from .engine.state import model_state
 from .errors import ShardwiseError
+from .exact.reduce import exact_total
 
 
 def _require_state(module: nn.Module, what: str):

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn as nn
 
-from ._comm import CommStats
-from ._layout import ALIGN
-from ._state import model_state
-from ._unit import sharded_param, unit_of
+from .comm.collectives import CommStats
+from .engine.layout import ALIGN
+from .engine.state import model_state
+from .engine.unit import sharded_param, unit_of
 from .errors import ShardwiseError
-from .memory import _unique_bytes
+from .planning.memory import _unique_bytes
 
 if TYPE_CHECKING:
-    from ._unit import FlatGroup, ShardedParam, Unit
+    from .engine.unit import FlatGroup, ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
 # so that a count can be read before the first collective of its kind.

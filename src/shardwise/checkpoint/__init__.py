@@ -1,6 +1,6 @@
 """Checkpoints and pretrained weights: safetensors data, JSON metadata, nothing pickled."""
 
-from .consolidate import consolidate, describe
+from .consolidation import consolidate, describe
 from .io import load_checkpoint, save_checkpoint
 from .pretrained import load_pretrained
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._comm import Comm
-from .._sharded_init import init_piece
-from .._state import model_state
-from .._unit import ShardedParam, UnitState, sharded_param
+from ..comm.collectives import Comm
+from ..engine.sharded_init import init_piece
+from ..engine.state import model_state
+from ..engine.unit import ShardedParam, UnitState, sharded_param
 from ..errors import ShardwiseError
 from ._format import dtype_name, summary
 
@@ -41,7 +41,7 @@ class ParamTarget:
     @property
     def writes(self) -> bool:
         """Whether this rank saves its rows: under hybrid sharding only replica 0 does, so
-        a checkpoint holds each shard once (Note [hybrid sharding] in _mesh.py)."""
+        a checkpoint holds each shard once (Note [hybrid sharding] in comm/mesh.py)."""
         sp = self.sharded
         return sp is None or sp.unit is None or sp.unit.model.topology.replica_index == 0
 

@@ -22,12 +22,12 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from .._agree import agreed
-from .._order_check import announce
-from .._peers import operation
-from .._state import model_state
-from ..buffers import BufferPolicy
+from ..comm.agree import agreed
+from ..comm.order_check import announce
+from ..comm.peers import operation
 from ..consistency import check_consistency
+from ..engine.buffers import BufferPolicy
+from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ._format import (
     _ST_DTYPES,
@@ -194,7 +194,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         check_consistency(module, group=comm.group)
     what = f"save_checkpoint({path!r}) failed"
     _reached("begin")
-    # Note [agreed failure] in _agree.py: a non-JSON extra on one rank, a path that is a
+    # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
     params, buffers, tensors, opt_meta = agreed(
         comm, what, lambda: _prepare(module, optimizer, extra))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .._agree import agreed
-from .._order_check import announce
-from .._peers import operation
-from .._state import model_state
+from ..comm.agree import agreed
+from ..comm.order_check import announce
+from ..comm.peers import operation
 from ..consistency import maybe_check
+from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ._targets import apply_values, comm_of, match_targets, module_targets
 from .sources import Rename, open_source, renamer

@@ -25,12 +25,12 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
-from .._order_check import watch_steps
-from .._state import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..comm.order_check import watch_steps
+from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync
-from ..shard import is_sharded, shard
+from ..sharding import is_sharded, shard
 from ._units import no_split_units
 
 _CHECKPOINT = "shardwise"            # the shardwise checkpoint inside a state folder

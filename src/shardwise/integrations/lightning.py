@@ -45,13 +45,13 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .. import _hooks
-from .._order_check import watch_steps
-from .._state import model_state
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..comm.order_check import watch_steps
+from ..engine import hooks as engine_hooks
+from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ..grads import no_sync
-from ..shard import MixedPrecision, is_sharded, shard
+from ..sharding import MixedPrecision, is_sharded, shard
 from ._units import no_split_units
 
 _FORMAT = "shardwise-lightning/1"   # marks the extra of a checkpoint this strategy wrote
@@ -303,7 +303,7 @@ class ShardwiseStrategy(DDPStrategy):
 @contextlib.contextmanager
 def _without_root_hooks(module: nn.Module) -> Iterator[None]:
     """Hide shardwise's forward hooks on ``module`` (and only those) inside the block."""
-    ours: tuple[Callable, ...] = (_hooks.pre_forward, _hooks.post_forward)
+    ours: tuple[Callable, ...] = (engine_hooks.pre_forward, engine_hooks.post_forward)
     pre, post = module._forward_pre_hooks, module._forward_hooks
     def theirs(h: Callable) -> bool:
         return h not in ours and getattr(h, "func", None) not in ours

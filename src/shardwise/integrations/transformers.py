@@ -32,13 +32,13 @@ import torch
 import torch.nn as nn
 from transformers import Trainer
 
-from .._sharded_init import sharded_init
-from .._state import model_state
 from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
-from ..distributed import init_distributed
+from ..checkpoint.state_dict import full_state_dict
+from ..comm.process_group import init_distributed
+from ..engine.sharded_init import sharded_init
+from ..engine.state import model_state
 from ..errors import ShardwiseError
-from ..shard import is_sharded, shard
-from ..state_dict import full_state_dict
+from ..sharding import is_sharded, shard
 from ._units import no_split_units
 from .accelerate import ShardwiseAccelerator, plain_optimizer
 

@@ -1,0 +1,94 @@
+"""Consolidated (full) state dicts of sharded models."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..comm.order_check import announce
+from ..comm.peers import operation
+from ..engine.state import model_state
+from ..engine.unit import sharded_param
+from ..errors import ShardwiseError
+
+
+@operation("full_state_dict")
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded module's ``state_dict()``, consolidated on CPU.
+
+    Same keys as the unsharded module (original names; a tied weight under each name, as
+    separate tensors), shapes and dtypes; parameters and persistent buffers. One unit is
+    gathered at a time, so memory stays near one unit plus the CPU result. Every rank must
+    call it.
+
+    Args:
+        module: a sharded root (an unsharded module is simply copied to CPU).
+        rank0_only: return an empty dict on ranks other than 0 of the model's group (of
+            the world, for an unsharded module).
+
+    Returns:
+        ``{name: CPU tensor}``, or ``{}`` on other ranks when ``rank0_only``. Every tensor
+        is plain and of its full shape, never a DTensor or a piece.
+
+    Raises:
+        ShardwiseError: on every rank, when the module holds a DTensor parameter that is
+            not one of its shards (one replaced after ``shard``).
+
+    Example:
+        >>> sd = sw.full_state_dict(model)
+        >>> if dist.get_rank() == 0:
+        ...     safetensors.torch.save_file(sd, "model.safetensors")
+    """
+    state = model_state(module)
+    if state is not None:
+        keep = not rank0_only or state.comm.rank == 0
+    else:
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    announce(state.comm if state is not None else None, "full_state_dict",
+             state.number if state is not None else None)
+    sd = module.state_dict(keep_vars=True)
+    pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and sharded_param(v) is None]
+    if pieces:  # every rank sees the same keys: every rank raises, before any collective
+        raise ShardwiseError(
+            f"full_state_dict would return this rank's rows for {len(pieces)} parameter(s) "
+            f"({', '.join(pieces[:3])}{', ...' if len(pieces) > 3 else ''}): DTensors that "
+            f"are not shards of this model (a parameter replaced after sw.shard, e.g. by "
+            f"load_state_dict(assign=True) or torch.utils.swap_tensors). Replace "
+            f"parameters before sw.shard, or load values with model.load_state_dict(sd)")
+    full: dict[int, torch.Tensor] = {}
+    if state is not None:
+        for unit in state.units:
+            for g in unit.groups:
+                flat = g.gather_full()
+                if keep:
+                    for p in g.params:
+                        full[id(p)] = g.full_value(p, flat).to("cpu", copy=True)
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    given: set[int] = set()
+    for key, value in sd.items():
+        sp = sharded_param(value) if isinstance(value, torch.Tensor) else None
+        if sp is not None:
+            # A tied weight gets its own copy under each further name, so the result can
+            # go straight to safetensors, which refuses tensors sharing memory.
+            out[key] = full[id(sp)].clone() if id(sp) in given else full[id(sp)]
+            given.add(id(sp))
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().to("cpu", copy=True)
+        else:
+            out[key] = value
+        if isinstance(value, torch.Tensor):
+            _check_full(key, out[key], sp.shape if sp is not None else value.shape)
+    return out
+
+
+def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:
+    """The promise of :func:`full_state_dict`, checked on every tensor it returns: plain
+    and of the full shape, never a DTensor or a piece."""
+    if isinstance(got, DTensor) or tuple(got.shape) != tuple(shape):
+        raise ShardwiseError(
+            f"internal: full_state_dict's value for {key} is a {type(got).__name__} of shape "
+            f"{tuple(got.shape)}, not the full {tuple(shape)}; please report this")

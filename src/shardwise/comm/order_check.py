@@ -1,0 +1,145 @@
+"""The collective-order check: ranks agree on what they are about to do, or all raise.
+
+Note [collective order] in engine/state.py says why every rank must issue the same collectives
+in the same order. When ranks diverge anyway (a rank that caught an exception and went
+on, skipped a unit, or alone called ``full_state_dict``), their next collectives pair up
+wrongly; under gloo, two messages of different sizes abort the process (SIGABRT inside
+gloo) instead of raising. So ranks say what they do at each unit's forward, at the end of
+the root's forward, at the start of a backward, after an optimizer step driven by an
+integration, and before each public operation that communicates, and every rank raises
+one error naming what each rank was doing when they differ.
+
+Under gloo (on by default) what ranks say travels in small messages that ride the units'
+exchanges and are compared when their data is waited for, without a round trip of their
+own: Note [checks ride the exchanges] in comm/channel.py. Under other backends
+(``SHARDWISE_CHECK=1``; off by default, where reading a result would stall the host on
+every unit) each check is one synchronous all-reduce of a fixed size, so that even
+mismatched checks pair up, and any difference shows in the maximum.
+``SHARDWISE_CHECK=0`` turns checks off everywhere, ``SHARDWISE_CHECK=1`` on everywhere
+(with the consistency checks of ``consistency.maybe_check``).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from .agree import same_everywhere
+from .channel import BACKWARD, END_FORWARD, OPERATION, OPTIMIZER_STEP, diverged
+from .channel import order_checks_enabled as order_checks_enabled
+from .collectives import Comm
+
+_UNIT = 6  # the collective check's kind for a unit (the others are the channel's)
+
+
+class OrderCheck:
+    """One root forward's checks: one per unit that communicates, one at its end.
+
+    ``model`` numbers the sharded model among those on its group, so that two models of
+    the same structure (a model and its EMA copy) are told apart."""
+
+    def __init__(self, comm: Comm, model: int) -> None:
+        self.comm = comm
+        self.model = model
+        channel = comm.channel
+        self.channel = channel if channel.messages else None
+        if self.channel is not None:
+            self.channel.new_forward()
+        self._checked = 0  # unit checks in the current root forward
+
+    def unit(self, index: int, name: str) -> None:
+        """Raise on every rank unless all ranks are about to run unit ``index`` (under
+        gloo: note it, for the next header to carry; the next unit's exchange or the end
+        of the forward compares it). The engine decides which unit calls are checked
+        (``ModelState._order_checked``)."""
+        position = self._checked
+        self._checked += 1
+        if self.channel is not None:
+            self.channel.set_doing((self.model << 40) | (position << 20) | index,
+                                   f"unit {name}")
+            return
+        # The first check of a forward is where a rank running the model alone waits
+        # first: only that wait watches the peers (Note [peer watch]).
+        _agree(self.comm, _UNIT, index, f"unit {name}", position == 0)
+
+    def end_forward(self, calls: int) -> None:
+        """Raise on every rank unless all ranks end the forward here. Catches a rank that
+        skips the *last* unit, whose peers would otherwise wait in that unit's check."""
+        if self._checked:
+            self._checked = 0
+            self._check(END_FORWARD, calls,
+                        f"the end of the forward after {calls} unit calls")
+            if self.channel is not None:
+                # The forward's divergences surface in the forward (its caller may not
+                # run a backward); one wait per forward, not one per unit.
+                self.channel.settle()
+
+    def backward(self) -> None:
+        """Raise on every rank unless all ranks start a backward here."""
+        if self.channel is not None:
+            self.channel.set_doing((self.model << 40) | (1 << 39), "the backward",
+                                   exchange_headers=False)
+        self._check(BACKWARD, 0, "the backward")
+
+    def _check(self, kind: int, index: int, what: str) -> None:
+        if self.channel is not None:
+            self.channel.post(kind, index, self.model, what, what)
+        else:
+            _agree(self.comm, kind, index, what)
+
+
+def announce(comm: Comm | None, operation: str, model: int | None = None) -> None:
+    """Raise on every rank unless all ranks are about to start ``operation`` (a public
+    function that communicates), when order checks are on. ``model``: the number of the
+    sharded model it works on (``ModelState.number``), so that two models of the same
+    structure (a model and its EMA copy) are told apart."""
+    if comm is None or not order_checks_enabled(comm):
+        return
+    code = zlib.crc32(operation.encode()) & 0x3FFFFFFF
+    text = operation if not model else f"{operation} (sharded model {model})"
+    channel = comm.channel
+    if channel.messages:
+        channel.set_doing(code, text)
+        channel.post(OPERATION, code, 0 if model is None else model + 1, text, text)
+        channel.settle()  # the operation's collectives follow: every rank must be here
+        return
+    _agree(comm, OPERATION, zlib.crc32(f"{operation}#{model}".encode()) & 0x3FFFFFFF, text,
+           watch=True)
+
+
+def watch_steps(comm: Comm, optimizer: torch.optim.Optimizer):
+    """After each ``optimizer.step()``, raise on every rank unless all ranks have taken
+    as many steps, when order checks are on. For the integrations, which drive the
+    optimizer: a rank that skipped a step (a caught exception, a data loader that ran
+    out early) would otherwise train on silently, diverged. Under gloo the step is noted
+    for the next forward's first header (Note [checks ride the exchanges]); elsewhere one
+    check as small as a unit's. Either way a rank that skipped the step meets it at its
+    next forward's check, which names both.
+
+    Returns:
+        The hook's handle (``.remove()`` stops the checks).
+    """
+    taken = [0]
+
+    def after_step(*_: object) -> None:
+        taken[0] += 1
+        if not order_checks_enabled(comm):
+            return
+        what = f"optimizer step {taken[0]}"
+        channel = comm.channel
+        if channel.messages:
+            # Noted, not sent: the next forward's first header carries it, so no header
+            # is left pending after the last step (Note [teardown] in comm/process_group.py).
+            channel.set_doing((OPTIMIZER_STEP << 56) | taken[0], what, between_steps=True)
+        else:
+            _agree(comm, OPTIMIZER_STEP, taken[0], what)
+
+    return optimizer.register_step_post_hook(after_step)
+
+
+def _agree(comm: Comm, kind: int, index: int, what: str, watch: bool = False) -> None:
+    """The check as one synchronous all-reduce (backends other than gloo)."""
+    if same_everywhere(comm, [kind, index], f"the order check before {what}", watch):
+        return
+    raise diverged(comm.all_gather_object(what, what="the order check's error report"))

@@ -1,0 +1,125 @@
+"""Buffers: replicated state kept identical across ranks by a stated policy.
+
+Buffers are never sharded. They are synchronised from ``src_rank`` when a model is
+sharded, and after every training-mode step by the model's policy: when the backward of a
+training-mode forward finishes, or right after a training-mode forward that has no backward
+(see Note [buffer sync point] in engine/state.py):
+
+- ``"broadcast"``: every rank takes ``src_rank``'s buffers. ``src_rank``'s values evolve
+  exactly as under DistributedDataParallel with ``broadcast_buffers=True``.
+- ``"average"``: floating-point buffers become the mean over ranks (BatchNorm statistics
+  then reflect every rank's data); integer buffers are taken from ``src_rank``.
+- ``"local"``: nothing is synchronised; ``check_consistency`` reports the divergence.
+
+Every buffer travels at every such point, one message per dtype. Change
+detection by autograd version counters is not an option: BatchNorm's kernel updates its
+running statistics in place without bumping them.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..comm.collectives import Comm
+from ..comm.order_check import announce
+from ..comm.peers import operation
+from ..errors import ShardwiseError
+from ..exact.reduce import exact_average
+from .state import model_state
+
+
+class BufferPolicy(str, enum.Enum):
+    """How a model keeps its buffers identical in training (``sw.shard(buffers=...)``).
+
+    A ``str`` enum, so ``"broadcast"``, ``"average"`` and ``"local"`` work as well.
+    """
+
+    BROADCAST = "broadcast"
+    AVERAGE = "average"
+    LOCAL = "local"
+
+
+def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every buffer of ``module`` (persistent and not), skipping ``None`` slots."""
+    return [(n, b) for n, b in module.named_buffers() if b is not None]
+
+
+class BufferSync:
+    """Applies one model's buffer policy."""
+
+    def __init__(self, root: nn.Module, comm: Comm, policy: str | BufferPolicy,
+                 src_rank: int) -> None:
+        try:
+            self.policy = BufferPolicy(policy)
+        except ValueError:
+            raise ShardwiseError(
+                f"buffers={policy!r} is not a buffer policy; choose one of "
+                f"{', '.join(repr(p.value) for p in BufferPolicy)}") from None
+        self.root = root
+        self.comm = comm
+        self.src_rank = src_rank
+        self.exact = False  # reproducible mode: "average" sums exactly (exact/reduce.py)
+
+    def broadcast_all(self) -> None:
+        """Every rank takes ``src_rank``'s buffers, all of them."""
+        self.comm.broadcast_tensors([b for _, b in named_buffers(self.root)], self.src_rank,
+                                    "the broadcast of buffers")
+
+    def after_training_forward(self) -> None:
+        if self.policy is BufferPolicy.LOCAL:
+            return
+        buffers = [b for _, b in named_buffers(self.root)]
+        if not buffers:
+            return
+        if self.policy is BufferPolicy.BROADCAST:
+            self.comm.broadcast_tensors(buffers, self.src_rank,
+                                        "the broadcast of buffers after the forward")
+            return
+        floating = [b for b in buffers if b.is_floating_point() or b.is_complex()]
+        exact = [b for b in buffers if not (b.is_floating_point() or b.is_complex())]
+        if self.exact:
+            exact_average(self.comm, floating, "buffers after the forward")
+        else:
+            self.comm.average_tensors(floating, "the averaging of buffers after the forward")
+        self.comm.broadcast_tensors(exact, self.src_rank,
+                                    "the broadcast of buffers after the forward")
+
+
+def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
+    """The group a module-level operation talks over: ``group``, else the sharded
+    model's, else the world."""
+    state = model_state(module)
+    if group is None and state is not None:
+        return state.comm
+    if not dist.is_initialized():
+        raise ShardwiseError("torch.distributed is not initialised: call sw.init_distributed()")
+    return Comm(group)
+
+
+@operation("sync_buffers")
+def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
+    """Make every rank's buffers (persistent and not) equal to ``src_rank``'s.
+
+    Args:
+        module: any module, sharded or not.
+        src_rank: rank in ``group`` whose buffers everyone takes.
+        group: process group; default the model's group (sharded) or the world.
+
+    Raises:
+        ShardwiseError: when ``src_rank`` is not in the group, or torch.distributed is not
+            initialised.
+
+    Example:
+        >>> tokenizer.load_state_dict(sd)   # on rank 0 only
+        >>> sw.sync_buffers(tokenizer)      # now every rank has rank 0's statistics
+    """
+    comm = comm_for(module, group)
+    announce(comm, f"sync_buffers(src_rank={src_rank!r})")
+    if type(src_rank) is not int or not 0 <= src_rank < comm.world_size:
+        raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
+                             f"{comm.world_size}")
+    comm.broadcast_tensors([b for _, b in named_buffers(module)], src_rank)

@@ -1,0 +1,139 @@
+"""Deep copies of a sharded model, and the refusal to pickle one.
+
+``copy.deepcopy(model)`` (``torch.optim.swa_utils.AveragedModel``, EMA helpers and DPO
+reference models all do it) gives an independent sharded model: the same units, process
+group and settings, its own shard buffers holding a copy of this rank's rows, and its own
+units and state, which its hooks drive. Each rank copies its own rows: no collective.
+
+Note [deep copy]
+A generic deep copy cannot work: a shard is a DTensor viewing a flat buffer, a full
+parameter's storage is freed between gathers (copying one reads freed memory: the SIGSEGV
+of issue 20), and units and the model state hold the process group. So the copy is made
+in three steps:
+
+1. one new flat group per group of the original, holding a copy of its shard buffer;
+2. a deep copy of the module tree, with ``memo`` mapping every shard (and every full
+   parameter, for a unit gathered at the time) to its new shard, and the units and the
+   state to ``None``: the module copies hold the new shards wherever the originals held
+   theirs, user attributes included;
+3. new units over the copied modules and a new :class:`ModelState`, attached as ``shard``
+   attaches one.
+
+Module hooks are copied with their modules; they find their unit through the module they
+are called on (``engine/hooks.py``), so the copy's hooks drive the copy's units. Every module
+of a sharded model carries the two methods below in its ``__dict__``, bound (through
+``functools.partial``, which a deep copy rebinds) to the module and the root.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, NoReturn
+
+import torch
+import torch.nn as nn
+
+from .._registry import set_instance_method
+from ..errors import ShardwiseError
+from .attach import attach
+from .buffers import BufferSync
+from .running_stats import RunningStats
+from .state import ModelState, model_state
+from .unit import FlatGroup, Unit
+
+
+def guard_model_copies(root: nn.Module) -> None:
+    """:func:`guard_copies` on every module of ``root``'s sharded model."""
+    for sub in root.modules():
+        guard_copies(sub, root)
+
+
+def guard_copies(module: nn.Module, root: nn.Module) -> None:
+    """Route ``copy.deepcopy`` and pickling of ``module`` (part of ``root``'s sharded
+    model) through this module."""
+    set_instance_method(module, "__deepcopy__", functools.partial(_deepcopy, module, root))
+    set_instance_method(module, "__reduce_ex__", functools.partial(_refuse_pickle, module))
+
+
+def _deepcopy(module: nn.Module, root: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    state = model_state(root)
+    assert state is not None, "guard_copies is installed on sharded models only"
+    if id(state) in memo:  # a module inside a whole-model copy: step 2 of Note [deep copy]
+        return _copy_module(module, memo)
+    if module is not root:
+        raise ShardwiseError(
+            f"copy.deepcopy of a {type(module).__name__} inside a sharded model: its "
+            f"parameters belong to the model's units, so only the whole model can be "
+            f"copied (copy.deepcopy(model) gives an independent sharded copy). For values, "
+            f"use sw.full_state_dict(model) or `with sw.gathered(model):`")
+    return _clone(state, memo)
+
+
+def _refuse_pickle(module: nn.Module, protocol: int) -> NoReturn:
+    raise ShardwiseError(
+        f"a sharded {type(module).__name__} cannot be pickled (torch.save(model), "
+        f"copy.copy, multiprocessing): it holds this rank's rows, its units and its "
+        f"process group, which cannot be restored elsewhere. Save its weights instead: "
+        f"sw.save_checkpoint(path, model, optimizer) to resume (at any world size), "
+        f"sw.full_state_dict(model) for one consolidated state dict, or "
+        f"torch.save(model.state_dict(), per_rank_file) on every rank for this rank's "
+        f"rows. copy.deepcopy(model) makes an independent sharded copy")
+
+
+def _copy_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """What ``copy.deepcopy`` does for a module without a ``__deepcopy__``."""
+    cls = type(module)
+    clone = cls.__new__(cls)
+    memo[id(module)] = clone
+    clone.__setstate__(copy.deepcopy(module.__getstate__(), memo))
+    return clone
+
+
+def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
+    """Note [deep copy]."""
+    if state.awaiting_backward:
+        raise ShardwiseError(
+            "copy.deepcopy of a sharded model between a forward and its backward: the "
+            "copy would miss this step's gradients. Copy it before the forward or after "
+            "the backward")
+    if state.mid_step():
+        raise ShardwiseError(
+            "copy.deepcopy of a reproducible model between the micro-batches of a step: "
+            "the copy would miss what they summed so far. Copy it after the step's last "
+            "(synced) backward")
+    twins: dict[int, FlatGroup] = {}
+    for u in state.units:
+        for g in u.groups:
+            twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
+                             [p.shard for p in g.params], g.topology, g.local.device,
+                             g.compute_dtype, g.reduce_dtype)
+            twin.regather = g.regather  # Note [secondary shards]: the same groups of k
+            twin.exact = g.exact
+            with torch.no_grad():
+                twin.local.copy_(g.local)
+            for old, new in zip(g.params, twin.params):
+                memo[id(old.shard)] = memo[id(old.full)] = new.shard
+            twins[id(g)] = twin
+    memo[id(state)] = None
+    for u in state.units:
+        memo[id(u)] = None
+    root = _copy_module(state.root, memo)
+    for twin in twins.values():
+        for sp in twin.params:
+            sp.slots = [(memo[id(m)], attr) for m, attr in sp.slots]
+        twin.install()
+    units = []
+    for u in state.units:
+        units.append(Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
+                          u.reshard_after_forward, u.is_root, cast_inputs=u.cast_inputs))
+    buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
+    buffers.exact = state.buffers.exact
+    twin_state = ModelState(root, state.topology, units, buffers, state.src_rank)
+    twin_state.prefetch = state.prefetch
+    if state.running_stats is not None:  # Note [reproducible running statistics]
+        twin_state.running_stats = RunningStats(root, state.comm)
+    root.__dict__.pop("save_pretrained", None)  # the original's guard: attach makes one
+    attach(twin_state)
+    guard_model_copies(root)
+    return root

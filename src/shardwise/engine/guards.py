@@ -1,0 +1,296 @@
+"""Guards that make misuse of a sharded model loud instead of silently wrong.
+
+- an optimizer built before ``shard`` holds the replaced originals: they are *retired*,
+  and reading their ``.grad`` (every optimizer step and ``zero_grad`` does) raises;
+- Hugging Face ``save_pretrained`` without the consolidated weights raises;
+- wrapping a sharded model in ``DistributedDataParallel`` raises in DDP's constructor;
+- moves and casts of a sharded model (``model.to(...)``, ``.half()``...) that would change
+  a shard raise before anything changes; those that change nothing are no-ops
+  (:func:`guard_apply`);
+- at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
+  changed, or parameters added after ``shard``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, NoReturn
+
+import torch
+import torch.nn as nn
+
+from .._registry import is_sharded_root, retired_name, set_instance_method, set_retired_name
+from ..errors import ShardwiseError
+from .unit import Unit, sharded_param
+
+_RETIRED: dict[type, type] = {}
+
+
+def _retired_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``.grad`` raises (made once per class)."""
+    if cls not in _RETIRED:
+        def grad(self: torch.Tensor, value: object = None) -> None:
+            name = retired_name(self) or "a parameter"
+            raise ShardwiseError(
+                f"{name} was replaced by its sharded version in sw.shard, but something "
+                f"(usually an optimizer built before sw.shard) still holds the original, "
+                f"which never gets a gradient: training would silently do nothing. Build "
+                f"the optimizer after sw.shard(model), from model.parameters()")
+        _RETIRED[cls] = type(f"Retired{cls.__name__}", (cls,),
+                             {"grad": property(grad, grad), "__module__": __name__})
+    return _RETIRED[cls]
+
+
+def retire(original: nn.Parameter, name: str) -> None:
+    """Make a replaced original parameter fail loudly when an optimizer reaches it.
+
+    Optimizers read ``p.grad`` of every parameter they hold (in ``step`` and
+    ``zero_grad``); an optimizer built before ``shard`` holds the originals, which no
+    longer take part in training. A parameter class whose layout forbids the swap is
+    left alone.
+    """
+    set_retired_name(original, name)
+    try:
+        original.__class__ = _retired_class(type(original))
+    except TypeError:
+        pass
+
+
+def guard_save_pretrained(module: nn.Module) -> None:
+    """Make Hugging Face ``save_pretrained`` on a sharded model loud unless given a state.
+
+    Its default ``self.state_dict()`` holds DTensors, and transformers would write each
+    rank's rows (or gather on rank 0 only, which hangs the others). Passing the
+    consolidated ``state_dict=`` works and is forwarded unchanged.
+    """
+    original = getattr(module, "save_pretrained", None)
+    if not callable(original):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise ShardwiseError(
+                f"save_pretrained on a sharded {type(module).__name__} needs the full "
+                f"weights: on every rank, sd = sw.full_state_dict(model); then on rank 0, "
+                f"model.save_pretrained(path, state_dict=sd). Or save a checkpoint and "
+                f"export it: shardwise consolidate CHECKPOINT path/")
+        return original(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    set_instance_method(module, "save_pretrained", save_pretrained)
+
+
+class _NoDDP:
+    """Stands in DDP's ``_ddp_params_and_buffers_to_ignore``: DDP's constructor reads it
+    with ``set(...)``, and iterating raises."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __iter__(self) -> NoReturn:
+        raise ShardwiseError(
+            f"DistributedDataParallel cannot wrap {self.name}, which sw.shard already "
+            f"shards: shardwise averages gradients across ranks itself, as DDP would. Train "
+            f"the sharded model directly; with accelerate, use shardwise.integrations."
+            f"accelerate.ShardwiseAccelerator, whose prepare() does not wrap it in DDP, and "
+            f"with the Hugging Face Trainer, shardwise.integrations.transformers."
+            f"ShardwiseTrainer")
+
+
+def guard_ddp(module: nn.Module) -> None:
+    """Make ``DistributedDataParallel(module)`` raise a clear error in its constructor."""
+    set_instance_method(module, "_ddp_params_and_buffers_to_ignore",
+                        _NoDDP(type(module).__name__))  # type: ignore[arg-type]
+    _guard_torch_classes()
+
+
+# Note [torch classes that meet shards]
+# Two pieces of torch fail deep inside DTensor when they meet shardwise's parameters,
+# where no attribute of the sharded model can step in first:
+# - DistributedDataParallel around a module that *holds* a sharded model: DDP reads its
+#   ignore list from the wrapper only (the sharded root's guard above is never seen), then
+#   broadcasts every parameter ("aten.cat.default got mixed torch.Tensor and DTensor");
+# - Adafactor (torch's and transformers'): its factored second moment keeps statistics
+#   over whole rows and whole columns of each matrix, and a rank holds only some rows;
+#   its first step fails mid-way ("in-place operations that require placement changes
+#   are not supported") after some parameters were already updated.
+# So the first sw.shard of a process adds a check to DDP's constructor and one optimizer
+# step pre-hook; each only looks for shardwise's parameters and otherwise does nothing.
+_torch_guarded = False
+
+
+def _guard_torch_classes() -> None:
+    global _torch_guarded
+    if _torch_guarded:
+        return
+    _torch_guarded = True
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _refuse_sharded_parts(module)
+        original(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_refuse_factored)
+
+
+def _refuse_sharded_parts(module: Any) -> None:
+    """Raise if ``module`` holds a sharded model whose parameters DDP would take."""
+    if not isinstance(module, nn.Module) or is_sharded_root(module):
+        return  # a sharded root itself: guard_ddp's error comes from DDP's own read
+    ignored = set(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    for name, sub in module.named_modules():
+        if not is_sharded_root(sub):
+            continue
+        taken = [f"{name}.{n}" for n, _ in sub.named_parameters()
+                 if f"{name}.{n}" not in ignored]
+        if taken:
+            raise ShardwiseError(
+                f"DistributedDataParallel cannot wrap {type(module).__name__}: its "
+                f"submodule {name!r} is sharded by sw.shard, and DDP would broadcast and "
+                f"all-reduce its sharded parameters ({taken[0]}, ...) as if they were "
+                f"whole. shardwise averages their gradients itself. Shard the whole "
+                f"model instead, with the blocks as units: sw.shard({type(module).__name__}"
+                f"(...), units=...), and train it without DDP")
+
+
+def _refuse_factored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any step of an Adafactor over sharded matrices: refuse, saying why."""
+    if type(optimizer).__name__ != "Adafactor":
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if sharded_param(p) is not None and p.dim() >= 2:
+                raise ShardwiseError(
+                    f"{type(optimizer).__module__}.Adafactor cannot step sharded matrices: "
+                    f"its factored second moment keeps statistics over whole rows and "
+                    f"whole columns of each matrix ({tuple(p.shape)} here), and each rank "
+                    f"holds only some rows. Nothing was updated. Use an optimizer whose "
+                    f"state is per element (AdamW, Adam, SGD, ...), or Adafactor "
+                    f"on an unsharded model")
+
+
+def check_model(root: nn.Module, units: list[Unit]) -> None:
+    """Raise if the model changed under shardwise since ``shard`` (at each root forward).
+
+    Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
+    of modules are refused at once by :func:`guard_apply`) detaches it from shardwise's
+    storage; ``requires_grad_`` on a shard would change
+    which gradients exist without changing which are reduced; a parameter added later
+    would be neither sharded nor kept identical across ranks. Each would train silently
+    wrong.
+    """
+    moved, flipped = [], []
+    for u in units:
+        for g in u.groups:
+            moved += g.detached()
+            flipped += [p.fqns[0] for p in g.params if p.shard.requires_grad != g.requires_grad]
+    if moved:
+        raise ShardwiseError(
+            f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
+            f"(p.data = ..., or a cast of the parameter itself), so their shards left "
+            f"shardwise's storage and training would silently use the old values. "
+            + _CAST_ADVICE)
+    if flipped:
+        raise ShardwiseError(
+            f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
+            f"sw.shard; shardwise groups frozen and trainable parameters when it shards. "
+            f"Freeze or unfreeze parameters before sw.shard(model)")
+    added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
+    if added:
+        raise ShardwiseError(
+            f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "
+            f"sw.shard: they are not sharded and nothing keeps them identical across ranks. "
+            f"Add every module before sw.shard(model)")
+
+
+_CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "
+                "compute in low precision with sw.shard(model, mixed_precision="
+                "sw.MixedPrecision(param_dtype=torch.bfloat16))")
+
+
+def guard_apply(module: nn.Module) -> None:
+    """Route ``module``'s moves and casts (``.to(...)``, ``.cpu()``, ``.cuda()``,
+    ``.float()``, ``.half()``, ``.to_empty()``...: all ``nn.Module._apply``) through
+    :func:`_apply`."""
+    set_instance_method(module, "_apply", functools.partial(_apply, module))
+
+
+def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+           recurse: bool = True) -> nn.Module:
+    """``nn.Module._apply`` for a module of a sharded model.
+
+    A shard must stay a view of its unit's flat buffer, and torch would replace it (a
+    DTensor is swapped, never written through ``.data``), even for a move or cast that
+    changes nothing. So ``fn`` is first tried on a small probe of each shard's dtype,
+    device and dimension: if it would change any shard, this raises before anything is
+    changed. Otherwise the shards are held out while torch applies ``fn`` to the rest
+    (buffers, parameters added later), so ``model.to("cpu")``, ``.cpu()`` or ``.float()``
+    on an fp32 model on CPU change nothing, as on an unsharded model.
+    """
+    held = [(m, name, t) for m in (module.modules() if recurse else [module])
+            for name, t in m._parameters.items()
+            if t is not None and sharded_param(t) is not None]
+    probes: dict[tuple, bool] = {}
+    changed: dict[str, None] = {}
+    for _, _, t in held:
+        sp = sharded_param(t)
+        assert sp is not None
+        key = (sp.local.dtype, sp.local.device, len(sp.shape))
+        if key not in probes:
+            probe = torch.empty((2,) * len(sp.shape), dtype=sp.local.dtype,
+                                device=sp.local.device)
+            with torch.no_grad():
+                probes[key] = fn(probe) is not probe
+        if probes[key]:
+            changed[sp.fqns[0]] = None
+    if changed:
+        raise ShardwiseError(
+            f"{len(changed)} parameter(s) ({_some(list(changed))}) cannot be cast or moved "
+            f"after sw.shard (model.to(dtype or device), .half(), .bfloat16(), .double(), "
+            f".cuda(), .to_empty(), ...): their shards would leave shardwise's storage and "
+            f"training would silently use the old values. Nothing was changed; a move or "
+            f"cast that changes nothing (.to('cpu') on CPU, .float() on an fp32 model) is "
+            f"allowed. " + _CAST_ADVICE)
+    for m, name, _ in held:
+        m._parameters[name] = None  # skipped by torch, and keeps the parameters' order
+    try:
+        return nn.Module._apply(module, fn, recurse)
+    finally:
+        for m, name, t in held:
+            m._parameters[name] = t
+
+
+def _some(names: list[Any]) -> str:
+    return ", ".join(map(str, names[:3])) + (", ..." if len(names) > 3 else "")
+
+
+def warn_if_compiled_whole(root: nn.Module) -> None:
+    """Warn once when the sharded root itself is under ``torch.compile`` (Note [compile]
+    in engine/hooks.py): dynamo skips a sharded root (it carries the marker transformers uses
+    to recognise FSDP models), so the model runs eagerly and nothing is gained. Called at
+    a model's first forward only: the frame walk is cheap once."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    compiled = getattr(root, "_compiled_call_impl", None) is not None  # root.compile()
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(16):  # torch.compile(root): an OptimizedModule called us
+        if frame is None or compiled:
+            break
+        compiled = isinstance(frame.f_locals.get("self"), OptimizedModule)
+        frame = frame.f_back
+    if compiled:
+        warnings.warn(
+            "torch.compile of a whole sharded model compiles nothing: it runs eagerly. "
+            "Compile each unit's module before sw.shard instead, e.g. "
+            "`for block in model.blocks: block.compile()` (docs/performance.md)",
+            stacklevel=2)

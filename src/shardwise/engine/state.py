@@ -1,0 +1,402 @@
+"""Per-model runtime state: the units, their order, and one iteration's phase.
+
+Lives on the root module (``_registry.model_state``); nothing here is global, so any
+number of sharded models, on any groups, can live in one process. Every hook event is one
+``on_*`` method of :class:`ModelState`; ``engine/hooks.py`` only forwards to them.
+
+::
+
+    IDLE ──root forward──► FORWARD ──output needs grad──► AWAITING_BACKWARD
+      ▲                       │ (no grad: release all)         │ first gradient
+      └───────────────────────┴──◄── finish_backward ◄── BACKWARD ◄┘
+
+Note [collective order]
+Every rank must issue the same collectives in the same order. Gathers happen in the
+order units run (forward, then backward, which autograd executes deterministically), and
+prefetches follow the order recorded in the previous iteration, which is identical on
+every rank when every rank runs the same code (SPMD). Reductions left for the end of
+backward run in the fixed order of ``units``. Under gloo (or with ``SHARDWISE_CHECK=1``)
+ranks check that they run the same units, end the forward and start a backward together
+(``comm/order_check.py``; under gloo without a round trip, Note [checks ride the exchanges]),
+so a divergence (a rank skipping the first, a middle or the last unit, or running one
+twice) raises a clear error on every rank instead of hanging, aborting or mixing up
+shards. Units pinned by ``gathered()`` compute without communicating and are not
+checked: ranks may run them different numbers of times (``comm/order_check.py``).
+
+Note [buffer sync point]
+BatchNorm saves its running statistics for backward, so overwriting buffers between a
+forward and its backward would break autograd's version check (and would change what
+backward reads). Buffers are synchronised when the backward finishes, or right away when
+no backward will come.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._log import logger
+from .._registry import STATE, attach_to, attached
+from ..comm.collectives import Comm
+from ..comm.mesh import Topology
+from ..comm.order_check import OrderCheck, order_checks_enabled
+from ..comm.peers import ACTIVITY
+from ..errors import ShardwiseError
+from .autograd import in_backward, output_tensors, prepare_inputs
+from .guards import check_model, warn_if_compiled_whole
+from .running_stats import RunningStats
+from .unit import Unit
+
+
+class Phase(enum.Enum):
+    """Where one model is in its training iteration."""
+
+    IDLE = "idle"                            # every unit sharded, nothing in flight
+    FORWARD = "forward"                      # inside the root's forward
+    AWAITING_BACKWARD = "awaiting backward"  # a forward whose output needs grad is done
+    BACKWARD = "backward"                    # backward runs; the end callback is queued
+
+
+class ModelState:
+    """Everything shardwise knows about one sharded model."""
+
+    def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
+                 buffer_sync: Any, src_rank: int) -> None:
+        self.root = root
+        self.topology = topology
+        self.comm: Comm = topology.world  # every rank of the model (Note [hybrid sharding])
+        self.units = units  # root first, then in module order
+        self.buffers = buffer_sync
+        self.src_rank = src_rank
+        self.requires_grad_sync = True  # False inside no_sync
+        self.prefetch = 1  # units gathered ahead of the one computing (shard(prefetch=))
+        self.phase = Phase.IDLE
+        self.order_check: OrderCheck | None = None  # set per forward (order_checks_enabled)
+        self._prev_order: list[Unit] = []
+        self._order: list[Unit] = []
+        self._joins_pending = False  # this forward started while a backward was awaited
+        self._buffers_due = False  # a training forward's buffer sync waits for its backward
+        self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
+        self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
+        self._compile_checked = False  # warn_if_compiled_whole ran
+        self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
+        # reproducible=True: Note [reproducible running statistics]
+        self.running_stats: RunningStats | None = None
+        channel = self.comm.channel
+        self.number = channel.models  # among the models on its group, in creation order
+        channel.models += 1
+        self._epoch = channel.epoch  # Note [checks ride the exchanges]
+        self._headers_logged = channel.headers  # the order check's headers at the last log
+        for i, u in enumerate(units):
+            u.model = self
+            u.index = i
+
+    @property
+    def awaiting_backward(self) -> bool:
+        """Whether a forward's backward has not finished (full parameters may be saved)."""
+        return self.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD)
+
+    def release_all(self) -> None:
+        """Reshard every unit and forget the iteration's bookkeeping."""
+        for u in self.units:
+            u.reshard()
+            u.reset_iteration()
+
+    def recover(self) -> None:
+        """Start clean if the last iteration cannot complete.
+
+        Autograd drops the end-of-backward callback when backward raises (an OOM skipped
+        by the user, an interrupt), and a forward with gradients whose backward never came
+        leaves units gathered with values an optimizer step has since changed. Either way
+        the unfinished iteration is abandoned: no gradient of it reaches the shards.
+        """
+        aborted = self.phase is Phase.BACKWARD
+        stale = self.phase is Phase.AWAITING_BACKWARD and any(
+            g.is_stale() for u in self.units for g in u.groups)
+        if not (aborted or stale):
+            return
+        self.phase = Phase.IDLE
+        self._reducing = None
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.reduction.drop()
+        self.release_all()
+
+    # -- forward events ----------------------------------------------------------------
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
+        """A unit's forward starts: gather it, prefetch the next, wrap its inputs."""
+        if in_backward():  # Note [recompute] in engine/autograd.py
+            unit.finish_gather()
+            return None
+        if unit.is_root:
+            self._start_root_forward()
+        elif self.phase is not Phase.FORWARD and not unit.pins:
+            raise ShardwiseError(
+                f"{unit.name} ({type(unit.module).__name__}) was called outside the forward "
+                f"of the sharded model, so its parameters are not gathered. Call the model "
+                f"itself, or wrap the call in `with sw.gathered(model):`")
+        if self.order_check is not None and self._order_checked(unit):
+            self.order_check.unit(unit.index, unit.name)
+        unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
+        self._record_call(unit)
+        return prepare_inputs(unit, args, kwargs)
+
+    def _order_checked(self, unit: Unit) -> bool:
+        """Whether the order check covers this call of ``unit``. A unit pinned by
+        ``gathered()`` runs without communicating, so ranks may run it a different number
+        of times (``generate`` stopping at different lengths): it is not checked. A unit
+        without parameters is, for it prefetches the next one, unless every unit that
+        has parameters is pinned."""
+        return not (unit.pins or (not unit.groups and all(u.pins for u in self.units
+                                                           if u.groups)))
+
+    def on_post_forward(self, unit: Unit, output: Any) -> None:
+        """A unit's forward ended: hook its outputs for backward, reshard what may go."""
+        if in_backward():  # Note [recompute]
+            return
+        hooked = opaque = False
+        if torch.is_grad_enabled():
+            index = unit.call_index
+            tensors, opaque = output_tensors(output)
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
+                    hooked = True
+        if unit.is_root:
+            self._end_root_forward(hooked, opaque)
+        elif not torch.is_grad_enabled():
+            unit.reshard()
+        elif unit.reshard_after_forward:
+            # A unit that stays gathered is not gathered again for its backward: the part
+            # kept for that (Note [secondary shards]) would only take memory.
+            if hooked:
+                if not self._runs_last(unit):  # else its backward comes next: keep it
+                    unit.reshard()
+                else:
+                    unit.drop_kept()
+            # Without a hooked output nothing would gather the unit again before its
+            # backward: a frozen one may go, a trainable one stays until backward ends.
+            elif not any(p.requires_grad for p in unit.params):
+                unit.reshard()
+            else:
+                unit.drop_kept()
+
+    def _start_root_forward(self) -> None:
+        check_model(self.root, self.units)
+        if not self._compile_checked:
+            self._compile_checked = True
+            warn_if_compiled_whole(self.root)
+        self.order_check = (OrderCheck(self.comm, self.number)
+                            if order_checks_enabled(self.comm) else None)
+        if self._epoch != self.comm.channel.epoch:
+            # Ranks diverged since the last forward: the orders they recorded may differ,
+            # and prefetches follow them. Every rank forgets its order, so the next
+            # forward prefetches nothing on every rank.
+            self._epoch = self.comm.channel.epoch
+            self._prev_order, self._order = [], []
+        self.recover()
+        self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
+        if not self._joins_pending:
+            # A new iteration. Units left gathered by an exception are released first.
+            if self._order:
+                self._prev_order = self._order
+            self._order = []
+            self.release_all()
+        self.phase = Phase.FORWARD
+        ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
+
+    def _record_call(self, unit: Unit) -> None:
+        """Note the call and prefetch the ``prefetch`` units that ran next last time."""
+        pos = len(self._order)
+        unit.record_call(pos)
+        self._order.append(unit)
+        prev = self._prev_order
+        if pos < len(prev) and prev[pos] is unit:
+            for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
+                nxt.start_gather()
+
+    def _runs_last(self, unit: Unit) -> bool:
+        """Whether ``unit`` ran last in the previous forward and this forward has followed
+        that order so far. Its backward then comes first, right after the loss: resharding
+        it would only gather it again at once, an all-gather and a copy-out per step with
+        nothing to overlap them (torchtitan keeps its last block gathered by hand for
+        this reason). If the order changes, the unit just stays gathered until its
+        backward, as with ``reshard_after_forward=False``."""
+        prev = self._prev_order
+        return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
+
+    def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
+        if self.order_check is not None:
+            self.order_check.end_forward(len(self._order))
+        self._buffers_due |= self.root.training  # Note [buffer sync point]
+        if hooked or opaque or self._joins_pending:
+            # An output we cannot search may still lead to a backward: keep what it may
+            # need gathered rather than free parameters autograd saved.
+            self.phase = Phase.AWAITING_BACKWARD
+            ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
+                                    f"backward")
+            return
+        ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
+        self.phase = Phase.IDLE  # no backward will come: release everything now
+        self.release_all()
+        self._sync_buffers_if_due()
+
+    def _sync_buffers_if_due(self) -> None:
+        if self._buffers_due:
+            self._buffers_due = False
+            self.buffers.after_training_forward()
+
+    # -- backward events ---------------------------------------------------------------
+    def ensure_backward_callback(self) -> None:
+        """Queue :meth:`finish_backward` once per backward (the first gradient's hook)."""
+        if self.phase is not Phase.BACKWARD:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self.phase = Phase.BACKWARD
+            ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
+            if self.order_check is not None:
+                self.order_check.backward()
+
+    def on_pre_backward(self, unit: Unit, call_index: int) -> None:
+        """Gradients reach a unit's output: gather it, prefetch the one before it."""
+        self.ensure_backward_callback()
+        unit.finish_gather()
+        for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
+            if prev.owes_backward():
+                prev.start_gather()
+
+    def on_post_backward(self, unit: Unit) -> None:
+        """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
+        if unit.record_backward():
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        # The order check's headers so far (the backward's own, Note [checks ride the
+        # exchanges]) are compared before any gradient is taken: a backward that ranks
+        # did not run together then aborts before it adds to what no_sync accumulated.
+        channel = self.comm.channel
+        if channel.pending():
+            channel.settle()
+        # Free the full parameters before the gradients are copied into the reduction
+        # buffer, not after: at the root's reduction, at the end of the backward, that
+        # is the difference between holding the root's parameters, gradients and buffer
+        # at once or only the last two (BENCHMARKS.md, live tensor bytes).
+        unit.reshard(keep_grads=True)
+        unit.start_reduce(self.requires_grad_sync)
+        unit.reshard()
+        # At most two reductions in flight: each holds a unit-sized gradient buffer, and
+        # letting them pile up until the end of backward would hold a whole model's. (A
+        # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
+        if self._reducing is not None:
+            for g in self._reducing.trainable_groups:
+                g.reduction.advance()
+        self._reducing = unit
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: reduce what is left, then publish shard gradients."""
+        for u in reversed(self.units):
+            if not u.reduced and self._needs_reduction(u):
+                self._reduce(u)
+        self._reducing = None
+        if self.requires_grad_sync:
+            self._publish_gradients([u for u in self.units if u.reduced])
+        for u in self.units:
+            late = [p.fqns[0] for p in u.params if p.full.grad is not None and u.reduced]
+            if late:
+                raise ShardwiseError(
+                    f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
+                    f"was reduced; please report this with your model")
+        self.release_all()
+        self.phase = Phase.IDLE
+        self.steps += 1
+        if self.running_stats is not None and self.requires_grad_sync:
+            self.running_stats.replay()
+        ACTIVITY.leave(f"the backward of step {self.steps}")
+        self._sync_buffers_if_due()  # Note [buffer sync point]
+        self._log_step()
+
+    def _log_step(self) -> None:
+        """Log this step's communication (bytes fed into each kind of collective)."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        now = {}
+        for label, comm in self.comm_groups():
+            stats = comm.stats
+            prefix = f"{label} " if label else ""
+            now.update({prefix + k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes})
+        last = self._logged
+        parts = [f"{k} {(b - last.get(k, (0, 0))[0]) / 2**20:.1f} MiB in "
+                 f"{c - last.get(k, (0, 0))[1]} calls" for k, (b, c) in sorted(now.items())
+                 if c != last.get(k, (0, 0))[1]]
+        self._logged = now
+        channel = self.comm.channel  # Note [checks ride the exchanges]
+        if channel.headers != self._headers_logged:
+            parts.append(f"order-check headers {channel.headers - self._headers_logged}")
+            self._headers_logged = channel.headers
+        logger.info("step communication: %s", ", ".join(parts))
+
+    def mid_step(self) -> bool:
+        """Reproducible mode: whether a step's micro-batches are half summed (exact
+        accumulators or BatchNorm records waiting for the reducing backward), so that a
+        copy or a checkpoint now would miss them."""
+        if self.running_stats is not None and self.running_stats.pending():
+            return True
+        return any(g.exact and g.reduction.has_accumulated()
+                   for u in self.units for g in u.trainable_groups)
+
+    def comm_groups(self) -> list[tuple[str, Comm]]:
+        """Every group the model communicates over, each once, labelled for a log: the
+        model's group (hybrid: the shard group and, as "world", every rank), "across
+        replicas" (Note [hybrid sharding]) and "within groups of k" (Note [secondary
+        shards])."""
+        topo = self.topology
+        out = [("", topo.shard)]
+        if self.comm is not topo.shard:
+            out.append(("world", self.comm))
+        if topo.replicate is not None and topo.replicate is not self.comm:
+            out.append(("across replicas", topo.replicate))
+        regather = next((g.regather for u in self.units for g in u.groups
+                         if g.regather is not None), None)
+        if regather is not None:
+            out.append(("within groups of k", regather))
+        return out
+
+    def _needs_reduction(self, u: Unit) -> bool:
+        if any(g.exact for g in u.trainable_groups):
+            return True  # every backward is a micro-batch of every unit's mean (a zero term)
+        # A unit whose backward never ran here may have run on another rank, so it joins
+        # the reduction with zero gradients (Note [collective order]). So do units whose
+        # gradients came without a counted forward (reentrant checkpointing recomputes in
+        # backward; a second backward through a retained graph), and units holding
+        # gradients accumulated under no_sync.
+        return (u.forward_calls > 0 or any(p.full.grad is not None for p in u.params)
+                or (self.requires_grad_sync
+                    and any(g.reduction.has_accumulated() for g in u.trainable_groups)))
+
+    def _publish_gradients(self, reduced: list[Unit]) -> None:
+        """Wait for the reductions and hand each parameter its gradient shard."""
+        groups = [g for u in reduced for g in u.trainable_groups]
+        if not groups:
+            return
+        # One small all-reduce says which parameters got a gradient anywhere.
+        used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
+                            device=groups[0].local.device)
+        self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
+                             what="the exchange of used-parameter flags ending the backward")
+        used_list = used.bool().tolist()
+        offset = 0
+        for g in groups:
+            g.reduction.finish(used_list[offset:offset + len(g.params)])
+            offset += len(g.params)
+
+
+def model_state(module: nn.Module) -> ModelState | None:
+    """The state of a sharded root, or ``None``."""
+    return attached(module, STATE)
+
+
+def set_model_state(module: nn.Module, state: ModelState) -> None:
+    attach_to(module, STATE, state)

@@ -1,0 +1,173 @@
+"""The reproducible gradient reduction: exact sums of micro-batch gradients (issue 24).
+
+Note [reproducible reduction]
+With ``sw.shard(model, reproducible=True)`` a unit's gradients are not scaled, summed in
+fp32 and averaged over ranks. Instead every backward's gradients (one micro-batch's, as
+``sw.micro_batches`` hands them out) are encoded as one exact term in fixed bins (Note
+[exact sums] in exact/sums.py) and added to the unit's binned accumulator, exactly, under
+``no_sync`` as outside it. The first backward outside ``no_sync`` reduces the
+accumulator: one all-reduce of each element's top bin (MAX) and of the micro-batch count,
+then the bins, aligned to those tops, are reduce-scattered as int64 (integer sums are
+exact in any order), and each rank decodes its rows once and divides them by the number
+of micro-batches summed over all ranks. The kept part of every term, hence every bit of
+the result, is a function of the set of micro-batch gradients alone: not of how they
+were spread over ranks, nor of the order ranks add. So at any world size dividing the
+number of micro-batches the gradient shards hold the same bits, element for element,
+and an elementwise optimizer step keeps parameters and optimizer state identical too.
+
+Costs: the accumulator holds 17 bytes per parameter element (index + two int64 bins)
+from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
+reduction sends 4 bytes of top bin and 16 of bins per element instead of 4; encoding and
+decoding take tens of milliseconds per million elements on a CPU (BENCHMARKS.md, "Exact
+sums").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import Comm
+from ..errors import ShardwiseError
+from .sums import (
+    DEFAULT,
+    INDEX_DTYPE,
+    NONFINITE,
+    Binned,
+    align,
+    check_terms,
+    decode,
+    encode,
+    max_terms,
+)
+
+
+@dataclass
+class ExactExchange:
+    """An issued reduction of a binned accumulator; :meth:`result` gives the rows."""
+
+    work: object | None      # the reduce-scatter in flight (None in a world of one)
+    index: torch.Tensor      # this rank's elements' top bins
+    bins: torch.Tensor       # this rank's summed bins, [rows, K]
+    terms: int               # micro-batches summed over every rank
+    sending: torch.Tensor | None = None  # read by the exchange until it is waited for
+
+    def result(self) -> torch.Tensor:
+        """This rank's rows of the mean over micro-batches, fp32."""
+        if self.work is not None:
+            self.work.wait()  # type: ignore[attr-defined]
+            self.work = self.sending = None
+        check_terms(self.terms)
+        total = decode(Binned(self.index, self.bins, self.terms))
+        return total.div_(self.terms)
+
+    def discard(self) -> None:
+        """Let the reduction finish without decoding it (its backward was aborted)."""
+        if self.work is not None:
+            self.work.discard()  # type: ignore[attr-defined]
+            self.work = self.sending = None
+
+
+def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
+    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``.
+
+    Raises:
+        ShardwiseError: ranks accumulated different numbers of micro-batches.
+    """
+    n, world = acc.numel, comm.world_size
+    if world == 1:
+        return ExactExchange(None, acc.index, acc.bins, acc.terms)
+    # The count travels with the tops, with its negation: equal on every rank exactly
+    # when the maximum of c and of -c give back c (same_everywhere's rule).
+    seen = torch.cat([acc.index.to(torch.int32),
+                      torch.tensor([acc.terms, -acc.terms], dtype=torch.int32,
+                                   device=acc.index.device)])
+    comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=f"the exchange of top bins of {what}")
+    most, least = int(seen[-2]), -int(seen[-1])
+    if most != least:
+        raise ShardwiseError(
+            f"reproducible mode: ranks accumulated between {least} and {most} micro-batches "
+            f"before reducing {what}: every rank must run as many backward passes per step "
+            f"(sw.micro_batches gives each rank the same number)")
+    index = seen[:n].to(INDEX_DTYPE)
+    aligned = align(acc, index)
+    rows = n // world
+    mine = slice(comm.rank * rows, (comm.rank + 1) * rows)
+    out = torch.empty(rows, acc.spec.K, dtype=torch.int64, device=acc.bins.device)
+    sending = aligned.bins.reshape(-1)
+    work = comm.reduce_scatter(out.view(-1), sending, async_op=True,
+                               what=f"the reduce-scatter of {what}'s bins")
+    return ExactExchange(work, index[mine].clone(), out, acc.terms * world, sending)
+
+
+def exact_total(comm: Comm, tensors: list[torch.Tensor]) -> float:
+    """The sum of every element of every rank's ``tensors``, exact up to the bits kept
+    (Note [exact sums]: 40 below the top bin of the largest element), so the same float
+    however the elements are spread over ranks; rounded once, to float64. For
+    ``clip_grad_norm_`` and the like in the reproducible mode (a collective).
+    """
+    spec = DEFAULT
+    flat = (torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]) if tensors
+            else torch.zeros(0))
+    b = encode(flat, spec)
+    top = torch.tensor([int(b.index.max()) if flat.numel() else 0], dtype=torch.int32)
+    if comm.world_size > 1:
+        comm.all_reduce(top, op=dist.ReduceOp.MAX, what="the exchange of an exact sum's top")
+    t = int(top[0])
+    aligned = align(b, torch.full_like(b.index, t))
+    sums = [0] * spec.K
+    step = max_terms(spec)  # elements per chunk: no int64 accumulator can overflow
+    for start in range(0, flat.numel(), step):
+        part = aligned.bins[start:start + step].sum(dim=0)
+        sums = [s + int(v) for s, v in zip(sums, part.tolist())]
+    everyone = [sums] if comm.world_size == 1 else comm.all_gather_object(
+        sums, what="the exchange of an exact sum's bins")
+    totals = [sum(r[k] for r in everyone) for k in range(spec.K)]
+    if t == NONFINITE:  # slot 0 counts +inf terms, slot 1 -inf (NaN counts as both)
+        if totals[0] and totals[1]:
+            return math.nan
+        return math.inf if totals[0] else -math.inf
+    value = sum(Fraction(s) * Fraction(2) ** (spec.base + (t - k) * spec.W)
+                for k, s in enumerate(totals))
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def exact_average(comm: Comm, tensors: list[torch.Tensor], what: str) -> None:
+    """Replace floating ``tensors`` in place by their mean over ranks, each element the
+    exact sum of the ranks' values (bits kept as in Note [exact sums]) divided by the
+    number of ranks and rounded once: a function of the set of values, not of their
+    order. For ``buffers="average"`` in the reproducible mode; elementwise in Python,
+    so meant for buffers (BatchNorm statistics), not for parameters.
+    """
+    tensors = [t for t in tensors if t.is_floating_point()]
+    if not tensors or comm.world_size == 1:
+        return
+    spec = DEFAULT
+    flat = torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors])
+    b = encode(flat, spec)
+    index = b.index.to(torch.int32)
+    comm.all_reduce(index, op=dist.ReduceOp.MAX, what=f"the exchange of top bins of {what}")
+    bins = align(b, index.to(INDEX_DTYPE)).bins.clone()
+    comm.all_reduce(bins, what=f"the exact sum of {what}")
+    unit = Fraction(2) ** spec.W
+    out = []
+    for top, row in zip(index.tolist(), bins.tolist()):
+        if top == NONFINITE:
+            out.append(math.nan if row[0] and row[1] else math.inf if row[0] else -math.inf)
+            continue
+        exact = sum(Fraction(v) / unit ** k for k, v in enumerate(row))
+        out.append(float(exact * Fraction(2) ** (spec.base + top * spec.W) / comm.world_size))
+    values = torch.tensor(out, dtype=torch.float64)
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(values[offset:offset + n].view(t.shape).to(t.dtype))
+            offset += n

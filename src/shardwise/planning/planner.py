@@ -1,0 +1,329 @@
+"""Memory per rank, planned before anything is built: ``shardwise plan`` and :func:`plan`.
+
+For a real model the plan uses the engine's own decisions (``planning/units.py``: units and
+groups; ``engine/layout.py``: padded shard sizes) on a copy built on the meta device, so its
+parameter, gradient and optimizer figures are the bytes the engine allocates, not an
+approximation. For a model given only as a parameter and layer count it assumes equal
+blocks. Activations depend on batch, sequence and the model's code, so they are a term
+the caller supplies (``activation_bytes``), never guessed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from ..engine.layout import build_layout
+from .units import (
+    AUTO,
+    UnitSpec,
+    assign_units,
+    auto_units,
+    choose_units,
+    discover_params,
+    group_specs,
+)
+
+# Optimizer state bytes per parameter element, in the master dtype's element size units,
+# plus per-parameter scalars (torch's AdamW keeps a float32 ``step`` per parameter).
+_OPTIMIZERS = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0), "sgd-momentum": (1, 0)}
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes one rank holds (the rank with the most rows, rank 0)."""
+
+    world_size: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    largest_unit: int       # a gathered unit's full parameters, in compute dtype
+    prefetched_unit: int    # the next unit, gathered while the largest computes
+    activations: int
+    units: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer + self.largest_unit
+                + self.prefetched_unit + self.activations)
+
+    def table(self) -> str:
+        """A readable table, in MiB."""
+        rows = [("parameters (shard)", self.parameters), ("gradients (shard)", self.gradients),
+                ("optimizer state (shard)", self.optimizer),
+                ("largest gathered unit", self.largest_unit),
+                ("prefetched unit", self.prefetched_unit), ("activations (given)",
+                                                            self.activations),
+                ("total", self.total)]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"per rank, world size {self.world_size}, {self.units} units"]
+        lines += [f"  {name:<{width}}  {b / 2**20:12.1f} MiB" for name, b in rows]
+        return "\n".join(lines)
+
+
+def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
+         param_dtype: torch.dtype | None = None, units: UnitSpec = None,
+         activation_bytes: int = 0, memory_budget: int | None = None) -> MemoryPlan:
+    """Plan per-rank memory for ``model`` sharded over ``world_size`` ranks.
+
+    ``model`` may live on the meta device (build it under ``torch.device("meta")``): only
+    shapes and dtypes are read. Nothing communicates.
+
+    Args:
+        model: the unsharded model.
+        world_size: ranks to shard over.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"`` or ``"sgd-momentum"``.
+        param_dtype: compute dtype of gathered units (``MixedPrecision.param_dtype``).
+        units: as ``sw.shard``'s ``units``; ``"auto"`` needs ``memory_budget`` (the
+            planner cannot read the free memory of the machine that will train).
+        activation_bytes: activations per rank, which only the caller can know.
+        memory_budget: bytes of gathered parameters for ``units="auto"``.
+
+    Raises:
+        ValueError: for an unknown optimizer or a world size below 1, or
+            ``units="auto"`` without ``memory_budget``.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=24, d_model=2048))
+        >>> print(plan(model, world_size=8).table())
+    """
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: choose one of {sorted(_OPTIMIZERS)}")
+    if units == AUTO:
+        if memory_budget is None:
+            raise ValueError("units='auto' needs memory_budget= (bytes) to plan with")
+        chosen = auto_units(model, memory_budget, world_size, param_dtype).chosen
+    else:
+        chosen = choose_units(model, units)
+    names = [n for n, _ in chosen]
+    per_unit = assign_units(discover_params(model, names), names)
+    per_elem, per_param = _OPTIMIZERS[optimizer]
+    params = grads = opt = 0
+    unit_bytes = []
+    for recs in per_unit:
+        full = 0
+        for spec in group_specs(recs, param_dtype, None):
+            p = spec.records[0].param
+            size = p.element_size()
+            layout = build_layout([tuple(r.param.shape) for r in spec.records], world_size)
+            params += layout.shard_numel * size
+            full += layout.full_numel * torch.empty(0, dtype=spec.compute_dtype).element_size()
+            if p.requires_grad:
+                grads += layout.shard_numel * size
+                rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
+                opt += per_elem * rows * size + per_param * len(layout.slots)
+        unit_bytes.append(full)
+    ranked = sorted(unit_bytes, reverse=True) + [0, 0]
+    return MemoryPlan(world_size, params, grads, opt, ranked[0], ranked[1], activation_bytes,
+                      len(chosen))
+
+
+def uniform_plan(n_params: int, n_layers: int, world_size: int, dtype_bytes: int = 4,
+                 optimizer: str = "adamw", compute_bytes: int | None = None,
+                 activation_bytes: int = 0) -> MemoryPlan:
+    """Plan for a model known only by its size: ``n_layers`` equal blocks hold it all.
+
+    Padding is ignored (it is at most 64 elements per parameter and rank).
+    """
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: choose one of {sorted(_OPTIMIZERS)}")
+    per_elem, _ = _OPTIMIZERS[optimizer]
+    shard = -(-n_params // world_size)
+    unit = -(-n_params // max(n_layers, 1)) * (compute_bytes or dtype_bytes)
+    return MemoryPlan(world_size, shard * dtype_bytes, shard * dtype_bytes,
+                      per_elem * shard * dtype_bytes, unit, unit if n_layers > 1 else 0,
+                      activation_bytes, n_layers)
+
+
+def build_on_meta(spec: str, kwargs: dict | None = None) -> nn.Module:
+    """Build ``package.module:callable`` (or a Hugging Face ``config.json`` folder) on the
+    meta device, at no memory cost."""
+    with torch.device("meta"):
+        if ":" in spec:
+            module_name, _, attr = spec.partition(":")
+            obj = getattr(importlib.import_module(module_name), attr)
+            return obj(**(kwargs or {}))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec))
+
+
+def to_json(p: MemoryPlan) -> str:
+    return json.dumps({**asdict(p), "total": p.total}, indent=2)
+
+
+# -- bytes per step on a (replicate, shard) mesh -------------------------------------------
+
+@dataclass
+class CommPlan:
+    """Bytes one rank feeds into the collectives of one training step (input bytes, as
+    ``sw.inspect(model).comm`` counts them), on a mesh of ``replicas`` x ``shard_size``
+    ranks (Note [hybrid sharding] in ``comm/mesh.py``; flat ZeRO-3 is ``replicas == 1``).
+
+    ``all_gather`` and ``reduce_scatter`` run within a shard group (a node, when a row of
+    the mesh is a node); ``all_reduce`` is the sum of each gradient shard across the
+    replicas, the only traffic between shard groups. The ``*_wire`` properties are what a
+    rank sends under ring algorithms: an all-gather sends its shard to the S-1 others,
+    a reduce-scatter (S-1)/S of its input, an all-reduce 2(R-1)/R of its input.
+    """
+
+    replicas: int
+    shard_size: int
+    all_gather: int
+    reduce_scatter: int
+    all_reduce: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.shard_size
+
+    @property
+    def within(self) -> int:
+        """Input bytes per step of the shard group's collectives."""
+        return self.all_gather + self.reduce_scatter
+
+    @property
+    def within_wire(self) -> int:
+        s = self.shard_size
+        return (s - 1) * self.all_gather + (s - 1) * self.reduce_scatter // s
+
+    @property
+    def across_wire(self) -> int:
+        r = self.replicas
+        return 2 * (r - 1) * self.all_reduce // r
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "within": self.within, "within_wire": self.within_wire,
+                "across_wire": self.across_wire}
+
+
+def comm_plan(model: nn.Module, replicas: int, shard_size: int,
+              param_dtype: torch.dtype | None = None,
+              reduce_dtype: torch.dtype | None = None, units: UnitSpec = None) -> CommPlan:
+    """Input bytes one rank feeds into each collective per training step, sharded over
+    ``shard_size`` ranks and replicated ``replicas`` times (``replicas=1``: flat ZeRO-3).
+
+    Uses the engine's units, groups and padded layout, as :func:`plan` does. Per step
+    every unit is all-gathered for its forward and again for its backward, except the
+    root and the unit that runs last in forward, which stay gathered (taken here as the
+    last unit in ``units`` order, the order of a model whose blocks run as they are
+    registered); each trainable group's padded gradient buffer is reduce-scattered once,
+    and, with ``replicas > 1``, its gradient shard all-reduced across the replicas once.
+    Gradient accumulation under ``no_sync`` defers both reductions to the last
+    micro-batch.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=24, d_model=2048))
+        >>> comm_plan(model, replicas=8, shard_size=8).all_reduce   # P/S in bytes
+    """
+    if replicas < 1 or shard_size < 1:
+        raise ValueError(f"mesh ({replicas}, {shard_size}): both sizes must be at least 1")
+    chosen = choose_units(model, units)
+    names = [n for n, _ in chosen]
+    per_unit = assign_units(discover_params(model, names), names)
+    gather = scatter = reduce = 0
+    for index, recs in enumerate(per_unit):
+        gathers = 1 if index in (0, len(per_unit) - 1) else 2
+        for spec in group_specs(recs, param_dtype, reduce_dtype):
+            layout = build_layout([tuple(r.param.shape) for r in spec.records], shard_size)
+            gather += gathers * layout.shard_numel * _itemsize(spec.compute_dtype)
+            if spec.records[0].param.requires_grad:
+                size = _itemsize(spec.reduce_dtype)
+                scatter += layout.gathered_numel * size
+                reduce += layout.shard_numel * size
+    if shard_size == 1:  # a shard group of one gathers and reduces without collectives
+        gather = scatter = 0
+    return CommPlan(replicas, shard_size, gather, scatter, reduce if replicas > 1 else 0)
+
+
+def uniform_comm_plan(n_params: int, n_layers: int, replicas: int, shard_size: int,
+                      dtype_bytes: int = 4, compute_bytes: int | None = None) -> CommPlan:
+    """:func:`comm_plan` for a model known only by its size: ``n_layers`` equal blocks
+    and an empty root, so the last block alone is gathered once; padding is ignored."""
+    if replicas < 1 or shard_size < 1:
+        raise ValueError(f"mesh ({replicas}, {shard_size}): both sizes must be at least 1")
+    shard = -(-n_params // shard_size)
+    block_shard = -(-n_params // max(n_layers, 1)) / shard_size
+    gather = round((2 * shard - block_shard) * (compute_bytes or dtype_bytes))
+    scatter = shard * shard_size * dtype_bytes
+    if shard_size == 1:
+        gather = scatter = 0
+    return CommPlan(replicas, shard_size, gather, scatter,
+                    shard * dtype_bytes if replicas > 1 else 0)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class MeshPlan:
+    """Memory and bytes per step of one rank on a (replicas, shard_size) mesh, next to
+    flat ZeRO-3 over the same R*S ranks; :func:`mesh_plan` makes one."""
+
+    memory: MemoryPlan       # sharded over S: what each rank holds
+    comm: CommPlan
+    flat_memory: MemoryPlan  # sharded over R*S
+    flat_comm: CommPlan
+
+    def table(self) -> str:
+        """A readable report, in MiB. "Spanning nodes": bytes in collectives whose group
+        reaches beyond one shard group (node): for hybrid the all-reduce across
+        replicas, for flat ZeRO-3 over several nodes every all-gather and reduce-scatter."""
+        c, f = self.comm, self.flat_comm
+        r, s = c.replicas, c.shard_size
+        f_span = f.within if r > 1 else 0
+        rows = [
+            ("all-gather", c.all_gather, f.all_gather),
+            ("reduce-scatter", c.reduce_scatter, f.reduce_scatter),
+            ("all-reduce across replicas", c.all_reduce, 0),
+            ("in collectives within a node", c.within, f.within - f_span),
+            ("in collectives spanning nodes", c.all_reduce, f_span),
+            ("ring, sent: within a node", c.within_wire, f.within_wire if r == 1 else 0),
+            ("ring, sent: spanning nodes", c.across_wire, f.within_wire if r > 1 else 0),
+        ]
+        width = max(len(n) for n, _, _ in rows)
+        head = f"mesh ({r}, {s}) = {c.world_size} ranks, sharded over {s}"
+        lines = [self.memory.table().replace(f"world size {self.memory.world_size}", head),
+                 "", f"bytes per rank per step, nodes of {s} ranks (input bytes unless "
+                 f"'ring, sent')",
+                 f"  {'':<{width}}  {f'hybrid ({r}, {s})':>14}  "
+                 f"{f'flat over {c.world_size}':>14}"]
+        lines += [f"  {n:<{width}}  {a / 2**20:10.1f} MiB  {b / 2**20:10.1f} MiB"
+                  for n, a, b in rows]
+        lines.append(f"  flat ZeRO-3 over {c.world_size} ranks: "
+                     f"{self.flat_memory.total / 2**20:.1f} MiB per rank in total")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """The memory plan's fields (as :func:`to_json`), plus ``mesh``, ``comm`` and
+        ``flat`` (memory and comm of flat ZeRO-3 over R*S ranks)."""
+        return json.dumps({**asdict(self.memory), "total": self.memory.total,
+                           "mesh": [self.comm.replicas, self.comm.shard_size],
+                           "comm": self.comm.as_dict(),
+                           "flat": {**asdict(self.flat_memory), "total": self.flat_memory.total,
+                                    "comm": self.flat_comm.as_dict()}}, indent=2)
+
+
+def mesh_plan(model: nn.Module, replicas: int, shard_size: int, optimizer: str = "adamw",
+              param_dtype: torch.dtype | None = None, units: UnitSpec = None,
+              activation_bytes: int = 0) -> MeshPlan:
+    """:func:`plan` and :func:`comm_plan` on a (replicas, shard_size) mesh, and both for
+    flat ZeRO-3 over ``replicas * shard_size`` ranks.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = GPT(GPTConfig(n_layer=24, d_model=2048))
+        >>> print(mesh_plan(model, replicas=64, shard_size=8).table())
+    """
+    world = replicas * shard_size
+    return MeshPlan(plan(model, shard_size, optimizer, param_dtype, units, activation_bytes),
+                    comm_plan(model, replicas, shard_size, param_dtype, units=units),
+                    plan(model, world, optimizer, param_dtype, units, activation_bytes),
+                    comm_plan(model, 1, world, param_dtype, units=units))

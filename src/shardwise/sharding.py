@@ -1,0 +1,475 @@
+"""``shard()``: the public entry point, as a sequence of named steps.
+
+Argument checks, the plan (``planning/units.py``: units, parameters, groups), one flat group at a
+time built and swapped in (``_build_group``), buffers made ``src_rank``'s, hooks
+installed. Also the guards that keep replaced originals and ``save_pretrained`` loud.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._log import logger
+from .comm.agree import agreed
+from .comm.collectives import Comm
+from .comm.mesh import Topology, check_secondary, secondary_groups, topology
+from .consistency import maybe_check
+from .engine import hooks
+from .engine.alloc import freed, trim
+from .engine.attach import attach
+from .engine.buffers import BufferPolicy, BufferSync
+from .engine.clone import guard_model_copies
+from .engine.guards import retire
+from .engine.running_stats import RunningStats
+from .engine.sharded_init import clear_init_piece, full_value, init_piece
+from .engine.state import ModelState, model_state
+from .engine.state_dict_hooks import install_state_dict_hooks
+from .engine.unit import FlatGroup, Unit, sharded_param, unit_of
+from .errors import ShardwiseError
+from .planning.memory import AUTO_BUDGET_FRACTION, free_memory
+from .planning.units import (
+    AUTO,
+    AutoChoice,
+    GroupSpec,
+    ParamRecord,
+    UnitSpec,
+    assign_units,
+    auto_units,
+    choose_units,
+    discover_params,
+    group_specs,
+    warn_if_one_unit_dominates,
+)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for compute and gradient reduction; master weights keep their dtype.
+
+    Floating-point inputs of every unit are cast to ``param_dtype`` (as FSDP2 does by
+    default), so outputs come out in ``param_dtype``; buffers keep their dtype, and
+    BatchNorm parameters stay in full precision (as FSDP1 does), since BatchNorm's kernel
+    takes low-precision input only with full-precision weights and statistics.
+
+    Args:
+        param_dtype: dtype full parameters are gathered in and computed with
+            (e.g. ``torch.bfloat16``); ``None`` keeps each parameter's dtype.
+        reduce_dtype: dtype gradients are reduce-scattered in; ``None`` keeps the
+            parameter's own (master) dtype, fp32 for an fp32 model: summing bf16
+            gradients over ranks loses precision. Pass ``torch.bfloat16`` to halve the
+            reduction traffic at that cost.
+
+    Example:
+        >>> mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded by :func:`shard` or holds parameters sharded by it.
+
+    Args:
+        module: any module. Raises nothing.
+
+    Example:
+        >>> sw.is_sharded(model)      # False
+        >>> sw.is_sharded(sw.shard(model))   # True
+    """
+    if model_state(module) is not None or unit_of(module) is not None:
+        return True
+    return any(sharded_param(p) is not None for p in module.parameters())
+
+
+def _device_for(module: nn.Module, comm: Comm) -> torch.device:
+    if comm.device.type == "cuda":
+        return comm.device
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type != "meta":
+            return t.device
+        info = init_piece(t)
+        if info is not None:
+            return info.home
+    return torch.device("cpu")
+
+
+def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
+          mesh: DeviceMesh | None = None, units: UnitSpec = None,
+          mixed_precision: MixedPrecision | None = None,
+          buffers: str | BufferPolicy = "broadcast",
+          src_rank: int = 0, reshard_after_forward: bool | int = True,
+          prefetch: int = 1, reproducible: bool = False,
+          memory_budget: int | None = None) -> nn.Module:
+    """Shard ``module`` in place (ZeRO-3) and return it.
+
+    Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
+    them (possibly none), in one flat buffer per unit, dtype and ``requires_grad``. A
+    unit's full parameters exist only while it computes. After the call every rank holds
+    ``src_rank``'s parameters and buffers. The module keeps its class and methods;
+    ``named_parameters()`` yields the original names, each an ``nn.Parameter`` holding a
+    ``DTensor`` with the original shape (``p.to_local()`` is this rank's rows), so build
+    the optimizer *after* sharding: one built before raises at its first step.
+
+    Args:
+        module: the model; its parameters must be real tensors on ``src_rank``.
+        group: process group (default: the world).
+        mesh: a ``DeviceMesh`` instead of ``group``: 1-D, the same as
+            ``group=mesh.get_group()``; 2-D, dims (replicate, shard), hybrid sharding
+            (Note [hybrid sharding] in comm/mesh.py): parameters sharded within each row of
+            the mesh and replicated across rows, placed ``(Replicate(), Shard(0))``;
+            gradients reduce-scattered within a row, then summed across rows.
+            ``src_rank`` is then a rank of the whole mesh.
+        units: submodules gathered together: a class, tuple of classes, or a callable
+            ``(qualified_name, module) -> bool``; every match becomes a unit, nested
+            matches too (each owns the parameters no inner unit owns). ``()`` makes the
+            root the only unit. Default: each entry (holding parameters) of the outermost
+            ``nn.ModuleList`` s, or, in a model without one, of the outermost
+            ``nn.Sequential`` s. The root owns every other parameter. A warning says when
+            one unit holds more than half of a model of a million parameters or more.
+            ``"auto"``: the fewest units whose full parameters gathered at once fit
+            ``memory_budget``: the root alone, else the default units, else each unit
+            (and the root) also split into its children holding parameters, and so on
+            down to modules without such children. Held at once: the root (gathered
+            for the whole step), the computing unit, the units enclosing it and the
+            ``prefetch`` units next to it. When no split fits, the one with the lowest
+            peak (the fewest units among those) is used and a warning says by how much
+            it exceeds the budget.
+        mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
+        buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
+            ``"average"`` or ``"local"``; see :mod:`shardwise.engine.buffers`.
+        src_rank: rank (in ``group``) whose initial state everyone takes.
+        reshard_after_forward: free non-root units after forward (``True``, ZeRO-3),
+            keep them until their backward (``False``: less communication, more
+            memory), or an int k dividing the shard group's size: keep them sharded over
+            groups of k contiguous ranks, so that the backward's all-gather stays
+            within them (Note [secondary shards] in comm/mesh.py; needs the model to span
+            the world).
+        prefetch: how many units ahead to gather while one computes, in forward and in
+            backward (0: none). Each costs one more unit of full parameters in memory;
+            more than 1 helps when all-gathers are slow next to compute.
+        memory_budget: with ``units="auto"`` only: bytes of full parameters (in the
+            compute dtype) that may be gathered at once. Default: a quarter
+            (``memory.AUTO_BUDGET_FRACTION``) of the memory free on this rank's device
+            (CUDA: ``torch.cuda.mem_get_info``; CPU: ``MemAvailable`` divided among the
+            ranks on the host), minus the parameter, gradient and AdamW state shards the
+            planner predicts, the minimum over all ranks. The rest of free memory is
+            left for activations, the computing unit's gradients and communication.
+        reproducible: results that do not depend on the world size (Note
+            [reproducible reduction] in exact/reduce.py; docs/reproducible.md): each
+            backward is one micro-batch, whose gradients are summed exactly; the
+            gradient is their mean over all micro-batches of all ranks. Split batches
+            with :func:`~shardwise.micro_batches`. Flat sharding only for now.
+
+    Raises:
+        ShardwiseError: when torch.distributed is not initialised, the module or one of
+            its submodules is already sharded, both ``group`` and ``mesh`` are given or
+            the mesh is not 1-D or 2-D, ``reshard_after_forward`` is an int that does
+            not divide the shard group's size, ``src_rank`` is out of range, a policy or
+            ``units`` is invalid, ``units`` matches no submodule, ``memory_budget`` is not
+            a positive int or is given without ``units="auto"``, a parameter is 0-dim,
+            or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
+            any of these, or ranks built different models or passed different
+            ``units=``): then every rank raises the same error.
+
+    Example:
+        >>> sw.init_distributed()
+        >>> model = sw.shard(GPT(cfg))
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        >>> big = sw.shard(GPT(cfg), units="auto", memory_budget=2 * 2**30)  # 2 GiB
+        >>> # across 2 nodes of 8 GPUs: shard within a node, replicate across nodes
+        >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
+    """
+    topo = _check_arguments(module, group, mesh, src_rank)
+    check_secondary(topo, reshard_after_forward)
+    _check_reproducible(reproducible, topo, mixed_precision)
+    comm = topo.world
+    if type(prefetch) is not int or prefetch < 0:
+        raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
+    _check_budget(units, memory_budget)
+    mp = mixed_precision or MixedPrecision()
+    budget = None
+    if units == AUTO:
+        budget = memory_budget if memory_budget is not None else _default_budget(module, topo,
+                                                                                   mp)
+
+    def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
+                        list[list[ParamRecord]], AutoChoice | None]:
+        auto = None
+        if budget is not None:
+            auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
+                              bool(reshard_after_forward))
+            chosen = auto.chosen
+        else:
+            chosen = choose_units(module, units)
+        records = discover_params(module, [n for n, _ in chosen])
+        _check_params(records, comm.rank, src_rank)
+        # Each group releases its originals as it is built (_build_group): only
+        # per_unit may hold the records.
+        return (BufferSync(module, comm, buffers, src_rank), _device_for(module, comm),
+                chosen, assign_units(records, [n for n, _ in chosen]), auto)
+
+    # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
+    # meta tensors, fails every rank here, before the first collective.
+    buffer_sync, device, chosen, per_unit, auto = agreed(
+        comm, f"sw.shard({type(module).__name__}) failed", plan)
+    _agree_structure(comm, chosen, per_unit)
+    if auto is not None:
+        _report_auto(auto, given=memory_budget is not None)
+    unit_names = [n for n, _ in chosen]
+    warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
+                               unit_names, topo.shard.world_size, units)
+    built = []
+    for i, (name, mod) in enumerate(chosen):
+        groups = [_build_group(spec, topo, device, src_rank)
+                  for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
+        built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
+                          cast_inputs=mp.param_dtype))
+    if type(reshard_after_forward) is int:
+        _secondary_shards(built, topo, reshard_after_forward)
+    for u in built:
+        for g in u.groups:
+            g.exact = reproducible
+    _log_plan(built, topo)
+    trim()  # Note [freed memory]
+    _materialise_buffers(module, comm.rank, device, src_rank)
+    buffer_sync.broadcast_all()
+    state = ModelState(module, topo, built, buffer_sync, src_rank)
+    state.prefetch = prefetch
+    if reproducible:
+        state.running_stats = RunningStats(module, comm)
+        buffer_sync.exact = True
+    for unit in built:
+        unit.module.register_forward_pre_hook(hooks.pre_forward, prepend=True,
+                                              with_kwargs=True)
+        unit.module.register_forward_hook(hooks.post_forward, with_kwargs=True)
+    install_state_dict_hooks(module)
+    attach(state)
+    guard_model_copies(module)
+    maybe_check(module)
+    return module
+
+
+def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
+                     mesh: DeviceMesh | None, src_rank: int) -> Topology:
+    """Refuse what cannot be sharded; the groups' :class:`Topology` otherwise."""
+    if not isinstance(module, nn.Module):
+        raise ShardwiseError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if not dist.is_initialized():
+        raise ShardwiseError("torch.distributed is not initialised: call sw.init_distributed() "
+                             "first (under torchrun, or as a world of one process)")
+    for name, sub in module.named_modules():
+        if is_sharded(sub):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ShardwiseError(f"cannot shard {type(module).__name__}: {where} is already "
+                                 f"sharded. Shard the outermost model once and pick units "
+                                 f"with units=...")
+    topo = topology(group, mesh)
+    if not 0 <= src_rank < topo.world.world_size:
+        raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
+                             f"{topo.world.world_size}")
+    return topo
+
+
+def _check_reproducible(reproducible: object, topo: Topology,
+                        mp: MixedPrecision | None) -> None:
+    """Refuse what the reproducible mode cannot honour (Note [reproducible reduction])."""
+    if not isinstance(reproducible, bool):
+        raise ShardwiseError(f"reproducible={reproducible!r}: expected True or False")
+    if not reproducible:
+        return
+    if topo.replicate is not None:
+        raise ShardwiseError("reproducible=True with a 2-D mesh (hybrid sharding) is not "
+                             "supported yet: shard flat (group= or a 1-D mesh)")
+    if mp is not None and mp.reduce_dtype not in (None, torch.float32):
+        raise ShardwiseError(f"reproducible=True sums gradients exactly and hands them out "
+                             f"in fp32; reduce_dtype={mp.reduce_dtype} would round them per "
+                             f"rank first. Leave reduce_dtype unset")
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and \
+            not torch.are_deterministic_algorithms_enabled():
+        raise ShardwiseError("reproducible=True on CUDA needs deterministic kernels: call "
+                             "torch.use_deterministic_algorithms(True) first (and set "
+                             "CUBLAS_WORKSPACE_CONFIG=:4096:8, as torch asks)")
+
+
+def _secondary_shards(units: list[Unit], topo: Topology, k: int) -> None:
+    """Give every non-root unit's groups the group of k ranks its backward gathers in
+    (Note [secondary shards] in comm/mesh.py); nothing when k is the shard group's size."""
+    if k == topo.shard.world_size:
+        return  # groups of S ranks are the shard group: ZeRO-3 itself
+    regather = secondary_groups(topo, k)
+    for u in units:
+        if not u.is_root:
+            for g in u.groups:
+                g.regather = regather
+
+
+def _check_budget(units: UnitSpec, memory_budget: object) -> None:
+    if memory_budget is None:
+        return
+    if units != AUTO:
+        raise ShardwiseError(f"memory_budget={memory_budget!r} applies to units='auto' only "
+                             f"(units={units!r} was passed): pass units='auto' to let "
+                             f"shardwise choose units within the budget, or drop "
+                             f"memory_budget")
+    if not isinstance(memory_budget, int) or isinstance(memory_budget, bool) \
+            or memory_budget <= 0:
+        raise ShardwiseError(f"memory_budget={memory_budget!r}: expected a positive int, "
+                             f"in bytes of full parameters gathered at once (e.g. "
+                             f"memory_budget=4 * 2**30 for 4 GiB), or None for the default")
+
+
+def _default_budget(module: nn.Module, topo: Topology, mp: MixedPrecision) -> int:
+    """``units="auto"``'s default budget (see :func:`shard`), the same on every rank.
+
+    One exchange of every rank's free memory: ranks sharing a device (CPU ranks on one
+    host) share its free memory, and the smallest share bounds every rank, since all
+    ranks gather the same units.
+    """
+    comm = topo.world
+    device = _device_for(module, comm)
+    try:
+        mine: tuple[str, str, int | str] = (socket.gethostname(), str(device),
+                                            free_memory(device))
+    except (OSError, ValueError, RuntimeError) as e:
+        mine = (socket.gethostname(), str(device), f"{type(e).__name__}: {e}")
+    everyone = comm.all_gather_object(mine, what="units='auto': the exchange of free memory")
+    failed = [f"rank {r}: {free}" for r, (_, _, free) in enumerate(everyone)
+              if not isinstance(free, int)]
+    if failed:
+        raise ShardwiseError("units='auto' could not read the free memory of every rank ("
+                             + "; ".join(failed) + "): pass memory_budget=<bytes> to sw.shard")
+    sharing = Counter((host, dev) for host, dev, _ in everyone)
+    share = min(int(free) // sharing[(host, dev)] for host, dev, free in everyone)
+    from .planning.planner import plan  # the planner imports _plan; imported here, where it is used
+
+    state = plan(module, topo.shard.world_size, "adamw", mp.param_dtype)
+    sharded = state.parameters + state.gradients + state.optimizer
+    budget = max(int(share * AUTO_BUDGET_FRACTION) - sharded, 0)
+    logger.info("units='auto': default budget %.1f MiB = %.0f%% of %.1f MiB free per rank "
+                "- %.1f MiB of sharded parameters, gradients and AdamW state", budget / 2**20,
+                100 * AUTO_BUDGET_FRACTION, share / 2**20, sharded / 2**20)
+    return budget
+
+
+def _report_auto(auto: AutoChoice, given: bool) -> None:
+    """Log what ``units="auto"`` chose; warn when even its finest choice is over budget."""
+    names = [n or "<root>" for n, _ in auto.chosen]
+    tried = ", ".join(f"{n} units: {peak / 2**20:.2f} MiB" for n, peak in auto.tried)
+    logger.info("units='auto': %d units %s%s, %.2f MiB gathered at once, budget %.2f MiB "
+                "(%s); tried %s", len(names), names[:6], " ..." if len(names) > 6 else "",
+                auto.peak / 2**20, auto.budget / 2**20, "given" if given else "default",
+                tried)
+    if not auto.fits:
+        over = auto.peak - auto.budget
+        warnings.warn(
+            f"shardwise: units='auto' found no units whose full parameters fit the memory "
+            f"budget of {auto.budget} bytes ({auto.budget / 2**20:.2f} MiB"
+            f"{'' if given else ', the default'}): the split with the lowest peak, "
+            f"{len(names)} units, gathers {auto.peak} bytes at once, {over} bytes "
+            f"({over / 2**20:.2f} MiB) over, and is used anyway. Finer splits gather no "
+            f"less: the excess is in modules without parameter-holding submodules, or in "
+            f"parameters the root owns (e.g. a tied embedding). Raise memory_budget, "
+            f"gather in lower precision (mixed_precision=), or shard over more ranks",
+            stacklevel=3)
+
+
+def _log_plan(units: list[Unit], topo: Topology) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    total = sum(p.numel for u in units for p in u.params)
+    replicas = f", {topo.replicas} replicas" if topo.replicate is not None else ""
+    logger.info("sharded %d parameters over %d ranks%s (%s) in %d units", total,
+                topo.shard.world_size, replicas, topo.world.backend, len(units))
+    for u in units:
+        n = sum(p.numel for p in u.params)
+        padded = sum(g.layout.gathered_numel for g in u.groups)
+        logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
+                    n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))
+
+
+def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
+                     per_unit: list[list[ParamRecord]]) -> None:
+    """Raise on every rank unless all ranks chose the same units over the same parameters.
+
+    Ranks that built different models, or passed different ``units=``, would otherwise
+    issue mismatched collectives: a hang, or gloo aborting the process. One all-gather of
+    a short fingerprint per rank, once per ``shard``.
+    """
+    desc = [(name, [(r.fqns[0], tuple(r.param.shape), str(r.param.dtype),
+                     r.param.requires_grad) for r in recs])
+            for (name, _), recs in zip(chosen, per_unit)]
+    digest = hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
+    summary = f"{len(desc)} units, {sum(len(p) for _, p in desc)} parameters"
+    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc]),
+                                      what="shard()'s structure check")
+    if len({d for d, _, _ in everyone}) > 1:
+        lines = [f"  rank {r}: {s}, units {names[:6]}{' ...' if len(names) > 6 else ''}"
+                 for r, (_, s, names) in enumerate(everyone)]
+        raise ShardwiseError("ranks are sharding different models (or passed different "
+                             "units=): every rank must build the same model and pass the "
+                             "same arguments to sw.shard\n" + "\n".join(lines))
+
+
+def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
+    scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
+    if scalars:
+        raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
+                             f"Make them 1-element parameters (shape (1,)) before sw.shard")
+    if rank == src_rank:
+        meta = [r.fqns[0] for r in records if r.param.is_meta and init_piece(r.param) is None]
+        if meta:
+            raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
+                                 f"{meta[:5]}: materialise them first, or build the model "
+                                 f"under sw.sharded_init()")
+
+
+def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
+                 src_rank: int) -> FlatGroup:
+    """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
+    place of the originals, and release the originals."""
+    originals = [r.param for r in spec.records]
+    g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
+                  originals, topo, device, spec.compute_dtype, spec.reduce_dtype)
+    # Parameters partitioned by sharded_init are gathered one group at a time, so no
+    # full-model copy exists at any point.
+    values = [full_value(p) for p in originals]
+    g.fill_local(values if topo.world.rank == src_rank else None, src_rank)
+    released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
+    del values
+    g.install()
+    # Release the originals now, not after the last unit: the old and the new storage of
+    # the whole model must never coexist. The records were the last references.
+    for rec in spec.records:
+        clear_init_piece(rec.param)
+        retire(rec.param, rec.fqns[0])
+        rec.param = None  # type: ignore[assignment]
+    freed(released)  # Note [freed memory] in engine/alloc.py
+    return g
+
+
+def _materialise_buffers(module: nn.Module, rank: int, device: torch.device,
+                         src_rank: int) -> None:
+    """Put every buffer on ``device``; meta buffers of other ranks become empty tensors,
+    filled by the broadcast from ``src_rank`` that follows."""
+    for mod in module.modules():
+        for bname, b in mod._buffers.items():
+            if b is None:
+                continue
+            if b.is_meta:
+                if rank == src_rank:
+                    raise ShardwiseError(f"rank {src_rank} (src_rank) holds a meta buffer "
+                                         f"{bname!r} of {type(mod).__name__}")
+                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            elif b.device != device:
+                mod._buffers[bname] = b.to(device)

@@ -1,0 +1,177 @@
+"""The package's architecture, kept by CI: layers that only import downwards, and README's
+layout table generated from the modules' docstrings.
+
+Run ``python tests/test_architecture.py --write`` to regenerate README's table after adding,
+moving or re-describing a module.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import sys
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+README = SRC.parent / "README.md"
+BEGIN, END = "<!-- layout: begin -->", "<!-- layout: end -->"
+
+# Bottom to top. A module may import from its own layer and the layers below it, never
+# from one above. Every module must belong to a layer: a new top-level module is a
+# decision about where it sits, made here.
+LAYERS: list[tuple[str, str, list[str]]] = [
+    ("base", "errors, environment switches, the logger, what is attached to modules",
+     ["shardwise.errors", "shardwise._env", "shardwise._log", "shardwise._registry"]),
+    ("comm", "collectives, process groups and meshes, the checks riding on them",
+     ["shardwise.comm"]),
+    ("exact", "the reproducible mode's arithmetic", ["shardwise.exact"]),
+    ("engine", "a parameter's life: layout, units, gathers, reduction, hooks, buffers",
+     ["shardwise.engine"]),
+    ("planning", "units, memory and communication decided before building",
+     ["shardwise.planning"]),
+    ("operations", "the public operations on a sharded model",
+     ["shardwise.sharding", "shardwise.gather", "shardwise.grads", "shardwise.consistency",
+      "shardwise.inspection", "shardwise.models", "shardwise.checkpoint"]),
+    ("applications", "the public package, the command line, the demo, integrations",
+     ["shardwise", "shardwise.cli", "shardwise.demo", "shardwise.integrations"]),
+]
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Every module of the package, by dotted name (a package by its own name)."""
+    out = {}
+    for f in sorted((SRC / "shardwise").rglob("*.py")):
+        parts = list(f.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = f
+    return out
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of the most specific prefix naming ``module``."""
+    best, length = -1, -1
+    for i, (_, _, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > length:
+                best, length = i, len(p)
+    return best
+
+
+def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
+    """The package's modules ``name`` imports, anywhere in it (functions and
+    ``if TYPE_CHECKING:`` blocks too: a type-only import still says who knows whom)."""
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import submodule` imports the submodule, not the package.
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod
+                       for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    homeless = [m for m in modules() if layer_of(m) < 0]
+    assert not homeless, f"modules outside every layer (add them to LAYERS): {homeless}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    known = modules()
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+              for m, path in known.items() for t in sorted(imports(m, path, known))
+              if layer_of(t) > layer_of(m)]
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_the_layer_test_sees_an_upward_import(tmp_path):
+    """The check above can fail: an engine module importing the public package is caught."""
+    fake = tmp_path / "unit.py"
+    fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                    "    from ..sharding import shard\n")
+    found = imports("shardwise.engine.unit", fake, modules())
+    assert found == {"shardwise.sharding"}
+    assert layer_of("shardwise.sharding") > layer_of("shardwise.engine.unit")
+
+
+def summary(path: pathlib.Path) -> str:
+    """The docstring's first paragraph, in Markdown."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    first = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", first).replace("``", "`")
+    return first.replace("|", "\\|")
+
+
+def group_of(module: str) -> str:
+    """The package a module belongs to directly under ``shardwise`` (itself at the top)."""
+    return ".".join(module.split(".")[:2])
+
+
+def layout_table() -> str:
+    """README's layout table: one row per module, by layer; within a layer the packages,
+    and within a package the modules, in dependency order (a package's own docstring
+    first)."""
+    known = modules()
+    rows = ["| layer | module | what it is |", "|---|---|---|"]
+    for i, (layer, about, _) in enumerate(LAYERS):
+        names = sorted(m for m in known if layer_of(m) == i)
+        groups = sorted({group_of(m) for m in names})
+        group_deps = {g: {group_of(t) for m in names if group_of(m) == g
+                          for t in imports(m, known[m], known)} - {g} for g in groups}
+        rows.append(f"| **{layer}** | | *{about}* |")
+        for g in _ordered(groups, group_deps):
+            members = [m for m in names if group_of(m) == g]
+            inner = {m: imports(m, known[m], known) & set(members) - {g} for m in members}
+            ordered = _ordered(members, inner)
+            if g in ordered and g != "shardwise":
+                ordered.remove(g)
+                ordered.insert(0, g)
+            for m in ordered:
+                rel = known[m].relative_to(SRC / "shardwise").as_posix()
+                rows.append(f"| | `{rel}` | {summary(known[m])} |")
+    return "\n".join(rows)
+
+
+def _ordered(names: list[str], deps: dict[str, set[str]]) -> list[str]:
+    """``names`` with each after the ones it depends on (ties by name)."""
+    done: list[str] = []
+    while len(done) < len(names):
+        ready = sorted(n for n in names if n not in done and deps[n] & set(names) <= set(done))
+        if not ready:  # an import loop: import_loops.py reports it; keep the rest stable
+            ready = sorted(n for n in names if n not in done)[:1]
+        done.append(ready[0])
+    return done
+
+
+def test_readme_layout_table_is_current():
+    text = README.read_text()
+    assert BEGIN in text and END in text, f"README.md lacks the {BEGIN} ... {END} markers"
+    current = text.split(BEGIN)[1].split(END)[0].strip()
+    assert current == layout_table(), (
+        "README.md's layout table is out of date: run python tests/test_architecture.py "
+        "--write")
+
+
+def test_every_module_says_what_it_is():
+    missing = [m for m, p in modules().items() if not summary(p)]
+    assert not missing, f"modules without a docstring (README's table needs one): {missing}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit(__doc__)
+    text = README.read_text()
+    head, rest = text.split(BEGIN)
+    _, tail = rest.split(END)
+    README.write_text(f"{head}{BEGIN}\n{layout_table()}\n{END}{tail}")
