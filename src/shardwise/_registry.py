@@ -81,6 +81,21 @@ def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) ->
     module.__dict__[name] = fn
 
 
+def has_instance_attribute(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` is set on this instance itself (not inherited from its class)."""
+    return name in module.__dict__
+
+
+def instance_attribute(module: nn.Module, name: str, default: Any = None) -> Any:
+    """``name`` as set on this instance itself, or ``default``."""
+    return module.__dict__.get(name, default)
+
+
+def remove_instance_method(module: nn.Module, name: str) -> None:
+    """Undo :func:`set_instance_method` (nothing if unset): the class's method shows again."""
+    module.__dict__.pop(name, None)
+
+
 def mark_collective_forward(module: nn.Module) -> None:
     """Tell Hugging Face transformers that ``module``'s forward is collective, as it does
     for FSDP2 models: ``generate`` then defaults to ``synced_gpus=True``, so ranks that

@@ -92,7 +92,7 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan_command(args: argparse.Namespace) -> int:
     import json
 
     import torch
@@ -154,22 +154,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``shardwise`` console script.
-
-    Args:
-        argv: arguments (default: the command line).
-
-    Returns:
-        The exit status: 0 on success, 1 when the command failed (the reason is printed
-        on stderr), 2 for a usage error.
-
-    Example:
-        $ shardwise inspect ckpt/latest
-        $ shardwise consolidate ckpt/latest export/
-        $ shardwise plan --params 7e9 --layers 32 --world 8
-        $ shardwise plan --params 7e9 --layers 32 --mesh 16,8
-    """
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser, and each command's own (for its usage errors)."""
     parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
@@ -203,13 +189,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_plan)
+    p.set_defaults(func=_plan_command)
     from shardwise.demo.main import add_arguments
 
     d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks "
                                     "(about 80 s on 2 cores)")
     add_arguments(d)
     d.set_defaults(func=_demo)
+    return parser, {"consolidate": c, "inspect": i, "plan": p, "demo": d}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``shardwise`` console script.
+
+    Args:
+        argv: arguments (default: the command line).
+
+    Returns:
+        The exit status: 0 on success, 1 when the command failed (the reason is printed
+        on stderr), 2 for a usage error.
+
+    Example:
+        $ shardwise inspect ckpt/latest
+        $ shardwise consolidate ckpt/latest export/
+        $ shardwise plan --params 7e9 --layers 32 --world 8
+        $ shardwise plan --params 7e9 --layers 32 --mesh 16,8
+    """
+    parser, commands = _parser()
     args = parser.parse_args(argv)
     if args.version:
         from shardwise import __version__
@@ -224,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
 
         problem = output_problem(args.checkpoint, args.output)
         if problem:
-            c.error(problem)
+            commands["consolidate"].error(problem)
     if args.command == "plan":
         if args.mesh is None and args.world is None:
-            p.error("give --world N, or --mesh R,S for hybrid sharding")
+            commands["plan"].error("give --world N, or --mesh R,S for hybrid sharding")
         if args.mesh is not None and args.world not in (None, args.mesh[0] * args.mesh[1]):
             r, s = args.mesh
-            p.error(f"--world {args.world} does not match --mesh {r},{s} ({r * s} ranks); "
-                    f"--world may be left out with --mesh")
+            commands["plan"].error(f"--world {args.world} does not match --mesh {r},{s} "
+                                   f"({r * s} ranks); --world may be left out with --mesh")
     from shardwise.errors import ShardwiseError
 
     try:

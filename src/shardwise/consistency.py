@@ -17,8 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
-from .comm.order_check import announce
-from .comm.peers import operation
+from .comm.order_check import operation
 from .engine.buffers import comm_for, named_buffers
 from .engine.state import model_state
 from .engine.unit import sharded_param
@@ -90,7 +89,9 @@ def _optimizer_facts(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return facts
 
 
-@operation("check_consistency")
+@operation("check_consistency", lambda module, group, optimizer: (
+    comm_for(module, group),
+    "check_consistency" if optimizer is None else "check_consistency(optimizer=...)", None))
 def check_consistency(module: nn.Module, group=None,
                       optimizer: torch.optim.Optimizer | None = None) -> None:
     """Check that every buffer and replicated parameter is bit-identical on every rank,
@@ -118,8 +119,6 @@ def check_consistency(module: nn.Module, group=None,
         >>> sw.check_consistency(model, optimizer=opt)   # after a step, before saving
     """
     comm = comm_for(module, group)
-    announce(comm, "check_consistency" if optimizer is None
-             else "check_consistency(optimizer=...)")
     mine = {n: (str(t.dtype).replace("torch.", ""), tuple(t.shape), tensor_digest(t))
             for n, t in _replicated(module)}
     facts = _optimizer_facts(optimizer) if optimizer is not None else {}

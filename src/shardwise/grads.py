@@ -5,15 +5,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .comm.order_check import announce
-from .comm.peers import operation
+from .comm.collectives import Comm
+from .comm.order_check import operation
 from .engine.state import model_state
 from .errors import ShardwiseError
 from .exact.reduce import exact_total
@@ -27,7 +27,16 @@ def _require_state(module: nn.Module, what: str):
     return state
 
 
-@operation("clip_grad_norm_")
+def _clip_announced(module: nn.Module, norm_type: float, **_: Any
+                    ) -> tuple[Comm, str, int] | None:
+    # The infinity norm reduces with MAX, the others with SUM: the check compares it.
+    state = model_state(module)
+    if state is None:
+        return None  # torch's clip_grad_norm_, which checks nothing
+    return state.comm, f"clip_grad_norm_(norm_type={float(norm_type)})", state.number
+
+
+@operation("clip_grad_norm_", _clip_announced)
 def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip gradients by their global norm over all ranks' shards, in place.
 
@@ -58,8 +67,6 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
-    # The infinity norm reduces with MAX, the others with SUM: the check compares it.
-    announce(state.comm, f"clip_grad_norm_(norm_type={norm_type})", state.number)
     grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
              if p.shard.grad is not None]
     device = state.units[0].groups[0].local.device if state.units[0].groups else \

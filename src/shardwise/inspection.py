@@ -26,7 +26,7 @@ from .engine.layout import ALIGN
 from .engine.state import model_state
 from .engine.unit import sharded_param, unit_of
 from .errors import ShardwiseError
-from .planning.memory import _unique_bytes
+from .planning.memory import unique_bytes
 
 if TYPE_CHECKING:
     from .engine.unit import FlatGroup, ShardedParam, Unit
@@ -314,7 +314,7 @@ def inspect(module: nn.Module) -> ModelView:
         buffers=state.buffers.policy.value, grad_sync=state.requires_grad_sync,
         align=ALIGN,
         param_bytes=sum(g.local.numel() * g.local.element_size() for g in groups),
-        grad_bytes=_unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
+        grad_bytes=unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
         full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated),
         largest_gathered_bytes=max((u.gathered_bytes for u in units), default=0),
         comm=_comm_view(state.comm.backend, state.topology.shard.stats),

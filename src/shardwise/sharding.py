@@ -1,8 +1,9 @@
 """``shard()``: the public entry point, as a sequence of named steps.
 
-Argument checks, the plan (``planning/units.py``: units, parameters, groups), one flat group at a
-time built and swapped in (``_build_group``), buffers made ``src_rank``'s, hooks
-installed. Also the guards that keep replaced originals and ``save_pretrained`` loud.
+Argument checks, the plan (``planning/units.py``: units, parameters, groups), one flat
+group at a time built and swapped in (``_build_group``), buffers made ``src_rank``'s,
+hooks installed, and the engine built over the groups (``engine/build.py``, shared with
+deep copies). The guards it installs live in ``engine/guards.py``.
 """
 
 from __future__ import annotations
@@ -26,13 +27,12 @@ from .comm.mesh import Topology, check_secondary, secondary_groups, topology
 from .consistency import maybe_check
 from .engine import hooks
 from .engine.alloc import freed, trim
-from .engine.attach import attach
 from .engine.buffers import BufferPolicy, BufferSync
+from .engine.build import build
 from .engine.clone import guard_model_copies
 from .engine.guards import retire
-from .engine.running_stats import RunningStats
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
-from .engine.state import ModelState, model_state
+from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
 from .engine.unit import FlatGroup, Unit, sharded_param, unit_of
 from .errors import ShardwiseError
@@ -216,8 +216,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         _check_params(records, comm.rank, src_rank)
         # Each group releases its originals as it is built (_build_group): only
         # per_unit may hold the records.
-        return (BufferSync(module, comm, buffers, src_rank), _device_for(module, comm),
-                chosen, assign_units(records, [n for n, _ in chosen]), auto)
+        return (BufferSync(module, comm, buffers, src_rank, exact=reproducible),
+                _device_for(module, comm), chosen,
+                assign_units(records, [n for n, _ in chosen]), auto)
 
     # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
     # meta tensors, fails every rank here, before the first collective.
@@ -226,36 +227,26 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     _agree_structure(comm, chosen, per_unit)
     if auto is not None:
         _report_auto(auto, given=memory_budget is not None)
-    unit_names = [n for n, _ in chosen]
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
-                               unit_names, topo.shard.world_size, units)
-    built = []
-    for i, (name, mod) in enumerate(chosen):
-        groups = [_build_group(spec, topo, device, src_rank)
-                  for spec in group_specs(per_unit[i], mp.param_dtype, mp.reduce_dtype)]
-        built.append(Unit(mod, name, groups, reshard_after_forward, is_root=(i == 0),
-                          cast_inputs=mp.param_dtype))
-    if type(reshard_after_forward) is int:
-        _secondary_shards(built, topo, reshard_after_forward)
-    for u in built:
-        for g in u.groups:
-            g.exact = reproducible
-    _log_plan(built, topo)
+                               [n for n, _ in chosen], topo.shard.world_size, units)
+    regather = _regather_group(topo, reshard_after_forward)
+    built = [(name, mod, [_build_group(spec, topo, device, src_rank,
+                                       regather if i else None, reproducible)
+                          for spec in group_specs(per_unit[i], mp.param_dtype,
+                                                  mp.reduce_dtype)])
+             for i, (name, mod) in enumerate(chosen)]
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
-    state = ModelState(module, topo, built, buffer_sync, src_rank)
-    state.prefetch = prefetch
-    if reproducible:
-        state.running_stats = RunningStats(module, comm)
-        buffer_sync.exact = True
-    for unit in built:
-        unit.module.register_forward_pre_hook(hooks.pre_forward, prepend=True,
-                                              with_kwargs=True)
-        unit.module.register_forward_hook(hooks.post_forward, with_kwargs=True)
+    for _, mod, _ in built:
+        mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
+        mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
     install_state_dict_hooks(module)
-    attach(state)
+    state = build(module, topo, built, buffer_sync,
+                  Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
+                           src_rank))
     guard_model_copies(module)
+    _log_plan(state.units, topo)
     maybe_check(module)
     return module
 
@@ -302,16 +293,13 @@ def _check_reproducible(reproducible: object, topo: Topology,
                              "CUBLAS_WORKSPACE_CONFIG=:4096:8, as torch asks)")
 
 
-def _secondary_shards(units: list[Unit], topo: Topology, k: int) -> None:
-    """Give every non-root unit's groups the group of k ranks its backward gathers in
-    (Note [secondary shards] in comm/mesh.py); nothing when k is the shard group's size."""
-    if k == topo.shard.world_size:
-        return  # groups of S ranks are the shard group: ZeRO-3 itself
-    regather = secondary_groups(topo, k)
-    for u in units:
-        if not u.is_root:
-            for g in u.groups:
-                g.regather = regather
+def _regather_group(topo: Topology, reshard_after_forward: bool | int) -> Comm | None:
+    """The group of k ranks a non-root unit's backward gathers in under
+    ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``None`` when
+    there is none: k is the shard group's size (ZeRO-3 itself), or not an int."""
+    if type(reshard_after_forward) is not int or reshard_after_forward == topo.shard.world_size:
+        return None
+    return secondary_groups(topo, reshard_after_forward)
 
 
 def _check_budget(units: UnitSpec, memory_budget: object) -> None:
@@ -351,7 +339,9 @@ def _default_budget(module: nn.Module, topo: Topology, mp: MixedPrecision) -> in
                              + "; ".join(failed) + "): pass memory_budget=<bytes> to sw.shard")
     sharing = Counter((host, dev) for host, dev, _ in everyone)
     share = min(int(free) // sharing[(host, dev)] for host, dev, free in everyone)
-    from .planning.planner import plan  # the planner imports _plan; imported here, where it is used
+    from .planning.planner import (
+        plan,  # imported where it is used: the planner is above the units it plans
+    )
 
     state = plan(module, topo.shard.world_size, "adamw", mp.param_dtype)
     sharded = state.parameters + state.gradients + state.optimizer
@@ -435,12 +425,13 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
 
 
 def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
-                 src_rank: int) -> FlatGroup:
+                 src_rank: int, regather: Comm | None, exact: bool) -> FlatGroup:
     """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
     place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
     g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
-                  originals, topo, device, spec.compute_dtype, spec.reduce_dtype)
+                  originals, topo, device, spec.compute_dtype, spec.reduce_dtype,
+                  regather, exact)
     # Parameters partitioned by sharded_init are gathered one group at a time, so no
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]

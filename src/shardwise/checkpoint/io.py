@@ -23,8 +23,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ..comm.agree import agreed
-from ..comm.order_check import announce
-from ..comm.peers import operation
+from ..comm.order_check import operation
 from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
 from ..engine.state import model_state
@@ -123,12 +122,12 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
 
 # Note [save protocol]
 # The steps of a save, in the order ranks pass them. ``_reached`` marks each; it does
-# nothing, and exists so that the crash-point test (tests/test_checkpoint_crash.py) can
+# nothing, and exists so that the crash-point test (tests/test_checkpoint_protocol.py) can
 # stop a rank at every one of them in turn, by exit, kill and exception, and check that
 # the folder always holds the new or the previous checkpoint, loadable, and no debris.
 #   begin         every rank: the order check passed, buffers agree
 #   prepared      every rank: its pieces are in memory, checks passed
-#   locked        rank 0: holds the folder's lock (Note [one writer] in _lock.py)
+#   locked        rank 0: holds the folder's lock (Note [one writer] in checkpoint/_lock.py)
 #   data-folder   rank 0: created the new, empty data-<id> folder
 #   data-tmp      every rank: its data file is complete under a temporary name
 #   data-written  every rank: the ranks agreed that every data file is in place
@@ -148,7 +147,8 @@ def _reached(step: str) -> None:
     """A step of Note [save protocol] (a point where the crash-point test stops a rank)."""
 
 
-@operation("save_checkpoint")
+@operation("save_checkpoint", lambda path, module, **_: (
+    comm_of(module), f"save_checkpoint({path_argument(path, 'save_checkpoint')!r})", None))
 def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     extra: Any = None, *, keep_previous: bool = True) -> None:
@@ -186,7 +186,6 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     """
     path = path_argument(path, "save_checkpoint")
     comm = comm_of(module)
-    announce(comm, f"save_checkpoint({path!r})")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
     if comm is not None and not (state is not None
@@ -498,7 +497,7 @@ def _check_counts(meta: Any, expect: int, meta_path: str) -> None:
                                  f"checkpoint ({summary(list(entries))})")
 
 
-def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
+def _read_values(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
                optimizer, rank: int, world: int) -> tuple:
     """Everything this rank will write into the module, optimizer and RNGs, read and
     checked; nothing is changed."""
@@ -525,7 +524,7 @@ def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, to
 
     opt_sd = None
     if optimizer is not None:
-        opt_sd = _plan_optimizer(ck, optimizer, matched)
+        opt_sd = _read_optimizer(ck, optimizer, matched)
     rng = None
     if ck.world_size == world:
         f = ck.file(rank_file(rank, world))
@@ -540,13 +539,13 @@ def _read_plan(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, to
     return values, buffer_values, opt_sd, rng, ck.meta.get("extra")
 
 
-def _plan_load(path: str, module: nn.Module, optimizer, rank: int, world: int):
-    """(digest of the metadata read, the plan), or None when a save replaced the
+def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
+    """(digest of the metadata read, the values read), or None when a save replaced the
     checkpoint while it was being read (the caller starts again)."""
     params, buffers = module_targets(module)
     ck = _Checkpoint(path, expect=len(params) + len(buffers))
     try:
-        return ck.digest, _read_plan(ck, params, buffers, optimizer, rank, world)
+        return ck.digest, _read_values(ck, params, buffers, optimizer, rank, world)
     except ShardwiseError:
         if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
             return None
@@ -623,7 +622,7 @@ def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
                              f", the metadata says {pieces.get(wrong[0])})")
 
 
-def _plan_optimizer(ck: _Checkpoint, optimizer, matched):
+def _read_optimizer(ck: _Checkpoint, optimizer, matched):
     meta = ck.meta.get("optimizer")
     if meta is None:
         raise ShardwiseError(f"{ck.path}: holds no optimizer state")
@@ -703,7 +702,8 @@ def _same_kind(got: Any, want: Any) -> bool:
     return True  # a type JSON cannot hold was refused at save; nothing to compare
 
 
-@operation("load_checkpoint")
+@operation("load_checkpoint", lambda path, module, **_: (
+    comm_of(module), f"load_checkpoint({path_argument(path, 'load_checkpoint')!r})", None))
 def load_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> Any:
     """Load a checkpoint written by :func:`save_checkpoint`, at any world size.
@@ -733,7 +733,6 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     """
     path = path_argument(path, "load_checkpoint")
     comm = comm_of(module)
-    announce(comm, f"load_checkpoint({path!r})")
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"
     everyone = comm.all_gather_object if comm is not None and world > 1 else (lambda x: [x])
@@ -742,7 +741,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         raise ShardwiseError(f"{what}: the ranks were given different paths: "
                              f"{_by_rank(paths)}")
     for _ in range(_LOAD_ATTEMPTS):
-        got = agreed(comm, what, lambda: _plan_load(path, module, optimizer, rank, world))
+        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world))
         digest = got[0] if got is not None else None
         digests = everyone(digest)
         if got is not None and None not in digests and len(set(digests)) == 1:

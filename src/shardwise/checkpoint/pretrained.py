@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..comm.agree import agreed
-from ..comm.order_check import announce
-from ..comm.peers import operation
+from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.state import model_state
 from ..errors import ShardwiseError
@@ -14,7 +13,7 @@ from ._targets import apply_values, comm_of, match_targets, module_targets
 from .sources import Rename, open_source, renamer
 
 
-def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
+def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename):
     src = open_source(source)
     to_module = renamer(rename)
     key_of: dict[str, str] = {}
@@ -41,7 +40,7 @@ def _plan(module: nn.Module, source: object, strict: bool, rename: Rename):
     return (src.description, src.fingerprint()), values, buffer_values
 
 
-@operation("load_pretrained")
+@operation("load_pretrained", lambda module, **_: (comm_of(module), "load_pretrained", None))
 def load_pretrained(module: nn.Module, source: object, strict: bool = True,
                     rename: Rename = None) -> None:
     """Load full (unsharded) weights into ``module``, sharded or not, on every rank.
@@ -73,10 +72,9 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     comm = comm_of(module)
-    announce(comm, "load_pretrained")
     what = "load_pretrained failed"
     source_id, values, buffer_values = agreed(comm, what,
-                                              lambda: _plan(module, source, strict, rename))
+                                              lambda: _read_source(module, source, strict, rename))
     if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
         ids = comm.all_gather_object(source_id)
         if len({fingerprint for _, fingerprint in ids}) > 1:

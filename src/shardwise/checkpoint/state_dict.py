@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..comm.order_check import announce
-from ..comm.peers import operation
+from ..comm.collectives import Comm
+from ..comm.order_check import operation
 from ..engine.state import model_state
 from ..engine.unit import sharded_param
 from ..errors import ShardwiseError
 
 
-@operation("full_state_dict")
+def _announced(module: nn.Module, **_: Any) -> tuple[Comm, str, int] | None:
+    state = model_state(module)
+    return None if state is None else (state.comm, "full_state_dict", state.number)
+
+
+@operation("full_state_dict", _announced)
 def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded module's ``state_dict()``, consolidated on CPU.
 
@@ -46,8 +53,6 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         keep = not rank0_only or state.comm.rank == 0
     else:
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    announce(state.comm if state is not None else None, "full_state_dict",
-             state.number if state is not None else None)
     sd = module.state_dict(keep_vars=True)
     pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and sharded_param(v) is None]
     if pieces:  # every rank sees the same keys: every rank raises, before any collective

@@ -26,20 +26,20 @@ from .collectives import Comm
 T = TypeVar("T")
 
 
-def agreed(comm: Comm | None, what: str, make_plan: Callable[[], T],
+def agreed(comm: Comm | None, what: str, prepare: Callable[[], T],
            changed: bool = False) -> T:
-    """Run ``make_plan`` here and raise on every rank if it failed on any (Note
-    [agreed failure]); its result otherwise. ``changed``: ``make_plan`` changes state,
+    """Run ``prepare`` here and raise on every rank if it failed on any (Note
+    [agreed failure]); its result otherwise. ``changed``: ``prepare`` changes state,
     so the error must not claim that nothing was changed."""
-    error, plan = None, None
+    error, result = None, None
     try:
-        plan = make_plan()
+        result = prepare()
     except ShardwiseError as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - a bad input must fail on every rank, cleanly
         error = f"{type(e).__name__}: {e}"
     agree(comm, error, what, changed)
-    return plan  # type: ignore[return-value]
+    return result  # type: ignore[return-value]
 
 
 def agree(comm: Comm | None, error: str | None, what: str, changed: bool = False) -> None:

@@ -21,7 +21,7 @@ rank once the forward and the backward's own header agreed (the old check, too, 
 check per backward). Per training step of a model with U units: about U + 2 headers, one
 message to each peer each, and one wait for the peers, at the end of the forward, instead
 of U + 2 synchronous all-reduces, each holding every rank until the slowest arrived
-(about 10% of a small Llama's step; BENCHMARKS.md has both).
+(BENCHMARKS.md, "The collective-order check without a round trip", has the cost of both).
 
 Why this is safe:
 - Headers have one size, under a tag made of the epoch and a generation counted per

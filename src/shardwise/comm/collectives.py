@@ -12,10 +12,9 @@ moment nobody can wait for.
 Note [gloo exchanges]: under gloo, the all-gathers and reduce-scatters of units travel as
 point-to-point messages (each rank sends every peer its part and receives theirs), not as
 gloo's own collectives. gloo's all-gather is slow, and it has no reduce-scatter: torch
-all-reduces a clone of the input (twice the traffic) and copies a chunk out. Measured
-with idle ranks (``benchmarks/collectives.py``, 2 and 3 CPU ranks, units of 4-50 MB), the
-exchange is 1.2-3.5x faster for an all-gather and 1.7-4.2x for a reduce-scatter; on the
-reference workload it takes about 2% off a training step (BENCHMARKS.md).
+all-reduces a clone of the input (twice the traffic) and copies a chunk out. The
+exchange is faster for both, alone (``benchmarks/collectives.py``) and on the reference
+workload's step (BENCHMARKS.md, "Unit collectives under gloo").
 The result is the same: an all-gather is a copy; a reduce-scatter's sum is taken in rank
 order, and at N=2 it is one addition, which is commutative, so every bit equals gloo's
 all-reduce (and DDP's). At N>2 the order may differ from gloo's ring in the last bits.
@@ -199,9 +198,9 @@ class Comm:
              **kwargs):
         """Issue ``collective``; Note [stuck collectives] for the errors. With ``watch``, a
         synchronous one is issued asynchronously and waited for in slices that watch the
-        peers (Note [peer watch] in comm/peers.py): a sliced wait costs 150-370 us more on
-        this 2-core machine (benchmarks/peer_watch.py), so only the waits where a rank
-        alone shows first are watched. A collective first settles the order checks (Note
+        peers (Note [peer watch] in comm/peers.py): a sliced wait costs more than a plain
+        one (BENCHMARKS.md, "Peer watch"), so only the waits where a rank alone shows
+        first are watched. A collective first settles the order checks (Note
         [checks ride the exchanges]): ranks that diverged raise there instead of pairing
         collectives of different sizes (or issuing one a peer never joins)."""
         if self.channel.pending():

@@ -21,7 +21,11 @@ mismatched checks pair up, and any difference shows in the maximum.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import zlib
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -29,6 +33,9 @@ from .agree import same_everywhere
 from .channel import BACKWARD, END_FORWARD, OPERATION, OPTIMIZER_STEP, diverged
 from .channel import order_checks_enabled as order_checks_enabled
 from .collectives import Comm
+from .peers import ACTIVITY
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _UNIT = 6  # the collective check's kind for a unit (the others are the channel's)
 
@@ -87,6 +94,34 @@ class OrderCheck:
             self.channel.post(kind, index, self.model, what, what)
         else:
             _agree(self.comm, kind, index, what)
+
+
+Announcement = tuple[Comm | None, str, int | None]
+
+
+def operation(name: str, announced: Callable[..., Announcement | None] | None = None
+              ) -> Callable[[F], F]:
+    """Declare the public function ``name``: the decorator notes it for the peer watch
+    while it runs (Note [peer watch]) and, given ``announced``, checks before its body
+    that every rank is starting the same call (:func:`announce`). ``announced`` takes the
+    call's arguments by name and returns ``(group, text, model number)`` for
+    :func:`announce`, or ``None`` when nothing is to be checked (an unsharded module
+    where the function falls back to torch's)."""
+    def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with ACTIVITY.operation(name):
+                if announced is not None:
+                    bound = signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    what = announced(**bound.arguments)
+                    if what is not None:
+                        announce(*what)
+                return fn(*args, **kwargs)
+        return cast(F, run)
+    return wrap
 
 
 def announce(comm: Comm | None, operation: str, model: int | None = None) -> None:

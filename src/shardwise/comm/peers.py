@@ -19,8 +19,8 @@ be waited for in slices (a gloo point-to-point wait that times out breaks the gr
 header not there within a few milliseconds is waited for on a helper thread while this
 thread watches; and the collectives of public operations (their order check under other
 backends, their metadata all-gathers), waited in slices (gloo's collectives survive a
-wait that times out; a sliced wait costs 150-370 us more than a plain one on a loaded
-2-core machine, ``benchmarks/peer_watch.py``). Every unit's data waits only once its
+wait that times out; what a sliced wait costs more than a plain one is in BENCHMARKS.md,
+"Peer watch", from ``benchmarks/peer_watch.py``). Every unit's data waits only once its
 header matched, so it never waits for a peer that is elsewhere. A rank alone elsewhere in
 a backward (whose exchanges carry no header), or any wait with ``SHARDWISE_CHECK=0``, ends
 at the process group's timeout, as before.
@@ -35,7 +35,6 @@ block the host, so the watch does not apply; the NCCL watchdog ends a hang there
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -97,17 +96,6 @@ class Activity:
 
 ACTIVITY = Activity()
 _publishing = False  # set once a gloo group of several ranks exists (enable_publishing)
-
-
-def operation(name: str) -> Callable:
-    """Decorator: note the public operation ``name`` while the function runs."""
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def noted(*args: Any, **kwargs: Any) -> Any:
-            with ACTIVITY.operation(name):
-                return fn(*args, **kwargs)
-        return noted
-    return wrap
 
 
 def enable_publishing() -> None:

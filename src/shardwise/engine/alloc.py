@@ -7,25 +7,21 @@ partitioned, in ``shard`` each group's full values after the scatter. glibc keep
 is freed: blocks of 128 KiB or more are mmapped at first, but the threshold rises with
 the first large free, and blocks freed by gloo's worker threads go back to those threads'
 arenas, which the main thread does not allocate from. Resident memory then grows with
-the model though live memory does not: measured at 2 ranks on a GPT of 913 MiB (32
-layers, width 768, vocabulary 16384), rank 0 (``src_rank``) peaked 1600 MiB above its
-start after ``sharded_init`` and ``shard``, 1.75 times the model, and rank 1 at 818 MiB.
+the model though live memory does not.
 
 So the build paths report what they free, and every 64 MiB of it ``malloc_trim(0)``
-returns the free memory of every arena to the OS. Measured on the same model
-(``benchmarks/build_memory.py 32``, two runs on a loaded machine): rank 0 peaks 630-696
-MiB above its start, rank 1 563-566 MiB (half the model is 457 MiB); with
-``MALLOC_MMAP_THRESHOLD_=131072`` in the environment, which users do not set, 583 and 534.
-Trimming after every freed parameter reached 587 MiB but made 457 calls, each a walk of
-the heap; every 256 MiB left rank 0 at 805-942 MiB. Elsewhere than glibc (musl, macOS)
-this does nothing.
+returns the free memory of every arena to the OS: often enough to keep the peak near the
+model's share, rarely enough that the walks of the heap cost nothing that shows.
+BENCHMARKS.md ("Resident memory while building a model bigger than one rank",
+``benchmarks/build_memory.py``) has the peaks with and without it, and the other
+intervals tried. Elsewhere than glibc (musl, macOS) this does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
 
-_EVERY = 64 * 2**20  # bytes freed between two trims (measured above)
+_EVERY = 64 * 2**20  # bytes freed between two trims (BENCHMARKS.md, resident memory)
 
 
 def _find_trim():

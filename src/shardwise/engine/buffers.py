@@ -25,8 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import Comm
-from ..comm.order_check import announce
-from ..comm.peers import operation
+from ..comm.order_check import operation
 from ..errors import ShardwiseError
 from ..exact.reduce import exact_average
 from .state import model_state
@@ -52,7 +51,7 @@ class BufferSync:
     """Applies one model's buffer policy."""
 
     def __init__(self, root: nn.Module, comm: Comm, policy: str | BufferPolicy,
-                 src_rank: int) -> None:
+                 src_rank: int, exact: bool = False) -> None:
         try:
             self.policy = BufferPolicy(policy)
         except ValueError:
@@ -62,7 +61,7 @@ class BufferSync:
         self.root = root
         self.comm = comm
         self.src_rank = src_rank
-        self.exact = False  # reproducible mode: "average" sums exactly (exact/reduce.py)
+        self.exact = exact  # reproducible mode: "average" sums exactly (exact/reduce.py)
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
@@ -100,7 +99,8 @@ def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
     return Comm(group)
 
 
-@operation("sync_buffers")
+@operation("sync_buffers", lambda module, src_rank, group: (
+    comm_for(module, group), f"sync_buffers(src_rank={src_rank!r})", None))
 def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
     """Make every rank's buffers (persistent and not) equal to ``src_rank``'s.
 
@@ -118,7 +118,6 @@ def sync_buffers(module: nn.Module, src_rank: int = 0, group=None) -> None:
         >>> sw.sync_buffers(tokenizer)      # now every rank has rank 0's statistics
     """
     comm = comm_for(module, group)
-    announce(comm, f"sync_buffers(src_rank={src_rank!r})")
     if type(src_rank) is not int or not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")

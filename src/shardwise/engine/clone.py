@@ -16,8 +16,8 @@ in three steps:
    parameter, for a unit gathered at the time) to its new shard, and the units and the
    state to ``None``: the module copies hold the new shards wherever the originals held
    theirs, user attributes included;
-3. new units over the copied modules and a new :class:`ModelState`, attached as ``shard``
-   attaches one.
+3. new units over the copied modules and a new :class:`ModelState`, from the same
+   builder as ``shard``'s (``engine/build.py``) and the original's settings.
 
 Module hooks are copied with their modules; they find their unit through the module they
 are called on (``engine/hooks.py``), so the copy's hooks drive the copy's units. Every module
@@ -34,13 +34,12 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from .._registry import set_instance_method
+from .._registry import remove_instance_method, set_instance_method
 from ..errors import ShardwiseError
-from .attach import attach
 from .buffers import BufferSync
-from .running_stats import RunningStats
+from .build import build
 from .state import ModelState, model_state
-from .unit import FlatGroup, Unit
+from .unit import FlatGroup
 
 
 def guard_model_copies(root: nn.Module) -> None:
@@ -105,11 +104,10 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     twins: dict[int, FlatGroup] = {}
     for u in state.units:
         for g in u.groups:
+            # Note [secondary shards]: the same groups of k ranks as the original's.
             twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
                              [p.shard for p in g.params], g.topology, g.local.device,
-                             g.compute_dtype, g.reduce_dtype)
-            twin.regather = g.regather  # Note [secondary shards]: the same groups of k
-            twin.exact = g.exact
+                             g.compute_dtype, g.reduce_dtype, g.regather, g.exact)
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):
@@ -123,17 +121,11 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         for sp in twin.params:
             sp.slots = [(memo[id(m)], attr) for m, attr in sp.slots]
         twin.install()
-    units = []
-    for u in state.units:
-        units.append(Unit(memo[id(u.module)], u.name, [twins[id(g)] for g in u.groups],
-                          u.reshard_after_forward, u.is_root, cast_inputs=u.cast_inputs))
-    buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank)
-    buffers.exact = state.buffers.exact
-    twin_state = ModelState(root, state.topology, units, buffers, state.src_rank)
-    twin_state.prefetch = state.prefetch
-    if state.running_stats is not None:  # Note [reproducible running statistics]
-        twin_state.running_stats = RunningStats(root, state.comm)
-    root.__dict__.pop("save_pretrained", None)  # the original's guard: attach makes one
-    attach(twin_state)
+    units = [(u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups])
+             for u in state.units]
+    buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank,
+                         state.buffers.exact)
+    remove_instance_method(root, "save_pretrained")  # the original's guard: build makes one
+    build(root, state.topology, units, buffers, state.settings)
     guard_model_copies(root)
     return root

@@ -23,7 +23,13 @@ from typing import Any, NoReturn
 import torch
 import torch.nn as nn
 
-from .._registry import is_sharded_root, retired_name, set_instance_method, set_retired_name
+from .._registry import (
+    instance_attribute,
+    is_sharded_root,
+    retired_name,
+    set_instance_method,
+    set_retired_name,
+)
 from ..errors import ShardwiseError
 from .unit import Unit, sharded_param
 
@@ -147,7 +153,7 @@ def _refuse_sharded_parts(module: Any) -> None:
     """Raise if ``module`` holds a sharded model whose parameters DDP would take."""
     if not isinstance(module, nn.Module) or is_sharded_root(module):
         return  # a sharded root itself: guard_ddp's error comes from DDP's own read
-    ignored = set(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    ignored = set(instance_attribute(module, "_ddp_params_and_buffers_to_ignore", ()))
     for name, sub in module.named_modules():
         if not is_sharded_root(sub):
             continue

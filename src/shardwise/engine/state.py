@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,19 +62,31 @@ class Phase(enum.Enum):
     BACKWARD = "backward"                    # backward runs; the end callback is queued
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What ``shard`` was given that the engine runs by; a deep copy runs by the same."""
+
+    reshard_after_forward: bool | int
+    prefetch: int  # units gathered ahead of the one computing
+    reproducible: bool  # Note [reproducible reduction] in exact/reduce.py
+    cast_inputs: torch.dtype | None  # MixedPrecision.param_dtype
+    src_rank: int
+
+
 class ModelState:
     """Everything shardwise knows about one sharded model."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
-                 buffer_sync: Any, src_rank: int) -> None:
+                 buffer_sync: Any, settings: Settings) -> None:
         self.root = root
         self.topology = topology
         self.comm: Comm = topology.world  # every rank of the model (Note [hybrid sharding])
         self.units = units  # root first, then in module order
         self.buffers = buffer_sync
-        self.src_rank = src_rank
+        self.settings = settings
+        self.src_rank = settings.src_rank
         self.requires_grad_sync = True  # False inside no_sync
-        self.prefetch = 1  # units gathered ahead of the one computing (shard(prefetch=))
+        self.prefetch = settings.prefetch
         self.phase = Phase.IDLE
         self.order_check: OrderCheck | None = None  # set per forward (order_checks_enabled)
         self._prev_order: list[Unit] = []
@@ -85,7 +98,7 @@ class ModelState:
         self._compile_checked = False  # warn_if_compiled_whole ran
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
-        self.running_stats: RunningStats | None = None
+        self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
         channel = self.comm.channel
         self.number = channel.models  # among the models on its group, in creation order
         channel.models += 1

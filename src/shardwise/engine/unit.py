@@ -24,12 +24,14 @@ global meaning. ``finish_gather`` swaps in the *full* parameter, a plain leaf
 ``nn.Parameter`` viewing the full buffer with the original shape, because module code
 computes with plain tensors; ``reshard`` swaps the shards back. The swap is a dict
 assignment in ``module._parameters``, and which of the two a sharded model's module holds
-is decided in ``_swap`` only. Three other places write ``module._parameters``, none of
-them choosing between shard and full: ``sharded_init`` registers its stand-ins before
-there is a shard; a move or cast that changes nothing (engine/guards.py) takes the shards out
-of torch's reach for the call and puts the same objects back; and ``gathered()`` puts the
-full parameter back into a slot that code inside the block replaced. Optimizers hold
-the shards, so they never see the swap.
+is decided in ``_swap`` only. Four other places write ``module._parameters``, none of
+them choosing between shard and full: ``FlatGroup.install`` registers the shards once,
+in place of the originals (``shard``) or of the copied ones (a deep copy);
+``sharded_init`` registers its stand-ins before there is a shard; a move or cast that
+changes nothing (engine/guards.py) takes the shards out of torch's reach for the call and
+puts the same objects back; and ``gathered()`` puts the full parameter back into a slot
+that code inside the block replaced. Optimizers hold the shards, so they never see the
+swap.
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
@@ -39,11 +41,9 @@ cost: a parameter's rows are no longer a contiguous slice of the gathered buffer
 gather copies the gathered (rank-major) buffer out into the full (parameter-major) one,
 one strided copy per parameter, and every reduction copies gradients in the other way
 (which the flat layout paid already: gradients were copied into the reduction buffer
-then too), and optimizer steps run through DTensor's dispatch. Measured on the reference
-workload (GPT 6x512, 2 CPU ranks, same machine, flat layout then this one): forward
-0.640 -> 0.643 s, backward 1.326 -> 1.359 s (a re-gather's copy-out), optimizer step
-26 -> 39 ms (dispatch): 2.5% per step. Losses stay bit-identical to DDP's at 2 ranks;
-BENCHMARKS.md has the runs.
+then too), and optimizer steps run through DTensor's dispatch. Losses stay bit-identical
+to DDP's at 2 ranks; what the change cost per step is in benchmarks/HISTORY.md (the
+layout's cost) and BENCHMARKS.md.
 
 Note [freeing full parameters]
 Autograd saves references to full parameters in forward. Freeing them after forward must
@@ -165,7 +165,11 @@ class FlatGroup:
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
                  originals: list[nn.Parameter], topology: Topology,
                  device: torch.device, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype) -> None:
+                 reduce_dtype: torch.dtype, regather: Comm | None = None,
+                 exact: bool = False) -> None:
+        """``regather``: the group of k ranks a non-root unit's backward gathers in under
+        ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``exact``:
+        the reproducible mode's reduction (Note [reproducible reduction])."""
         self.topology = topology
         self.comm = comm = topology.shard
         # Hybrid sharding (Note [hybrid sharding] in comm/mesh.py): the ranks holding the same
@@ -194,8 +198,8 @@ class FlatGroup:
         # reshard_after_forward=k (Note [secondary shards]): the k ranks' group, this
         # rank's part of the gathered buffer kept from forward to backward, and its
         # version.
-        self.regather: Comm | None = None
-        self.exact = False  # Note [reproducible reduction] in exact/reduce.py
+        self.regather = regather
+        self.exact = exact  # Note [reproducible reduction] in exact/reduce.py
         self._kept: torch.Tensor | None = None
         self._kept_version = -1
         self._kept_sending: torch.Tensor | None = None

@@ -45,6 +45,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixed
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
+from .._registry import has_instance_attribute, remove_instance_method
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..comm.order_check import watch_steps
 from ..engine import hooks as engine_hooks
@@ -192,13 +193,13 @@ class ShardwiseStrategy(DDPStrategy):
         # backward inside the step ends the iteration and reshards the root, and only a
         # root forward (self(x)) gathers it again for the next forward.
         hide = method != "training_step" or getattr(module, "automatic_optimization", True)
-        patched = "forward" in module.__dict__  # normally not: forward is the class's
+        patched = has_instance_attribute(module, "forward")  # normally not: the class's
 
         def restore() -> None:  # the step's own self(x) must reach the real forward
             if patched:
                 module.forward = original
             else:
-                module.__dict__.pop("forward", None)
+                remove_instance_method(module, "forward")
 
         def forward(*a: Any, **k: Any) -> Any:
             restore()

@@ -8,7 +8,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
-def _unique_bytes(tensors) -> int:
+def unique_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor's: its local part),
+    each counted once: views and tied weights are not counted twice."""
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, DTensor):
@@ -32,11 +34,11 @@ def state_bytes(module: nn.Module,
         {'params': 4194560, 'grads': 4194560, 'optimizer': 8389120, 'total': 16778240}
     """
     params = list(module.parameters())
-    out = {"params": _unique_bytes(params),
-           "grads": _unique_bytes(p.grad for p in params if p.grad is not None),
+    out = {"params": unique_bytes(params),
+           "grads": unique_bytes(p.grad for p in params if p.grad is not None),
            "optimizer": 0}
     if optimizer is not None:
-        out["optimizer"] = _unique_bytes(v for s in optimizer.state.values() for v in s.values())
+        out["optimizer"] = unique_bytes(v for s in optimizer.state.values() for v in s.values())
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
