@@ -675,3 +675,70 @@ def test_invented_metadata_is_refused_quickly_and_briefly(tmp_path):
     n = len(model.state_dict()) - 3 * 3  # each BatchNorm has 3 buffers
     assert f"field params lists {20_000 + n} tensors, the model has {n + 9} in all" in message
     assert f"and {20_000 + n - 10} more" in message and len(message) < 1000, message
+
+
+def _edited(path, edit, sign):
+    """Apply ``edit`` to ``path``'s checkpoint.json; recompute the checksum (a writer that
+    lies consistently) or delete it."""
+    meta_path = os.path.join(path, "checkpoint.json")
+    meta = json.load(open(meta_path))
+    edit(meta)
+    meta.pop("meta_sha256", None)
+    if sign:
+        meta["meta_sha256"] = canonical_sha256(meta)
+    json.dump(meta, open(meta_path, "w"))
+
+
+def _swap_pieces(meta):
+    """Claim format 1 and swap two ranks' equal-length pieces of one parameter: each
+    rank would load the other's rows (and momentum) if nothing compared the files."""
+    meta["format_version"] = 1
+    for entry in meta["params"].values():
+        (o0, n0), (o1, n1) = entry["pieces"]
+        if n0 == n1 > 0:
+            entry["pieces"] = [[o1, n1], [o0, n0]]
+            return
+    raise AssertionError("no parameter with two equal pieces")
+
+
+def _load_extra(rank, world, path):
+    model = sw.shard(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    extra = sw.load_checkpoint(path, model, opt)
+    return extra, opt.param_groups[0]["lr"], sw.full_state_dict(model)
+
+
+def test_a_format_downgrade_or_a_missing_checksum_is_refused(tmp_path):
+    """Issue 31 items 1-2: each of these loaded before, the first with two ranks' rows
+    and momentum exchanged, the others with the edited values."""
+    ck, data, variant, variants = _damaged_copies(tmp_path)
+    variant("downgraded", lambda p, d: _edited(p, _swap_pieces, sign=True))
+    variant("downgraded_unsigned", lambda p, d: _edited(p, _swap_pieces, sign=False))
+    variant("unsigned_extra", lambda p, d: _edited(
+        p, lambda m: m.update(extra={"step": 999999}), sign=False))
+
+    def lr(meta):
+        meta["optimizer"]["param_groups"][0]["lr"] = 123.0
+
+    variant("unsigned_lr", lambda p, d: _edited(p, lr, sign=False))
+    messages = run_ranks(_load_broken, 2, variants)[0]
+    assert "holds other pieces than the metadata says" in messages["downgraded"]
+    for name in ("downgraded_unsigned", "unsigned_extra", "unsigned_lr"):
+        assert "field meta_sha256: missing" in messages[name], messages[name]
+        assert "shardwise sign" in messages[name]
+    assert "missing" in describe(variants["unsigned_lr"])  # inspect still describes it
+
+    # A deliberate edit is signed explicitly, after the metadata was checked against the
+    # data files; a lying one is refused by sign too, and nothing is written.
+    from shardwise.cli import main
+
+    before = open(os.path.join(variants["downgraded_unsigned"], "checkpoint.json")).read()
+    assert main(["sign", variants["downgraded_unsigned"]]) == 1
+    assert open(os.path.join(variants["downgraded_unsigned"], "checkpoint.json")).read() \
+        == before
+    assert main(["sign", variants["unsigned_lr"]]) == 0
+    assert main(["sign", variants["unsigned_lr"]]) == 0  # matches now: nothing written
+    extra, got_lr, state = run_ranks(_load_extra, 2, variants["unsigned_lr"])[0]
+    assert extra == {"version": 1} and got_lr == 123.0
+    original = run_ranks(_load_extra, 2, ck)[0][2]
+    assert all(torch.equal(state[k], original[k]) for k in original)

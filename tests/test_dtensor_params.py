@@ -6,6 +6,7 @@ Each of these was silently wrong while parameters were 1-D slices of a flat buff
 
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -171,12 +172,12 @@ def _dcp_load(rank, world, path):
     return sw.full_state_dict(model)
 
 
-def _v1_checkpoint(rank, world):
+def _v1_checkpoint(rank, world, path):
     torch.manual_seed(5 + rank)
     model = sw.shard(GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2,
                                    d_model=16)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    extra = sw.load_checkpoint(os.path.join(FIXTURE, "ckpt"), model, opt)
+    extra = sw.load_checkpoint(path, model, opt)
     assert extra == {"steps": 2}
     # The step the fixture took after saving (tests/fixtures/make_v1_checkpoint.py).
     x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
@@ -185,9 +186,19 @@ def _v1_checkpoint(rank, world):
     return sw.full_state_dict(model)
 
 
-def test_checkpoints_of_format_1_still_load():
+def test_checkpoints_of_format_1_still_load_once_signed(tmp_path):
+    # The fixture predates the metadata's checksum, which loads now require (issue 31):
+    # refused with the command that checks and signs it, then loaded.
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(FIXTURE, "ckpt"), path)
+    with pytest.raises(sw.ShardwiseError, match="meta_sha256: missing.*shardwise sign"):
+        sw.load_checkpoint(path, GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2,
+                                               n_head=2, d_model=16)))
+    from shardwise.cli import main
+
+    assert main(["sign", path]) == 0
     expect = load_file(os.path.join(FIXTURE, "expected_after_step.safetensors"))
-    got = run_ranks(_v1_checkpoint, 2)[0]
+    got = run_ranks(_v1_checkpoint, 2, path)[0]
     assert sorted(got) == sorted(expect)
     # The fixture's step was computed on another CPU, whose kernels round differently:
     # measured 1.9e-8 at most on an AMD EPYC (bit-exact where it was made). A load that

@@ -92,6 +92,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sign(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import sign_checkpoint
+
+    print(sign_checkpoint(args.checkpoint))
+    return 0
+
+
 def _plan_command(args: argparse.Namespace) -> int:
     import json
 
@@ -170,6 +177,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
     i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
     i.set_defaults(func=_inspect)
+    s = sub.add_parser("sign", help="check a hand-edited checkpoint.json against the data "
+                                    "files, then write its checksum")
+    s.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
+    s.set_defaults(func=_sign)
     p = sub.add_parser("plan", help="estimate memory per rank before building a model")
     p.add_argument("--model", help="package.module:callable building the model, or a "
                                    "folder holding a Hugging Face config.json")
@@ -196,7 +207,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                                     "(about 80 s on 2 cores)")
     add_arguments(d)
     d.set_defaults(func=_demo)
-    return parser, {"consolidate": c, "inspect": i, "plan": p, "demo": d}
+    return parser, {"consolidate": c, "inspect": i, "sign": s, "plan": p, "demo": d}
 
 
 def main(argv: list[str] | None = None) -> int:

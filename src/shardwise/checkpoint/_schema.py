@@ -6,16 +6,21 @@ which flat range of which parameter each rank's piece holds, what each optimizer
 tensor is, where the data folder is. A wrong field there would load wrong values without
 any error. So every load validates the whole file first: types and ranges of every
 field, pieces that tile each parameter exactly, known optimizer-state kinds with shapes
-that match, one file entry per rank, RNG states that ``random.setstate`` accepts. A
-checkpoint written since the ``meta_sha256`` field exists also carries the SHA-256 of its
-own canonical JSON, so any edit at all is caught. Every failure names the file, the field
-and the problem.
+that match, one file entry per rank, RNG states that ``random.setstate`` accepts. Every
+checkpoint carries the SHA-256 of its own canonical JSON (``meta_sha256``), so any edit at
+all is caught, and one without it is refused: deleting the field would otherwise let any
+edit through. A deliberate edit, or a checkpoint from a shardwise older than the field,
+is signed explicitly with ``shardwise sign`` (``io.sign_checkpoint``), which first checks
+the metadata as a load does, against the data files. Every failure names the file, the
+field and the problem.
 
 A checksum recomputed by whoever edits the file proves nothing, so the metadata is also
 checked against what the data files say of themselves (io._check_files): every tensor's
 dtype and shape in its file's header, and the pieces each rank's file records that it
-holds. What no check can catch is a full forgery: data files rewritten and every hash
-and record recomputed to match. The checks guard against bugs, conversion tools and
+holds. A file that records its pieces (format 2) is checked as such whatever
+``format_version`` claims: a metadata "downgraded" to format 1 cannot skip the check.
+What no check can catch is a full forgery: data files rewritten and every hash and
+record recomputed to match. The checks guard against bugs, conversion tools and
 hand edits, not against an attacker with write access to the folder.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import re
 from typing import Any
@@ -82,8 +88,11 @@ class _Checker:
                      for i, d in enumerate(self.list_(value, field)))
 
 
-def validate(meta: Any, path: str) -> None:
+def validate(meta: Any, path: str, signed: bool = True) -> None:
     """Check ``meta`` (a parsed ``checkpoint.json``) completely; raise on the first lie.
+
+    ``signed``: the checksum must be there (Note [metadata that cannot lie]); only
+    ``shardwise sign``, which writes it after checking everything else, passes False.
 
     Raises:
         ShardwiseError: naming ``path``, the field and the problem.
@@ -96,9 +105,17 @@ def validate(meta: Any, path: str) -> None:
     if version > FORMAT_VERSION:
         raise c.fail("format_version", f"{version} is newer than this shardwise reads "
                                        f"({FORMAT_VERSION})")
-    if CHECKSUM in meta and meta[CHECKSUM] != canonical_sha256(meta):
-        raise c.fail(CHECKSUM, "does not match the file's contents: it was edited or "
-                               "corrupted after it was written")
+    if signed and CHECKSUM not in meta:
+        raise c.fail(CHECKSUM, f"missing. shardwise writes it into every checkpoint, so "
+                               f"the metadata was edited by hand or by a tool (or written "
+                               f"by a shardwise older than the checksum). If that was "
+                               f"deliberate, check and sign it with `shardwise sign "
+                               f"{os.path.dirname(path) or '.'}`")
+    if signed and meta[CHECKSUM] != canonical_sha256(meta):
+        raise c.fail(CHECKSUM, f"does not match the file's contents: it was edited or "
+                               f"corrupted after it was written. If the edit was "
+                               f"deliberate, check and sign it with `shardwise sign "
+                               f"{os.path.dirname(path) or '.'}`")
     if not isinstance(meta.get("data"), str) or not _DATA.fullmatch(meta["data"]):
         raise c.fail("data", f"expected a data-<hex> folder name, got {meta.get('data')!r}")
     world = c.int_(meta.get("world_size"), "world_size", lo=1)

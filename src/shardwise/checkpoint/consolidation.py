@@ -17,6 +17,7 @@ from ._format import (
     write_json_atomic,
 )
 from ._lock import LOCK
+from ._schema import CHECKSUM, canonical_sha256
 from .io import _Checkpoint
 
 
@@ -146,8 +147,9 @@ def _write(ck: _Checkpoint, path: str, entries, bar: Progress) -> None:
 
 
 def describe(checkpoint: str) -> str:
-    """A human-readable summary of a checkpoint (what ``shardwise inspect`` prints)."""
-    ck = _Checkpoint(checkpoint)
+    """A human-readable summary of a checkpoint (what ``shardwise inspect`` prints); an
+    unsigned one is described too, and says so (``shardwise sign``)."""
+    ck = _Checkpoint(checkpoint, signed=False)
     m = ck.meta
     entries = _entries(ck)
     total = sum(_nbytes(d, s) for _, d, s, _, _ in entries)
@@ -155,6 +157,7 @@ def describe(checkpoint: str) -> str:
     lines = [
         f"checkpoint     {os.path.abspath(checkpoint)}",
         f"format         {m['format']} v{m['format_version']}",
+        f"checksum       {_checksum_state(m)}",
         f"world size     {m['world_size']}",
         f"step           {m.get('step')}",
         f"module         {m.get('module_class')}",
@@ -170,3 +173,11 @@ def describe(checkpoint: str) -> str:
         lines.append(f"{name:50s} {str(dtype).removeprefix('torch.'):10s} {list(shape)}"
                      + ("  (buffer)" if kind == "buffer" else ""))
     return "\n".join(lines)
+
+
+def _checksum_state(meta: dict) -> str:
+    if CHECKSUM not in meta:
+        return "missing: loads refuse it until `shardwise sign` checks and signs it"
+    if meta[CHECKSUM] != canonical_sha256(meta):
+        return "does not match (edited): loads refuse it until `shardwise sign` signs it"
+    return "matches"

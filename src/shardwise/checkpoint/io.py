@@ -412,7 +412,7 @@ class _Checkpoint:
             metadata far larger than that is refused before it is parsed or checked.
     """
 
-    def __init__(self, path: str, expect: int | None = None) -> None:
+    def __init__(self, path: str, expect: int | None = None, signed: bool = True) -> None:
         self.path = path
         meta_path = os.path.join(path, META)
         if not os.path.isfile(meta_path):
@@ -430,7 +430,7 @@ class _Checkpoint:
             raise ShardwiseError(f"{meta_path}: unreadable ({e})") from e
         if expect is not None:
             _check_counts(self.meta, expect, meta_path)
-        validate(self.meta, meta_path)  # Note [metadata that cannot lie]
+        validate(self.meta, meta_path, signed)  # Note [metadata that cannot lie]
         self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
         self.world_size = self.meta["world_size"]
         self._handles: dict[str, Any] = {}
@@ -552,6 +552,50 @@ def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: 
         raise
 
 
+def sign_checkpoint(path: str | os.PathLike) -> str:
+    """Check a checkpoint's metadata as a load does, then write its checksum.
+
+    For a ``checkpoint.json`` edited on purpose, or written by a shardwise older than the
+    checksum (Note [metadata that cannot lie]): a load refuses metadata without a
+    matching checksum. Everything a load checks without the model is checked first: the
+    schema, every data file's size and SHA-256, and each file's tensors and recorded
+    pieces against the metadata. Holds the folder's lock, so no save runs meanwhile.
+    What ``shardwise sign`` runs.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        What was done, in one line.
+
+    Raises:
+        ShardwiseError: the folder is not a checkpoint, a save holds it, or a check
+            failed (naming the file, the field and the problem); nothing is written then.
+
+    Example:
+        >>> sw.checkpoint.sign_checkpoint("ckpt/latest")   # after editing "extra" by hand
+    """
+    path = path_argument(path, "sign_checkpoint")
+    if not os.path.isfile(os.path.join(path, META)):
+        raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
+    lock = FolderLock(path)
+    lock.acquire()
+    try:
+        ck = _Checkpoint(path, signed=False)
+        _check_files(ck)
+        for name in ck.meta["files"]:
+            ck.file(name)  # size and SHA-256 of every listed file, not only those read
+        before, after = ck.meta.get(CHECKSUM), canonical_sha256(ck.meta)
+        if before == after:
+            return f"{path}: the checksum matches already; nothing written"
+        ck.meta[CHECKSUM] = after
+        write_json_atomic(os.path.join(path, META), ck.meta)
+        was = "no checksum before" if before is None else "the old checksum did not match"
+        return f"{path}: signed ({was}); the metadata agrees with the data files"
+    finally:
+        lock.release()
+
+
 def _check_files(ck: _Checkpoint) -> None:
     """Cross-check the metadata against what the data files say of themselves (headers
     only, Note [metadata that cannot lie] in _schema.py): every tensor a file holds is
@@ -575,7 +619,9 @@ def _check_files(ck: _Checkpoint) -> None:
         f = ck.file(fname)
         where = f"{ck.data}/{fname}"
         _check_tensors(f, where, expected, optional_prefix="rng/")
-        if meta["format_version"] >= 2:
+        # A data file recording its pieces is checked as format 2, whatever the metadata
+        # claims (Note [metadata that cannot lie]).
+        if meta["format_version"] >= 2 or PIECES in (f.metadata() or {}):
             _check_pieces(f, where, {main: p[r] for main, p in pieces.items()})
     if meta.get("buffers"):
         _check_tensors(ck.file(BUFFERS_FILE), f"{ck.data}/{BUFFERS_FILE}",
