@@ -240,9 +240,9 @@ class Channel:
             # helper in charge of the receives, and a retry waits for it again.
             done, failed = posted.waiter
             what = f"the order check before {posted.label}"
-            wait_watched(lambda seconds: done.wait(seconds), self.comm, what)
+            warned = wait_watched(lambda seconds: done.wait(seconds), self.comm, what)
             if failed:
-                raise self.comm.stuck(what, failed[0]) from failed[0]
+                raise self.comm.stuck(what, failed[0], warned) from failed[0]
             posted.recvs = []
         try:
             for works in (posted.recvs, posted.sends):

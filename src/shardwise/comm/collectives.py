@@ -217,8 +217,12 @@ class Comm:
         pending.wait()
         return None
 
-    def stuck(self, what: str, err: BaseException) -> CollectiveError:
-        """The error for ``what``, which failed on this rank with ``err``."""
+    def stuck(self, what: str, err: BaseException, warned: str | None = None
+              ) -> CollectiveError:
+        """The error for ``what``, which failed on this rank with ``err``; ``warned``: the
+        peer watch's last warning during the wait, which says more."""
+        if warned is not None:
+            return CollectiveError(f"{warned}. The wait then ended: {err}")
         return CollectiveError(
             f"rank {self.rank}: {what} did not complete ({err}). Another rank failed or "
             f"never joined it within the process group's timeout: look for another rank's "

@@ -25,18 +25,32 @@ header matched, so it never waits for a peer that is elsewhere. A rank alone els
 a backward (whose exchanges carry no header), or any wait with ``SHARDWISE_CHECK=0``, ends
 at the process group's timeout, as before.
 
-A peer that is not in a shardwise operation, or in a different one, and whose note has
-not changed for ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off)
-makes the waiting rank raise a ``CollectiveError`` that says what every rank is doing. A
-peer busy in the same kind of operation (a slow rank still computing its forward) is
-waited for, as long as the process group's timeout allows. Under NCCL, waits do not
+What the waiting rank concludes from the notes, and when:
+- a peer whose process is gone (its note names its host and pid; on this host the pid is
+  checked) raises a ``CollectiveError`` at once;
+- a peer in a different shardwise operation, its note unchanged for
+  ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off), raises: the
+  ranks diverged;
+- a peer outside shardwise for that long cannot be told apart: it may be working on its
+  own (writing a sample, evaluating a consolidated copy, a slow data loader), which DDP
+  waits for and which must never kill the job, or waiting in a collective of its own
+  (``dist.barrier()``), which no note shows. So the waiting rank warns, naming what each
+  rank does and what to do, repeats the warning every ``SHARDWISE_PEER_TIMEOUT`` seconds,
+  and goes on waiting; if the process group's timeout ends the wait, the error carries
+  the same text;
+- a peer busy in the same kind of operation (a slow rank still computing its forward) is
+  waited for, as long as the process group's timeout allows. Under NCCL, waits do not
 block the host, so the watch does not apply; the NCCL watchdog ends a hang there.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import socket
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -50,6 +64,7 @@ from ..errors import CollectiveError
 _KEY = "shardwise/activity/{}"
 _LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
 _SLICE = 1.0  # seconds
+_HOST = socket.gethostname()
 
 
 class Activity:
@@ -91,7 +106,7 @@ class Activity:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "doing": self.doing, "last": self.last,
-                "version": self.version}
+                "version": self.version, "host": _HOST, "pid": os.getpid()}
 
 
 ACTIVITY = Activity()
@@ -125,21 +140,30 @@ def _publish(activity: Activity) -> None:
         pass
 
 
-def wait_watched(wait_slice: Callable[[float | None], bool], comm: Any, what: str) -> None:
-    """Wait, raising early when the peers are elsewhere (Note [peer watch]).
+def wait_watched(wait_slice: Callable[[float | None], bool], comm: Any, what: str
+                 ) -> str | None:
+    """Wait, raising early when the peers are elsewhere in shardwise or dead, and warning
+    when they are outside shardwise (Note [peer watch]).
 
     ``wait_slice(seconds)`` waits up to ``seconds`` (``None``: until done) and says
-    whether the wait is over."""
+    whether the wait is over. Returns the last warning given (``None``: none), for a
+    caller whose wait ends in an error of its own (the process group's timeout) to repeat
+    it; a wait of :func:`sliced` that fails after a warning raises it here."""
     limit = peer_timeout()
     if limit == 0 or comm.world_size == 1 or "gloo" not in comm.backend:
         wait_slice(None)
-        return
-    start = time.monotonic()
-    seen: dict[int, tuple[str, float]] = {}
-    while not wait_slice(_SLICE):
-        now = time.monotonic()
-        if now - start >= _LOOK_AFTER:
-            _look(comm, what, now, start, seen, limit)
+        return None
+    watch = _Watch(comm, what, limit)
+    try:
+        while not wait_slice(_SLICE):
+            now = time.monotonic()
+            if now - watch.start >= _LOOK_AFTER:
+                watch.look(now)
+    except RuntimeError as err:
+        if watch.warning is None:
+            raise
+        raise CollectiveError(f"{watch.warning}. The wait then ended: {err}") from err
+    return watch.warning
 
 
 def sliced(work: Any) -> Callable[[float | None], bool]:
@@ -159,44 +183,102 @@ def sliced(work: Any) -> Callable[[float | None], bool]:
     return wait_slice
 
 
-def _look(comm: Any, what: str, now: float, start: float,
-          seen: dict[int, tuple[str, float]], limit: float) -> None:
-    """Raise if a peer has been elsewhere, unchanged, for ``limit`` seconds."""
-    store = _store()
-    if store is None:
-        return
-    mine = ACTIVITY.kind
-    notes: dict[int, dict] = {}
-    elsewhere = []
-    for r in range(comm.world_size):
-        g = comm.global_rank(r)
-        key = _KEY.format(g)
-        try:
-            if g == dist.get_rank() or not store.check([key]):
+class _Watch:
+    """One watched wait: what each peer's note said since when, and the warnings given."""
+
+    def __init__(self, comm: Any, what: str, limit: float) -> None:
+        self.comm, self.what, self.limit = comm, what, limit
+        self.start = time.monotonic()
+        self.seen: dict[int, tuple[str, float]] = {}
+        self.warning: str | None = None
+        self._warned_at = -math.inf
+
+    def look(self, now: float) -> None:
+        """Raise if a peer is dead, or has been in another shardwise operation for
+        ``limit`` seconds; warn (every ``limit`` seconds) if one has been outside shardwise
+        that long: it may be working on its own (writing a sample, evaluating a copy, a
+        slow data loader), which must not kill the job, or waiting in a collective of its
+        own (``dist.barrier()``), which this rank cannot see."""
+        store = _store()
+        if store is None:
+            return
+        notes, dead, elsewhere, outside = self._read(store, now)
+        if not (dead or elsewhere or outside):
+            return
+        waited = f"rank {self.comm.rank}: waited {now - self.start:.0f} s in {self.what}"
+        lines = "; ".join(f"rank {r} " + _say(n) for r, n in sorted(notes.items()))
+        if dead:
+            raise CollectiveError(
+                f"{waited}, but rank(s) {dead} exited (their processes are gone). {lines}. "
+                f"A rank that stops early (its data ran out, an error it caught) leaves "
+                f"its peers waiting: give every rank the same number of batches "
+                f"(DistributedSampler pads them), and look for that rank's own error")
+        if elsewhere:
+            raise CollectiveError(
+                f"{waited}, which its peers are not in: {lines}. Every rank must run "
+                f"the model's forward and backward and shardwise's collective operations "
+                f"together, in the same order. The process group cannot be used after "
+                f"this error")
+        if now - self._warned_at < self.limit:
+            return
+        self._warned_at = now
+        self.warning = (
+            f"{waited}, which rank(s) {outside} are not in: {lines}. If that rank is busy "
+            f"on purpose (writing a sample, evaluating alone, a slow data loader), this "
+            f"rank waits for it, as DDP would. If it is waiting in a collective of its own "
+            f"(dist.barrier() while this rank runs the model alone, or its data ran out), "
+            f"the ranks are stuck and this wait ends at the process group's timeout "
+            f"(sw.init_distributed(timeout=...)). To evaluate on one rank, gather on every "
+            f"rank first (`with sw.gathered(model):` on every rank, then evaluate on one) "
+            f"or evaluate a consolidated copy (docs/troubleshooting.md); to run ranks on "
+            f"different numbers of batches, don't. SHARDWISE_PEER_TIMEOUT (now "
+            f"{self.limit:g} s) sets how long a peer may be away before this warning")
+        warnings.warn(f"shardwise: {self.warning}", RuntimeWarning, stacklevel=2)
+
+    def _read(self, store: Any, now: float
+              ) -> tuple[dict[int, dict], list[int], list[int], list[int]]:
+        """Every peer's note, and the peers dead, in another shardwise operation for
+        ``limit`` seconds, and outside shardwise for ``limit`` seconds."""
+        mine = ACTIVITY.kind
+        notes: dict[int, dict] = {}
+        dead: list[int] = []
+        elsewhere: list[int] = []
+        outside: list[int] = []
+        for r in range(self.comm.world_size):
+            g = self.comm.global_rank(r)
+            key = _KEY.format(g)
+            try:
+                if g == dist.get_rank() or not store.check([key]):
+                    continue
+                raw = store.get(key).decode()
+            except Exception:  # noqa: BLE001 - no note to read: nothing to conclude
                 continue
-            raw = store.get(key).decode()
-        except Exception:  # noqa: BLE001 - no note to read: nothing to conclude
-            continue
-        note = json.loads(raw)
-        notes[r] = note
-        first = seen.setdefault(r, (raw, now))
-        if first[0] != raw:
-            seen[r] = (raw, now)
-            continue
-        if note["kind"] != mine and now - first[1] >= limit:
-            elsewhere.append(r)
-    if elsewhere:
-        lines = [f"rank {r} " + _say(n) for r, n in sorted(notes.items())]
-        raise CollectiveError(
-            f"rank {comm.rank}: waited {now - start:.0f} s in {what}, which its peers "
-            f"are not in. " + "; ".join(lines) + ". Every rank must run the model's "
-            f"forward and backward and shardwise's collective operations together. To "
-            f"evaluate on one rank, gather the parameters on every rank first "
-            f"(`with sw.gathered(model): ...` on every rank, then evaluate on one) or "
-            f"evaluate a consolidated copy (docs/troubleshooting.md). If a rank is busy "
-            f"elsewhere on purpose (evaluating alone), have the others wait for it in "
-            f"dist.barrier(), or raise SHARDWISE_PEER_TIMEOUT (now {limit:g} s; 0 turns "
-            f"this check off). The process group cannot be used after this error")
+            note = json.loads(raw)
+            notes[r] = note
+            if _gone(note):
+                dead.append(r)
+                continue
+            first = self.seen.setdefault(r, (raw, now))
+            if first[0] != raw:
+                self.seen[r] = (raw, now)
+                continue
+            if note["kind"] != mine and now - first[1] >= self.limit:
+                (outside if note["kind"] is None else elsewhere).append(r)
+        return notes, dead, elsewhere, outside
+
+
+def _gone(note: dict) -> bool:
+    """Whether the note's process is known to have exited: on this host, no process of
+    its pid (elsewhere there is no such evidence; gloo's broken connections tell)."""
+    if note.get("host") != _HOST or not isinstance(note.get("pid"), int):
+        return False
+    try:
+        os.kill(note["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists, as another user's process
+    return False
 
 
 def _say(note: dict) -> str:
