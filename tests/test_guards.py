@@ -173,3 +173,71 @@ def test_shard_failures_on_one_rank_raise_on_every_rank():
         assert "rank(s) [1]: ValueError: no such block here" in m["callable"]
         assert "sharding different models" in m["units"]
         assert "sharding different models" in m["width"] and "rank 1:" in m["width"]
+
+
+class PartlySharded(nn.Module):
+    """An encoder the user shards, and a plain trainable head beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def _partly_sharded(rank, world):
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank's data
+    # The head in DDP, built after sharding or before: synchronised, so the step runs
+    # and the heads stay identical.
+    for ddp_first in (True, False):  # first: DDP built before any sw.shard of the process
+        torch.manual_seed(0)
+        model = PartlySharded()
+        if ddp_first:
+            model.head = DDP(model.head)
+        model.encoder = sw.shard(model.encoder)
+        if not ddp_first:
+            model.head = DDP(model.head)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        sw.check_consistency(model.head)
+
+    # The head alone: each rank's gradients would train it apart (0.07 after a few steps).
+    torch.manual_seed(0)
+    model = PartlySharded()
+    model.encoder = sw.shard(model.encoder)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).sum().backward()
+    before = model.head.weight.detach().clone()
+    with pytest.raises(sw.ShardwiseError, match=r"2 trainable parameter\(s\) outside the "
+                                                r"sharded model .* \(head\.weight, head\.bias"
+                                                r"\).*Nothing was updated"):
+        opt.step()
+    assert torch.equal(model.head.weight, before)
+    # Named through the optimizer itself when it was built from named_parameters().
+    named = torch.optim.SGD(model.named_parameters(), lr=0.5)
+    with pytest.raises(sw.ShardwiseError, match=r"\(head\.weight, head\.bias\)"):
+        named.step()
+
+    # Trained per rank on purpose: declared, and then each rank's own.
+    torch.manual_seed(0)
+    model = PartlySharded()
+    model.encoder = sw.shard(model.encoder)
+    sw.per_rank(model.head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).sum().backward()
+    opt.step()
+    with pytest.raises(sw.DivergenceError, match="weight"):
+        sw.check_consistency(model.head)
+    with pytest.raises(sw.ShardwiseError, match="synchronised by shardwise"):
+        sw.per_rank(model.encoder)
+
+
+def test_plain_trainable_parameters_beside_a_sharded_part_are_refused_at_the_step():
+    """Issue 30 item 3: sw.shard(model.encoder) beside a plain trainable head trained the
+    heads apart across ranks, silently."""
+    run_ranks(_partly_sharded, 2)

@@ -24,12 +24,15 @@ Consistency
     gathered(module_or_params, modifier_rank=None)
     sync_buffers(module, src_rank=0, group=None)
     check_consistency(module, group=None, optimizer=None)
+    per_rank(module_or_params)                 plain parameters trained per rank on purpose
+                                               (others beside shards make a step raise)
 State and checkpoints
     full_state_dict(module, rank0_only=True)
     load_pretrained(module, source, strict=True, rename=None)
     save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
     load_checkpoint(path, module, optimizer=None) -> extra
-    command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT
+    command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT;
+    shardwise sign CHECKPOINT
 Hugging Face (optional: transformers, accelerate)
     from_pretrained(model_class, folder, **shard_kwargs) -> a sharded, loaded model
     shardwise.integrations.transformers.ShardwiseTrainer
@@ -60,6 +63,7 @@ from .checkpoint.state_dict import full_state_dict
 from .comm.process_group import init_distributed
 from .consistency import check_consistency
 from .engine.buffers import BufferPolicy, sync_buffers
+from .engine.guards import per_rank
 from .engine.sharded_init import sharded_init
 from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .exact.micro_batches import global_mean, micro_batches
@@ -105,6 +109,7 @@ __all__ = [
     "load_pretrained",
     "micro_batches",
     "no_sync",
+    "per_rank",
     "save_checkpoint",
     "shard",
     "sharded_init",

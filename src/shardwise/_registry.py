@@ -32,7 +32,14 @@ On tensors:
   partitioned by ``sharded_init``;
 - ``_shardwise_partitioned_as``: the stand-in that replaced an original under
   ``sharded_init``;
-- ``_shardwise_retired``: the name of an original parameter ``shard`` replaced.
+- ``_shardwise_retired``: the name of an original parameter ``shard`` replaced;
+- ``_shardwise_synchronised``: what keeps a plain parameter identical across ranks
+  (``"DistributedDataParallel"``, ``"sw.per_rank"``: Note [parameters nothing
+  synchronises] in ``engine/guards.py``).
+
+On optimizers:
+- ``_shardwise_loose``: the plain trainable parameters beside shards that nothing
+  synchronises, with the parameter count they were found for (the same Note).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ PARAM = "_shardwise_param"
 INIT = "_shardwise_init"
 _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
+_SYNCED = "_shardwise_synchronised"
+LOOSE_PARAMS = "_shardwise_loose"
 _PREFIX = "_shardwise"
 
 
@@ -119,6 +128,15 @@ def retired_name(t: torch.Tensor) -> str | None:
 
 def set_retired_name(t: torch.Tensor, name: str) -> None:
     t.__dict__[_RETIRED] = name
+
+
+def mark_synchronised(t: torch.Tensor, by: str) -> None:
+    t.__dict__[_SYNCED] = by
+
+
+def synchronised_by(t: torch.Tensor) -> str | None:
+    """What keeps plain parameter ``t`` identical across ranks, if anything said so."""
+    return t.__dict__.get(_SYNCED)
 
 
 def copy_user_attributes(src: torch.Tensor, *dsts: torch.Tensor) -> None:

@@ -24,11 +24,16 @@ import torch
 import torch.nn as nn
 
 from .._registry import (
+    LOOSE_PARAMS,
+    attach_to,
+    attached,
     instance_attribute,
     is_sharded_root,
+    mark_synchronised,
     retired_name,
     set_instance_method,
     set_retired_name,
+    synchronised_by,
 )
 from ..errors import ShardwiseError
 from .unit import Unit, sharded_param
@@ -142,11 +147,18 @@ def _guard_torch_classes() -> None:
     def init(self: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         _refuse_sharded_parts(module)
         original(self, module, *args, **kwargs)
+        for p in module.parameters():  # Note [parameters nothing synchronises]
+            mark_synchronised(p, "DistributedDataParallel")
 
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(_refuse_factored)
+    register_optimizer_step_pre_hook(_before_step)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _refuse_factored(optimizer)
+    _refuse_unsynchronised(optimizer)
 
 
 def _refuse_sharded_parts(module: Any) -> None:
@@ -169,7 +181,7 @@ def _refuse_sharded_parts(module: Any) -> None:
                 f"(...), units=...), and train it without DDP")
 
 
-def _refuse_factored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _refuse_factored(optimizer: torch.optim.Optimizer) -> None:
     """Before any step of an Adafactor over sharded matrices: refuse, saying why."""
     if type(optimizer).__name__ != "Adafactor":
         return
@@ -183,6 +195,143 @@ def _refuse_factored(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"holds only some rows. Nothing was updated. Use an optimizer whose "
                     f"state is per element (AdamW, Adam, SGD, ...), or Adafactor "
                     f"on an unsharded model")
+
+
+# Note [parameters nothing synchronises]
+# sw.shard(model.encoder) beside a plain trainable model.head shards the encoder only:
+# the head's gradients are each rank's own, nothing averages them, and the ranks' heads
+# drift apart step by step, silently (measured: 0.073 apart after a few steps). DDP
+# would have averaged them. So before an optimizer steps shards of a sharded model of
+# several ranks, its other trainable parameters must be synchronised by something: DDP
+# (its constructor marks them), FSDP2 or another DTensor placement, or the user, who
+# says so with sw.per_rank(...). Otherwise the step raises, before anything changes,
+# naming them. The verdict is kept on the optimizer until its parameters change, so a
+# step pays one length check.
+
+
+def per_rank(module_or_params: nn.Module | torch.Tensor | Any) -> Any:
+    """Declare parameters deliberately trained per rank, with gradients nothing averages.
+
+    An optimizer that steps shards of a sharded model over several ranks refuses to step
+    other trainable parameters that nothing synchronises (a plain ``model.head`` beside
+    ``sw.shard(model.encoder)`` would drift apart across ranks, silently). Parameters
+    wrapped in ``DistributedDataParallel`` or sharded by FSDP2 count as synchronised.
+    Declare the rare deliberate exception with this function; better, shard the root.
+
+    Args:
+        module_or_params: a module (all its parameters), a parameter, or an iterable of
+            parameters.
+
+    Returns:
+        Its argument, so that it can wrap a construction.
+
+    Raises:
+        ShardwiseError: for a shard of a sharded model, which is synchronised already,
+            or an argument that holds no parameters.
+
+    Example:
+        >>> model.encoder = sw.shard(model.encoder)
+        >>> sw.per_rank(model.rank_bias)   # each rank's own, on purpose
+    """
+    params: list[torch.Tensor]
+    if isinstance(module_or_params, nn.Module):
+        params = list(module_or_params.parameters())
+    elif isinstance(module_or_params, torch.Tensor):
+        params = [module_or_params]
+    else:
+        try:
+            params = list(module_or_params)
+        except TypeError:
+            params = []
+        if not all(isinstance(p, torch.Tensor) for p in params):
+            params = []
+    if not params:
+        raise ShardwiseError(f"sw.per_rank takes a module, a parameter or an iterable of "
+                             f"parameters, got {type(module_or_params).__name__} without "
+                             f"parameters")
+    if any(sharded_param(p) is not None for p in params):
+        raise ShardwiseError("sw.per_rank: a sharded model's parameters are synchronised by "
+                             "shardwise; declare only parameters outside it")
+    for p in params:
+        mark_synchronised(p, "sw.per_rank")
+    return module_or_params
+
+
+def _refuse_unsynchronised(optimizer: torch.optim.Optimizer) -> None:
+    """Note [parameters nothing synchronises]."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    known = attached(optimizer, LOOSE_PARAMS)
+    if known is None or known[0] != len(params):
+        known = (len(params), *_loose_params(params))
+        attach_to(optimizer, LOOSE_PARAMS, known)
+    loose = [p for p in known[1] if p.grad is not None]
+    if loose:  # DDP built before the first sw.shard marked nothing: look for it once
+        _mark_ddp_parameters()
+        known = (known[0], [p for p in known[1] if synchronised_by(p) is None], *known[2:])
+        attach_to(optimizer, LOOSE_PARAMS, known)
+        loose = [p for p in known[1] if p.grad is not None]
+    if not loose:
+        return
+    names = _names(optimizer, loose, known[2])
+    raise ShardwiseError(
+        f"{type(optimizer).__name__}.step() would update {len(loose)} trainable "
+        f"parameter(s) outside the sharded model that nothing synchronises across its "
+        f"{known[3]} ranks ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}): "
+        f"each rank's own gradients would train them apart. Nothing was updated. Shard "
+        f"the whole model (sw.shard(model), whose root owns every parameter outside the "
+        f"units), or put these parameters in a sharded unit; wrap them in "
+        f"DistributedDataParallel if they must stay plain; sw.per_rank(...) declares "
+        f"parameters trained per rank on purpose")
+
+
+def _mark_ddp_parameters() -> None:
+    """Mark the parameters of every DistributedDataParallel of this process as
+    synchronised (those built before the first ``sw.shard`` could not be marked by its
+    constructor). Walks the garbage collector's objects: only where a step would
+    otherwise raise, once per optimizer."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel):
+            for p in obj.module.parameters():
+                mark_synchronised(p, "DistributedDataParallel")
+
+
+def _loose_params(params: list[torch.Tensor]) -> Any:
+    """The trainable plain parameters nothing synchronises, when ``params`` also holds
+    shards of a sharded model of several ranks; the model's root and world size."""
+    model = next((sp.unit.model for p in params
+                  if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
+    if model is None or model.comm.world_size == 1:
+        return [], None, 1
+    from torch.distributed.tensor import DTensor
+
+    loose = [p for p in params if p.requires_grad and sharded_param(p) is None
+             and not isinstance(p, DTensor) and synchronised_by(p) is None]
+    return loose, model.units[0].module, model.comm.world_size
+
+
+def _names(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+           root: nn.Module) -> list[str]:
+    """Names of ``params``: the optimizer's own (built from ``named_parameters()``), else
+    found through the modules that hold the sharded ``root`` (only on this error path),
+    else their shapes."""
+    ids = {id(p) for p in params}
+    named: dict[int, str] = {}
+    for g in optimizer.param_groups:
+        for n, p in zip(g.get("param_names", ()), g["params"]):
+            named[id(p)] = n
+    if len(ids - named.keys()):
+        import gc
+
+        holders = [o for o in gc.get_objects() if isinstance(o, nn.Module)
+                   and any(m is root for m in o.modules()) and o is not root]
+        for top in holders:
+            for n, p in top.named_parameters():
+                named.setdefault(id(p), n)
+    return [named.get(id(p), f"a {tuple(p.shape)} parameter") for p in params]
 
 
 def check_model(root: nn.Module, units: list[Unit]) -> None:
