@@ -258,3 +258,52 @@ def _skipped_step(rank, world):
 def test_check_consistency_compares_optimizers(world=3):
     """Before: a rank that skipped optimizer.step() passed check_consistency."""
     run_ranks(_skipped_step, world)
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+            if hasattr(b, "shift"):
+                x = x + b.shift
+        return x
+
+
+def _buffers_after_shard(rank, world, policy):
+    torch.manual_seed(0)
+    model = sw.shard(Shifted(), buffers=policy)
+    x = torch.ones(2, 4)
+    # Registered after shard, with a value of each rank's own (say, from its RNG).
+    model.blocks[0].register_buffer("shift", torch.full((4,), float(rank + 1)))
+    first = model(x)
+    # Replaced after shard: module.buf = tensor.
+    model.blocks[0].shift = torch.full((4,), 10.0 * (rank + 1))
+    second = model(x)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (first, second, model.blocks[0].shift))
+    return everyone
+
+
+@pytest.mark.parametrize("policy", ["broadcast", "average"])
+def test_buffers_registered_or_replaced_after_shard_are_src_ranks_before_use(policy):
+    """Issue 30 item 4: the first forward used each rank's own value before."""
+    everyone = run_ranks(_buffers_after_shard, 2, policy)[0]
+    (first0, second0, shift0), (first1, second1, shift1) = everyone
+    assert torch.equal(first0, first1) and torch.equal(second0, second1)
+    assert torch.equal(shift0, torch.full((4,), 10.0)) and torch.equal(shift1, shift0)
+
+
+def _local_buffers_stay(rank, world):
+    torch.manual_seed(0)
+    model = sw.shard(Shifted(), buffers="local")
+    model.blocks[0].register_buffer("shift", torch.full((4,), float(rank + 1)))
+    model(torch.ones(2, 4))
+    assert torch.equal(model.blocks[0].shift, torch.full((4,), float(rank + 1)))
+
+
+def test_local_buffers_registered_after_shard_stay_each_ranks():
+    run_ranks(_local_buffers_stay, 2)

@@ -14,6 +14,17 @@ training-mode forward finishes, or right after a training-mode forward that has 
 Every buffer travels at every such point, one message per dtype. Change
 detection by autograd version counters is not an option: BatchNorm's kernel updates its
 running statistics in place without bumping them.
+
+Note [buffers added after shard]
+``shard`` makes every buffer ``src_rank``'s, but a buffer registered afterwards
+(``module.register_buffer(...)``) or replaced (``module.buf = tensor``) holds whatever
+each rank put there, and the first forward would use it unsynchronised (the policy's
+sync comes after the forward). So each root forward first compares the buffers'
+identities with those of the last look (a walk of the modules, as the check for added
+parameters does) and, when one is new, every rank takes ``src_rank``'s values of the new
+ones, under the policy (``"local"``: none). Ranks that changed different buffers would
+meet different collectives: the broadcast is announced to the order check first.
+In-place updates (BatchNorm's statistics) keep the identity and are the policy's to sync.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import Comm
-from ..comm.order_check import operation
+from ..comm.order_check import announce, operation
 from ..errors import ShardwiseError
 from ..exact.reduce import exact_average
 from .state import model_state
@@ -61,12 +72,36 @@ class BufferSync:
         self.root = root
         self.comm = comm
         self.src_rank = src_rank
+        self._known = self._identities()  # Note [buffers added after shard]
         self.exact = exact  # reproducible mode: "average" sums exactly (exact/reduce.py)
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""
         self.comm.broadcast_tensors([b for _, b in named_buffers(self.root)], self.src_rank,
                                     "the broadcast of buffers")
+        self._known = self._identities()
+
+    def sync_new(self, model: int) -> None:
+        """Note [buffers added after shard]: before a root forward, every rank takes
+        ``src_rank``'s values of the buffers registered or replaced since the last look
+        (unless the policy is ``"local"``)."""
+        now = self._identities()
+        if now == self._known:
+            return
+        changed = [b for key, b in now.items() if self._known.get(key, (None,))[0] != b[0]]
+        self._known = now
+        if self.policy is BufferPolicy.LOCAL or not changed:
+            return
+        announce(self.comm, "the broadcast of buffers added or replaced after sw.shard",
+                 model)
+        self.comm.broadcast_tensors([t for _, t in changed], self.src_rank,
+                                    "the broadcast of buffers added or replaced after "
+                                    "sw.shard")
+
+    def _identities(self) -> dict[tuple[int, str], tuple[int, torch.Tensor]]:
+        """Every buffer by (module, name): the tensor's identity, and the tensor."""
+        return {(id(m), n): (id(b), b) for m in self.root.modules()
+                for n, b in m._buffers.items() if b is not None}
 
     def after_training_forward(self) -> None:
         if self.policy is BufferPolicy.LOCAL:

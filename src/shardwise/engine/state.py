@@ -200,6 +200,8 @@ class ModelState:
 
     def _start_root_forward(self) -> None:
         check_model(self.root, self.units)
+        if not all(u.pins for u in self.units if u.groups):  # gathered(): no collective
+            self.buffers.sync_new(self.number)
         if not self._compile_checked:
             self._compile_checked = True
             warn_if_compiled_whole(self.root)
