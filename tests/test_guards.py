@@ -4,6 +4,8 @@ Each of these trained silently wrong (or failed with a message about something e
 before its guard.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -104,6 +106,49 @@ def _requires_grad_after_shard(rank, world):
         model(*_x())
     model.blocks[0].qkv.weight.requires_grad_(True)
     model(*_x()).backward()  # undone: trains again
+
+
+def _freeze_whole_after_shard(rank, world):
+    """Issue 30 item 6: a DPO-style reference model (a deep copy, frozen whole) raised at
+    its first forward, since requires_grad changed after shard."""
+    torch.manual_seed(0)
+    model = sw.shard(GPT(CFG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    ref.eval()
+    x, y = _x()
+    with torch.no_grad():
+        before = ref(x, y)
+    for _ in range(2):
+        opt.zero_grad()
+        anchor = ref(x, y)  # grad enabled, as a DPO loss computes it: needs none
+        assert not anchor.requires_grad
+        (model(x, y) - anchor).backward()
+        opt.step()
+    assert all(p.grad is None for p in ref.parameters())
+    with torch.no_grad():
+        assert torch.equal(ref(x, y), before)  # the reference did not move
+        assert not torch.equal(model(x, y), before)  # the policy did
+    # A whole unit frozen, then unfrozen: its shards get no gradient, then again one.
+    model.blocks[0].requires_grad_(False)
+    opt.zero_grad()
+    model(x, y).backward()
+    assert all(p.grad is None for p in model.blocks[0].parameters())
+    assert all(p.grad is not None for p in model.blocks[1].parameters())
+    model.blocks[0].requires_grad_(True)
+    model(x, y).backward()
+    assert all(p.grad is not None for p in model.blocks[0].parameters())
+    # Frozen whole but inside sw.no_sync with gradients waiting: still refused.
+    with sw.no_sync(model):
+        model(x, y).backward()
+    model.blocks[1].requires_grad_(False)
+    with pytest.raises(sw.ShardwiseError, match=r"requires_grad .*blocks\.1"):
+        model(x, y)
+
+
+def test_freezing_whole_units_or_a_whole_copy_after_shard_is_followed():
+    run_ranks(_freeze_whole_after_shard, 2)
 
 
 def test_changing_requires_grad_after_shard_raises_at_next_forward():

@@ -4,6 +4,7 @@ build -> shard -> load_pretrained(save_pretrained folder) -> train -> save_check
 `shardwise consolidate` -> AutoModel*.from_pretrained on one process: same outputs.
 """
 
+import os
 import subprocess
 import sys
 
@@ -163,6 +164,14 @@ def _hf_save_and_count(rank, world, out):
     assert sum(p.numel() for p in model.parameters()) == expect
     with pytest.raises(sw.ShardwiseError, match="state_dict=sd"):
         model.save_pretrained(out)  # would have written each rank's rows
+    # Issue 30 item 2: the sharded state dict (this rank's rows) is refused on the rank
+    # that called, before transformers touches it; on rank 0 alone it waited 10 minutes
+    # in a collective inside transformers, on every rank it left a partial folder.
+    partial = out + "-partial"
+    if rank == 0:
+        with pytest.raises(sw.ShardwiseError, match=r"rows.*sw\.full_state_dict\(model\)"):
+            model.save_pretrained(partial, state_dict=model.state_dict())
+        assert not os.path.exists(partial)
     sd = sw.full_state_dict(model)
     if rank == 0:
         model.save_pretrained(out, state_dict=sd)

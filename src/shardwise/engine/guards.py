@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._registry import (
     LOOSE_PARAMS,
@@ -75,8 +76,9 @@ def guard_save_pretrained(module: nn.Module) -> None:
     """Make Hugging Face ``save_pretrained`` on a sharded model loud unless given a state.
 
     Its default ``self.state_dict()`` holds DTensors, and transformers would write each
-    rank's rows (or gather on rank 0 only, which hangs the others). Passing the
-    consolidated ``state_dict=`` works and is forwarded unchanged.
+    rank's rows (or gather on rank 0 only, which hangs the others); so does a
+    ``state_dict=`` holding them. Passing the consolidated ``state_dict=`` works and is
+    forwarded unchanged.
     """
     original = getattr(module, "save_pretrained", None)
     if not callable(original):
@@ -90,6 +92,17 @@ def guard_save_pretrained(module: nn.Module) -> None:
                 f"weights: on every rank, sd = sw.full_state_dict(model); then on rank 0, "
                 f"model.save_pretrained(path, state_dict=sd). Or save a checkpoint and "
                 f"export it: shardwise consolidate CHECKPOINT path/")
+        pieces = ([k for k, v in state_dict.items() if isinstance(v, DTensor)]
+                  if isinstance(state_dict, dict) else [])
+        if pieces:
+            raise ShardwiseError(
+                f"save_pretrained was given a state dict holding this rank's rows of "
+                f"{len(pieces)} parameter(s) ({_some(pieces)}): DTensors, as "
+                f"model.state_dict() holds on a sharded model. transformers would gather "
+                f"them inside, on this rank alone (a hang), or write a partial folder. "
+                f"Nothing was written. Pass the full weights: on every rank, "
+                f"sd = sw.full_state_dict(model); then on rank 0, "
+                f"model.save_pretrained(path, state_dict=sd)")
         return original(save_directory, *args, state_dict=state_dict, **kwargs)
 
     set_instance_method(module, "save_pretrained", save_pretrained)
@@ -306,8 +319,6 @@ def _loose_params(params: list[torch.Tensor]) -> Any:
                   if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
     if model is None or model.comm.world_size == 1:
         return [], None, 1
-    from torch.distributed.tensor import DTensor
-
     loose = [p for p in params if p.requires_grad and sharded_param(p) is None
              and not isinstance(p, DTensor) and synchronised_by(p) is None]
     return loose, model.units[0].module, model.comm.world_size
@@ -348,7 +359,7 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
     for u in units:
         for g in u.groups:
             moved += g.detached()
-            flipped += [p.fqns[0] for p in g.params if p.shard.requires_grad != g.requires_grad]
+            flipped += g.follow_freezing()  # Note [freezing after shard]
     if moved:
         raise ShardwiseError(
             f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
@@ -358,8 +369,11 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
     if flipped:
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
-            f"sw.shard; shardwise groups frozen and trainable parameters when it shards. "
-            f"Freeze or unfreeze parameters before sw.shard(model)")
+            f"sw.shard; shardwise groups frozen and trainable parameters when it shards, "
+            f"so it follows a change only when it covers whole units or the whole model "
+            f"(and unfreezes only what was trainable at sw.shard, outside sw.no_sync). "
+            f"Freeze or unfreeze these parameters before sw.shard(model), or freeze whole "
+            f"units (Note [freezing after shard])")
     added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
     if added:
         raise ShardwiseError(

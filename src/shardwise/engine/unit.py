@@ -33,6 +33,17 @@ puts the same objects back; and ``gathered()`` puts the full parameter back into
 that code inside the block replaced. Optimizers hold the shards, so they never see the
 swap.
 
+Note [freezing after shard]
+A unit's parameters are grouped by ``requires_grad`` when ``shard`` runs, and each group is
+reduced as a whole, so a parameter frozen or unfrozen alone afterwards cannot be honoured
+(its group would reduce gradients that no longer exist, or miss new ones): the next root
+forward raises. A change that covers every parameter of a group changes no grouping:
+freezing a whole unit or the whole model (``ref = copy.deepcopy(model);
+ref.requires_grad_(False)``, the reference model of DPO) makes the group frozen, and
+unfreezing it again makes it trainable again. Not taken up: unfreezing a group frozen
+when it was built (its full parameters carry no end-of-backward trigger), and any change
+while ``no_sync`` gradients wait in the group's reduction.
+
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
 ``torch.distributed.checkpoint``, accelerate, transformers) understand DTensor, so a
@@ -177,6 +188,9 @@ class FlatGroup:
         self.replicate = topology.replicate
         self.dtype = originals[0].dtype
         self.requires_grad = originals[0].requires_grad
+        # Trainable when built: its full parameters carry the end-of-backward trigger
+        # (engine/build.py), so it may be frozen and unfrozen later (follow_freezing).
+        self.hooked = self.requires_grad
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.layout: ShardLayout = build_layout([tuple(p.shape) for p in originals],
@@ -205,6 +219,22 @@ class FlatGroup:
         self._kept_sending: torch.Tensor | None = None
         self.reduction = GradReduction(self)  # used by trainable groups only
         self.unit_name = "?"  # set by its Unit; names the group's collectives
+
+    def follow_freezing(self) -> list[str]:
+        """Note [freezing after shard]: take up a ``requires_grad`` changed on every shard
+        of the group alike; the names of shards changed in a way that cannot be."""
+        flipped = [p for p in self.params if p.shard.requires_grad != self.requires_grad]
+        if not flipped:
+            return []
+        wanted = not self.requires_grad
+        if len(flipped) < len(self.params) or (wanted and not self.hooked) \
+                or self.reduction.has_accumulated():
+            return [p.fqns[0] for p in flipped]
+        self.requires_grad = wanted
+        for p in self.params:
+            p.requires_grad = wanted
+            p.full.requires_grad_(wanted)
+        return []
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
                     slots: list[tuple[nn.Module, str]]) -> ShardedParam:
