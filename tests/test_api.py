@@ -127,3 +127,32 @@ def _load_pretrained_buffers(rank, world):
 
 def test_load_pretrained_leaves_identical_buffers():
     run_ranks(_load_pretrained_buffers, 2)
+
+
+def test_nonsense_that_would_silently_change_training_is_refused():
+    """Issue 31 item 7: each of these was accepted before and changed training."""
+    model = nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+    grad = model.weight.grad.clone()
+    for max_norm in (-1.0, float("nan"), "1.0"):
+        with pytest.raises(sw.ShardwiseError, match="max_norm"):
+            sw.clip_grad_norm_(model, max_norm)
+    assert torch.equal(model.weight.grad, grad)  # neither flipped nor NaN
+    assert sw.clip_grad_norm_(model, float("inf")) > 0  # measuring only: allowed
+
+    x, y = torch.arange(8).view(4, 2), torch.arange(3)
+    with pytest.raises(sw.ShardwiseError, match=r"different lengths.*batch\[0\]: 4, "
+                                                r"batch\[1\]: 3"):
+        sw.micro_batches((x, y), 1)
+    assert len(sw.micro_batches({"x": x, "y": torch.arange(4)}, 2)) == 2
+
+    before = model.weight.detach().clone()
+    with pytest.raises(sw.ShardwiseError, match=r"weight: the source holds torch.int64, the "
+                                                r"model torch.float32"):
+        sw.load_pretrained(model, {"weight": torch.ones(3, 4, dtype=torch.int64),
+                                   "bias": torch.zeros(3)})
+    assert torch.equal(model.weight, before)  # nothing loaded
+    with pytest.warns(UserWarning, match=r"2 from float64 to float32"):
+        sw.load_pretrained(model, {"weight": torch.ones(3, 4, dtype=torch.float64),
+                                   "bias": torch.zeros(3, dtype=torch.float64)})
+    assert torch.equal(model.weight, torch.ones(3, 4)) and not torch.equal(before, model.weight)

@@ -27,13 +27,32 @@ def _require_state(module: nn.Module, what: str):
     return state
 
 
-def _clip_announced(module: nn.Module, norm_type: float, **_: Any
+def _clip_announced(module: nn.Module, max_norm: float, norm_type: float, **_: Any
                     ) -> tuple[Comm, str, int] | None:
+    _check_clip_arguments(max_norm, norm_type)  # before any rank communicates
     # The infinity norm reduces with MAX, the others with SUM: the check compares it.
     state = model_state(module)
     if state is None:
         return None  # torch's clip_grad_norm_, which checks nothing
     return state.comm, f"clip_grad_norm_(norm_type={float(norm_type)})", state.number
+
+
+def _check_clip_arguments(max_norm: object, norm_type: object) -> None:
+    """Refuse what would silently change training: a negative ``max_norm`` flips every
+    gradient's sign, a NaN one turns them all into NaN."""
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ShardwiseError(f"clip_grad_norm_: {name}={value!r}: expected a number")
+    if not float(max_norm) >= 0:  # type: ignore[arg-type]
+        raise ShardwiseError(f"clip_grad_norm_: max_norm={max_norm!r}: expected a number "
+                             f">= 0 (inf: measure the norm without clipping); a negative "
+                             f"one would flip every gradient's sign, NaN would make them "
+                             f"NaN")
+    if not float(norm_type) > 0:  # type: ignore[arg-type]
+        raise ShardwiseError(f"clip_grad_norm_: norm_type={norm_type!r}: expected a "
+                             f"positive number (2.0, or float('inf'))")
 
 
 @operation("clip_grad_norm_", _clip_announced)
@@ -54,7 +73,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         bits from one world size to another: use this function there.
 
     Raises:
-        ShardwiseError: for a non-positive ``norm_type``.
+        ShardwiseError: for a negative or NaN ``max_norm``, a non-positive ``norm_type``,
+            or either not a number; nothing is changed.
 
     Example:
         >>> loss.backward()

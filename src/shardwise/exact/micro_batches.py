@@ -59,8 +59,8 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
         group: the model's process group (default: the world).
 
     Raises:
-        ShardwiseError: the world size does not divide ``count``, or a tensor's length
-            does not split into ``count`` equal parts.
+        ShardwiseError: the world size does not divide ``count``, a tensor's length
+            does not split into ``count`` equal parts, or the tensors' lengths differ.
 
     Example:
         >>> model = sw.shard(GPT(cfg), reproducible=True)
@@ -78,7 +78,32 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
                              f"{world} ranks; the world size must divide them (here: "
                              f"{divisors})")
     per_rank = count // world
+    _check_lengths(batch)
     return _split(batch, count, "batch")[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _check_lengths(batch: Any) -> None:
+    """Every tensor of ``batch`` has the same length along dim 0: cut into equal parts,
+    tensors of different lengths would pair rows that do not belong together."""
+    lengths: dict[str, int] = {}
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.dim():
+                lengths[path] = obj.shape[0]
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(obj, (tuple, list)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}[{i}]")
+
+    walk(batch, "batch")
+    if len(set(lengths.values())) > 1:
+        said = ", ".join(f"{p}: {n}" for p, n in lengths.items())
+        raise ShardwiseError(f"micro_batches: the batch's tensors have different lengths "
+                             f"along dim 0 ({said}); their micro-batches would pair rows "
+                             f"that do not belong together. Pass tensors of one length")
 
 
 def global_mean(values: Sequence[torch.Tensor | float],
