@@ -140,10 +140,10 @@ def test_nonsense_that_would_silently_change_training_is_refused():
     assert torch.equal(model.weight.grad, grad)  # neither flipped nor NaN
     assert sw.clip_grad_norm_(model, float("inf")) > 0  # measuring only: allowed
 
-    x, y = torch.arange(8).view(4, 2), torch.arange(3)
+    x, y = torch.arange(8).view(4, 2), torch.arange(6)
     with pytest.raises(sw.ShardwiseError, match=r"different lengths.*batch\[0\]: 4, "
-                                                r"batch\[1\]: 3"):
-        sw.micro_batches((x, y), 1)
+                                                r"batch\[1\]: 6"):
+        sw.micro_batches((x, y), 2)
     assert len(sw.micro_batches({"x": x, "y": torch.arange(4)}, 2)) == 2
 
     before = model.weight.detach().clone()

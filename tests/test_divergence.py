@@ -437,3 +437,45 @@ def _recoveries(rank, world):
 
 def test_recoveries_after_divergence_in_hybrid_reproducible_and_late_failures():
     run_ranks(_recoveries, 2, timeout=90)
+
+
+def _settings_and_micro_batches(rank, world):
+    """Issue 31 item 3: each of these hung until the process group's timeout."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    start = time.monotonic()
+    x = torch.ones(2, 4)
+    for setting, mine in (("prefetch", {"prefetch": 1 + rank}),
+                          ("reproducible", {"reproducible": rank == 1}),
+                          ("reshard_after_forward", {"reshard_after_forward": rank == 0})):
+        with pytest.raises(sw.ShardwiseError, match=rf"different settings.*\n  {setting}: "
+                                                    rf"rank 0 .*, rank 1 "):
+            sw.shard(Stack(), **mine)
+    if rank == 1:
+        os.environ["SHARDWISE_CHECK"] = "0"  # the check off on one rank only
+    with pytest.raises(sw.ShardwiseError, match=r"SHARDWISE_CHECK: rank 0 True, rank 1 False"):
+        sw.shard(Stack())
+    os.environ.pop("SHARDWISE_CHECK", None)
+
+    # One rank runs a micro-batch more under no_sync: its no_sync backward meets the
+    # peer's synced one.
+    model = _model(None)
+    with pytest.raises(sw.ShardwiseError, match=r"ranks diverged.*no_sync"):
+        for _ in range(2 + rank):
+            with sw.no_sync(model):
+                _step(model, x)
+        _step(model, x)
+
+    # Evaluating on rank 0 alone inside gathered() in training mode: the BatchNorm update
+    # is not broadcast by rank 0 alone; the block's exit refuses it on every rank.
+    torch.manual_seed(0)
+    bn = sw.shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    with pytest.raises(sw.ReadOnlyGatherError, match="running_mean"):
+        with sw.gathered(bn):
+            if rank == 0:
+                bn(torch.randn(3, 4))
+    sw.check_consistency(bn)
+    assert time.monotonic() - start < 30  # errors, not timeouts
+
+
+def test_settings_no_sync_counts_and_gathered_training_forwards_do_not_hang():
+    run_ranks(_settings_and_micro_batches, 2, timeout=90)

@@ -24,6 +24,7 @@ from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
 from .comm.mesh import Topology, check_secondary, secondary_groups, topology
+from .comm.order_check import order_checks_enabled
 from .consistency import maybe_check
 from .engine import hooks
 from .engine.alloc import freed, trim
@@ -224,7 +225,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     # meta tensors, fails every rank here, before the first collective.
     buffer_sync, device, chosen, per_unit, auto = agreed(
         comm, f"sw.shard({type(module).__name__}) failed", plan)
-    _agree_structure(comm, chosen, per_unit)
+    _agree_structure(comm, chosen, per_unit, {
+        "reproducible": reproducible, "prefetch": prefetch,
+        "reshard_after_forward": reshard_after_forward, "buffers": buffer_sync.policy.value,
+        "mixed_precision": (str(mp.param_dtype), str(mp.reduce_dtype)), "src_rank": src_rank,
+        "SHARDWISE_CHECK": order_checks_enabled(comm)})
     if auto is not None:
         _report_auto(auto, given=memory_budget is not None)
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
@@ -389,23 +394,35 @@ def _log_plan(units: list[Unit], topo: Topology) -> None:
 
 
 def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
-                     per_unit: list[list[ParamRecord]]) -> None:
-    """Raise on every rank unless all ranks chose the same units over the same parameters.
+                     per_unit: list[list[ParamRecord]], settings: dict[str, object]) -> None:
+    """Raise on every rank unless all ranks chose the same units over the same parameters
+    and were given the same ``settings`` (every argument that decides communication, and
+    whether the order check is on).
 
-    Ranks that built different models, or passed different ``units=``, would otherwise
-    issue mismatched collectives: a hang, or gloo aborting the process. One all-gather of
-    a short fingerprint per rank, once per ``shard``.
+    Ranks that built different models, or passed different ``units=``, ``prefetch=`` or
+    ``reproducible=``, would otherwise issue mismatched collectives: a hang, or gloo
+    aborting the process. One all-gather of a short fingerprint per rank, once per
+    ``shard``.
     """
     desc = [(name, [(r.fqns[0], tuple(r.param.shape), str(r.param.dtype),
                      r.param.requires_grad) for r in recs])
             for (name, _), recs in zip(chosen, per_unit)]
     digest = hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
     summary = f"{len(desc)} units, {sum(len(p) for _, p in desc)} parameters"
-    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc]),
+    everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc],
+                                       tuple(sorted((k, repr(v)) for k, v in settings.items()))),
                                       what="shard()'s structure check")
-    if len({d for d, _, _ in everyone}) > 1:
+    if len({s for _, _, _, s in everyone}) > 1:
+        theirs = [dict(s) for _, _, _, s in everyone]
+        differ = [k for k in settings if len({t.get(k) for t in theirs}) > 1]
+        lines = [f"  {k}: " + ", ".join(f"rank {r} {t.get(k)}" for r, t in enumerate(theirs))
+                 for k in differ]
+        raise ShardwiseError("ranks called sw.shard with different settings, which decide "
+                             "what every rank communicates; pass the same arguments (and "
+                             "the same SHARDWISE_CHECK) on every rank:\n" + "\n".join(lines))
+    if len({d for d, _, _, _ in everyone}) > 1:
         lines = [f"  rank {r}: {s}, units {names[:6]}{' ...' if len(names) > 6 else ''}"
-                 for r, (_, s, names) in enumerate(everyone)]
+                 for r, (_, s, names, _) in enumerate(everyone)]
         raise ShardwiseError("ranks are sharding different models (or passed different "
                              "units=): every rank must build the same model and pass the "
                              "same arguments to sw.shard\n" + "\n".join(lines))

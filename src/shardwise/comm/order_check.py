@@ -82,12 +82,16 @@ class OrderCheck:
                 # run a backward); one wait per forward, not one per unit.
                 self.channel.settle()
 
-    def backward(self) -> None:
-        """Raise on every rank unless all ranks start a backward here."""
+    def backward(self, synced: bool = True) -> None:
+        """Raise on every rank unless all ranks start a backward here, all of them synced
+        or all under ``no_sync``: a rank that runs one micro-batch more than its peers
+        meets their synced backward with one of its ``no_sync`` ones, whose reduction it
+        would never join (a hang until the timeout before)."""
+        what = "the backward" if synced else "a backward under sw.no_sync"
         if self.channel is not None:
-            self.channel.set_doing((self.model << 40) | (1 << 39), "the backward",
+            self.channel.set_doing((self.model << 40) | (1 << 39) | int(synced), what,
                                    exchange_headers=False)
-        self._check(BACKWARD, 0, "the backward")
+        self._check(BACKWARD, int(synced), what)
 
     def _check(self, kind: int, index: int, what: str) -> None:
         if self.channel is not None:

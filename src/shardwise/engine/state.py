@@ -158,6 +158,11 @@ class ModelState:
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
 
+    def _all_pinned(self) -> bool:
+        """Whether every unit holding parameters is pinned by ``gathered()``: the model
+        then runs whole on each rank, without collectives."""
+        return all(u.pins for u in self.units if u.groups)
+
     def _order_checked(self, unit: Unit) -> bool:
         """Whether the order check covers this call of ``unit``. A unit pinned by
         ``gathered()`` runs without communicating, so ranks may run it a different number
@@ -200,7 +205,7 @@ class ModelState:
 
     def _start_root_forward(self) -> None:
         check_model(self.root, self.units)
-        if not all(u.pins for u in self.units if u.groups):  # gathered(): no collective
+        if not self._all_pinned():  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
         if not self._compile_checked:
             self._compile_checked = True
@@ -247,7 +252,10 @@ class ModelState:
     def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
         if self.order_check is not None:
             self.order_check.end_forward(len(self._order))
-        self._buffers_due |= self.root.training  # Note [buffer sync point]
+        # Note [buffer sync point]. A forward inside gathered() (every unit pinned) may run
+        # on one rank alone and communicates nothing, buffers included: the block's exit
+        # makes them agree (the modifier's) or refuses what changed (read-only).
+        self._buffers_due |= self.root.training and not self._all_pinned()
         if hooked or opaque or self._joins_pending:
             # An output we cannot search may still lead to a backward: keep what it may
             # need gathered rather than free parameters autograd saved.
@@ -273,7 +281,7 @@ class ModelState:
             self.phase = Phase.BACKWARD
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             if self.order_check is not None:
-                self.order_check.backward()
+                self.order_check.backward(self.requires_grad_sync)
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""

@@ -78,8 +78,9 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
                              f"{world} ranks; the world size must divide them (here: "
                              f"{divisors})")
     per_rank = count // world
+    parts = _split(batch, count, "batch")
     _check_lengths(batch)
-    return _split(batch, count, "batch")[rank * per_rank:(rank + 1) * per_rank]
+    return parts[rank * per_rank:(rank + 1) * per_rank]
 
 
 def _check_lengths(batch: Any) -> None:
