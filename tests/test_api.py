@@ -156,3 +156,38 @@ def test_nonsense_that_would_silently_change_training_is_refused():
         sw.load_pretrained(model, {"weight": torch.ones(3, 4, dtype=torch.float64),
                                    "bias": torch.zeros(3, dtype=torch.float64)})
     assert torch.equal(model.weight, torch.ones(3, 4)) and not torch.equal(before, model.weight)
+
+
+class Lit(nn.Module):
+    """As a LightningModule holds the user's network, and ShardwiseStrategy shards it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SmallCNN()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _on_a_submodule(rank, world):
+    torch.manual_seed(0)
+    lm = sw.shard(Lit())
+    whole = sw.full_state_dict(lm, rank0_only=False)
+    part = sw.full_state_dict(lm.net, rank0_only=False)  # a bare KeyError before
+    assert part.keys() == {k[len("net."):] for k in whole}
+    assert all(torch.equal(part[k], whole["net." + k]) for k in part)
+    with sw.gathered(lm.net) as net:
+        assert not isinstance(net.head.weight, torch.distributed.tensor.DTensor)
+        assert torch.equal(net.head.weight.detach(), whole["net.head.weight"])
+    torch.manual_seed(1)
+    new = SmallCNN().state_dict()
+    sw.load_pretrained(lm.net, new)  # keys relative to the submodule
+    got = sw.full_state_dict(lm.net, rank0_only=False)
+    assert all(torch.equal(got[k], new[k]) for k in new)
+    sw.sync_buffers(lm.net)
+    sw.check_consistency(lm.net)
+
+
+def test_operations_on_a_submodule_of_a_sharded_model():
+    """Issue 30 item 5: what Lightning users call on self.net."""
+    run_ranks(_on_a_submodule, 2)

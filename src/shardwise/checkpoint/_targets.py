@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..comm.collectives import Comm
 from ..engine.sharded_init import init_piece
-from ..engine.state import model_state
+from ..engine.state import owning_state
 from ..engine.unit import ShardedParam, UnitState, sharded_param
 from ..errors import ShardwiseError
 from ._format import dtype_name, summary
@@ -91,7 +91,7 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
             buffers[name] = value
             continue
         params[key].names.append(name)
-    state = model_state(module)
+    state = owning_state(module)
     if state is not None:
         state.recover()
         if state.mid_step():
@@ -108,7 +108,7 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
 
 
 def comm_of(module: nn.Module) -> Comm | None:
-    state = model_state(module)
+    state = owning_state(module)
     if state is not None:
         return state.comm
     return Comm(None) if dist.is_initialized() else None

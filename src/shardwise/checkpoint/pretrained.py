@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
-from ..engine.state import model_state
+from ..engine.state import owning_state
 from ..errors import ShardwiseError
 from ._targets import apply_values, comm_of, match_targets, module_targets
 from .sources import Rename, open_source, renamer
@@ -119,7 +119,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     if comm is not None and comm.world_size > 1:
         # Buffers not in the source (non-persistent ones, or missing under strict=False)
         # may differ per rank; every rank takes src_rank's.
-        state = model_state(module)
+        state = owning_state(module)
         comm.broadcast_tensors([b for _, b in module.named_buffers() if b is not None],
                                state.src_rank if state is not None else 0)
     maybe_check(module)

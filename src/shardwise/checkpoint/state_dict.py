@@ -11,13 +11,13 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
-from ..engine.state import model_state
+from ..engine.state import owning_state
 from ..engine.unit import sharded_param
 from ..errors import ShardwiseError
 
 
 def _announced(module: nn.Module, **_: Any) -> tuple[Comm, str, int] | None:
-    state = model_state(module)
+    state = owning_state(module)
     return None if state is None else (state.comm, "full_state_dict", state.number)
 
 
@@ -31,7 +31,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     call it.
 
     Args:
-        module: a sharded root (an unsharded module is simply copied to CPU).
+        module: a sharded root, or a submodule of one (keys relative to it; every rank
+            passes the same submodule); an unsharded module is simply copied to CPU.
         rank0_only: return an empty dict on ranks other than 0 of the model's group (of
             the world, for an unsharded module).
 
@@ -48,7 +49,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         >>> if dist.get_rank() == 0:
         ...     safetensors.torch.save_file(sd, "model.safetensors")
     """
-    state = model_state(module)
+    state = owning_state(module)
     if state is not None:
         keep = not rank0_only or state.comm.rank == 0
     else:
@@ -64,8 +65,14 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
             f"parameters before sw.shard, or load values with model.load_state_dict(sd)")
     full: dict[int, torch.Tensor] = {}
     if state is not None:
+        # A submodule of a sharded model gathers the groups holding its parameters only;
+        # every rank was given the same submodule, so every rank gathers the same ones.
+        wanted = {id(sp) for v in sd.values()
+                  if isinstance(v, torch.Tensor) and (sp := sharded_param(v)) is not None}
         for unit in state.units:
             for g in unit.groups:
+                if not any(id(p) in wanted for p in g.params):
+                    continue
                 flat = g.gather_full()
                 if keep:
                     for p in g.params:

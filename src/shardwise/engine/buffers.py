@@ -39,7 +39,7 @@ from ..comm.collectives import Comm
 from ..comm.order_check import announce, operation
 from ..errors import ShardwiseError
 from ..exact.reduce import exact_average
-from .state import model_state
+from .state import owning_state
 
 
 class BufferPolicy(str, enum.Enum):
@@ -126,7 +126,7 @@ class BufferSync:
 def comm_for(module: nn.Module, group: dist.ProcessGroup | None) -> Comm:
     """The group a module-level operation talks over: ``group``, else the sharded
     model's, else the world."""
-    state = model_state(module)
+    state = owning_state(module)
     if group is None and state is not None:
         return state.comm
     if not dist.is_initialized():

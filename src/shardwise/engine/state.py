@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,7 @@ from ..errors import ShardwiseError
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .guards import check_model, warn_if_compiled_whole
 from .running_stats import RunningStats
-from .unit import Unit
+from .unit import Unit, sharded_param
 
 
 class Phase(enum.Enum):
@@ -419,6 +419,20 @@ class ModelState:
 def model_state(module: nn.Module) -> ModelState | None:
     """The state of a sharded root, or ``None``."""
     return attached(module, STATE)
+
+
+def owning_state(module: nn.Module) -> ModelState | None:
+    """The state of the sharded model ``module`` is the root of, or a part of (found
+    through the first of its parameters that is a shard: a Lightning user's ``self.net``
+    inside the sharded LightningModule), or ``None``."""
+    state = model_state(module)
+    if state is not None:
+        return state
+    for p in module.parameters():
+        sp = sharded_param(p)
+        if sp is not None and sp.unit is not None:
+            return cast(ModelState, sp.unit.model)
+    return None
 
 
 def set_model_state(module: nn.Module, state: ModelState) -> None:
