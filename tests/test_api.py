@@ -191,3 +191,45 @@ def _on_a_submodule(rank, world):
 def test_operations_on_a_submodule_of_a_sharded_model():
     """Issue 30 item 5: what Lightning users call on self.net."""
     run_ranks(_on_a_submodule, 2)
+
+
+def _bad_arguments(rank, world):
+    """Issue 31 item 6: each of these raised a bare exception from inside shardwise
+    (AttributeError: ... '__dict__', TypeError, ...)."""
+    calls = {
+        "shard": lambda m: sw.shard(m),
+        "is_sharded": lambda m: sw.is_sharded(m),
+        "gathered": lambda m: sw.gathered(m).__enter__(),
+        "sync_buffers": lambda m: sw.sync_buffers(m),
+        "check_consistency": lambda m: sw.check_consistency(m),
+        "full_state_dict": lambda m: sw.full_state_dict(m),
+        "load_pretrained": lambda m: sw.load_pretrained(m, {}),
+        "save_checkpoint": lambda m: sw.save_checkpoint("unused-ck", m),
+        "load_checkpoint": lambda m: sw.load_checkpoint("unused-ck", m),
+        "clip_grad_norm_": lambda m: sw.clip_grad_norm_(m, 1.0),
+        "no_sync": lambda m: sw.no_sync(m).__enter__(),
+        "inspect": lambda m: sw.inspect(m),
+        "per_rank": lambda m: sw.per_rank(m),
+    }
+    for name, call in calls.items():
+        for bad in (None, "model"):
+            try:
+                call(bad)
+            except sw.ShardwiseError as e:
+                assert "module" in str(e), (name, str(e))
+            else:
+                raise AssertionError(f"{name}({bad!r}) was accepted")
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(sw.ShardwiseError, match=r"src_rank='0'.*an int"):
+        sw.shard(model, src_rank="0")
+    with pytest.raises(sw.ShardwiseError, match=r"mixed_precision='bf16'.*sw.MixedPrecision"):
+        sw.shard(model, mixed_precision="bf16")
+    with pytest.raises(sw.ShardwiseError, match=r"param_dtype='bf16'.*torch.bfloat16"):
+        sw.MixedPrecision(param_dtype="bf16")
+    with pytest.raises(sw.ShardwiseError, match=r"reduce_dtype=torch.int32"):
+        sw.MixedPrecision(reduce_dtype=torch.int32)
+    assert not sw.is_sharded(model)  # nothing was changed by the refusals
+
+
+def test_public_functions_refuse_bad_arguments_in_words():
+    run_ranks(_bad_arguments, 2)

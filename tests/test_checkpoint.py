@@ -742,3 +742,72 @@ def test_a_format_downgrade_or_a_missing_checksum_is_refused(tmp_path):
     assert extra == {"version": 1} and got_lr == 123.0
     original = run_ranks(_load_extra, 2, ck)[0][2]
     assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def _lock_as_another_user(folder, queue):
+    """In a child: take the folder's lock as a user who did not write the lock file
+    (root drops to nobody; others cannot write a 0o444 file of their own either)."""
+    from shardwise.checkpoint._lock import FolderLock
+
+    if os.getuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    lock = FolderLock(folder)
+    try:
+        lock.acquire()
+    except sw.ShardwiseError as e:
+        queue.put(("refused", str(e)))
+        return
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which fails on it
+        queue.put(("failed", f"{type(e).__name__}: {e}"))
+        return
+    lock.release()
+    queue.put(("took", ""))
+
+
+def _as_another_user(folder):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_lock_as_another_user, args=(folder, queue))
+    p.start()
+    p.join(30)
+    return queue.get(timeout=5)
+
+
+def test_a_stale_lock_never_blocks_a_later_writer():
+    """Issue 31 item 4: a killed save's checkpoint.lock made another user's save fail
+    with a bare PermissionError, and a FIFO of that name with OSError [Errno 22]."""
+    import tempfile
+
+    # Outside pytest's tmp_path, whose parents the other user may not search; the folder
+    # may be written by the other user.
+    folder = tempfile.mkdtemp(prefix="shardwise-lock-test-")
+    os.chmod(folder, 0o777)
+    try:
+        _stale_locks(folder)
+    finally:
+        shutil.rmtree(folder)
+
+
+def _stale_locks(folder):
+    from shardwise.checkpoint._lock import FolderLock
+
+    path = os.path.join(folder, "checkpoint.lock")
+    open(path, "w").write('{"pid": 1, "host": "gone", "since": "then"}')  # holder killed
+    FolderLock(folder).acquire()  # the same user: takes it as it is
+    os.remove(path)
+    open(path, "w").write("{}")
+    os.chmod(path, 0o444)
+    assert _as_another_user(folder) == ("took", "")  # stale: removed, then taken
+    holder = FolderLock(folder)
+    holder.acquire()  # alive this time
+    os.chmod(path, 0o444)
+    outcome, message = _as_another_user(folder)
+    assert outcome == "refused" and "being written by another save" in message, message
+    holder.release()
+    os.mkfifo(path)
+    with pytest.raises(sw.ShardwiseError, match=r"checkpoint.lock is not a regular file "
+                                                r"\(a FIFO\).*rm "):
+        FolderLock(folder).acquire()

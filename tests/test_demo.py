@@ -59,3 +59,25 @@ def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):
     sample = text.split("a sample:\n\n", 1)[1]
     assert sample.startswith("MACBETH.\n") and len(sample) > 300
     assert set(sample) <= set(corpus()) | {"\n"}
+
+
+def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardwise.cli", "demo", "--no-progress",
+                           *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_demo_at_one_rank_and_its_usage_errors(tmp_path):
+    """Issue 31 item 5: --nproc 1 failed with a 77-line traceback, --out <a file> with a
+    FileExistsError traceback, --batch 0 inside a rank; a failed run left its folder."""
+    done = _demo("--nproc", "1", "--steps", "1", "--out", str(tmp_path / "one"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "one rank: nothing can differ between ranks" in done.stdout
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, said in ((("--out", str(afile)), "not a folder"),
+                       (("--batch", "0", "--out", str(tmp_path / "b")), "--batch must be")):
+        done = _demo(*args)
+        assert done.returncode == 1 and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "b").exists()

@@ -9,7 +9,12 @@ exits (a killed job never leaves a stale lock behind), and a second writer fails
 with an error naming the holder, whose host, pid and start time the file records.
 The file is removed on release. Removing a lock file is racy in general (a waiter may
 lock the removed inode while a newcomer locks a new file), so whoever acquires it checks
-that the path still names the inode it locked, and retries otherwise.
+that the path still names the inode it locked, and retries otherwise. A holder killed
+before its release leaves the file behind, unlocked; it never blocks a later writer of
+the same user, who locks it as it is. Another user may not open it for writing, but
+may lock it read-only: finding it unlocked, it removes the stale file (which needs only
+the right to write the folder) and creates its own. A name that is not a regular file,
+or a file the OS will not let go, is refused naming it, its owner and what to do.
 Readers take no lock: the previous checkpoint's data outlives one more save (Note
 [atomic save] in _format.py), and a load retries when a save replaced the checkpoint
 under it.
@@ -22,6 +27,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import time
 
 from ..errors import ShardwiseError
@@ -40,20 +46,20 @@ class FolderLock:
         """Take the lock or raise at once.
 
         Raises:
-            ShardwiseError: another process holds it (the message names the holder).
+            ShardwiseError: another process holds it (the message names the holder), or
+                the lock file cannot be taken over (naming it, its owner, what to do).
         """
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
+            if fd is None:
+                continue  # a stale file was removed, or another writer was quicker
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                    raise ShardwiseError(f"cannot lock {self.path}: {e}") from e
-                raise ShardwiseError(
-                    f"{os.path.dirname(self.path)} is being written by another save "
-                    f"({self._holder()}); two jobs must not save into one checkpoint "
-                    f"folder: give each job its own path") from None
+                    raise self._refused(e) from e
+                raise self._held() from None
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -66,6 +72,75 @@ class FolderLock:
                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.write(fd, json.dumps(info).encode())
         self._fd = fd
+
+    def _open(self) -> int | None:
+        """The lock file, opened for writing (created if absent); ``None`` to try again.
+
+        A file left by a save that died belongs to its user: another user who may write
+        the folder cannot open it for writing, but can lock it read-only to learn that
+        nobody holds it, and then remove it (Note [one writer])."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:  # the folder cannot be searched
+            raise self._refused(e) from e
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise ShardwiseError(
+                f"{self.path} is not a regular file ({_kind(st.st_mode)}), and shardwise "
+                f"uses that name for its lock. Remove it (rm {self.path}) or save into "
+                f"another folder")
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except PermissionError as e:
+            self._take_over(e)
+            return None
+        except OSError as e:
+            raise self._refused(e) from e
+
+    def _take_over(self, denied: OSError) -> None:
+        """Remove another user's lock file if nobody holds it; raise otherwise."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return  # its holder released it meanwhile
+        except OSError as e:
+            raise self._refused(e) from e
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                    raise self._held() from None
+                raise self._refused(e) from e
+            try:
+                os.unlink(self.path)  # its writer died: the lock is stale
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise self._refused(e) from denied
+        finally:
+            os.close(fd)
+
+    def _held(self) -> ShardwiseError:
+        return ShardwiseError(
+            f"{os.path.dirname(self.path)} is being written by another save "
+            f"({self._holder()}); two jobs must not save into one checkpoint "
+            f"folder: give each job its own path")
+
+    def _refused(self, err: OSError) -> ShardwiseError:
+        """The OS refused the lock file: say whose it is and what to do."""
+        try:
+            uid = os.lstat(self.path).st_uid
+            owner = f"owned by {_user(uid)}"
+        except OSError:
+            owner = "whose owner cannot be read"
+        return ShardwiseError(
+            f"cannot take the checkpoint lock {self.path} ({owner}): "
+            f"{err.strerror or err}. A save that died leaves this file behind, and no "
+            f"save of yours can run while it is there: if no save by its owner is running, "
+            f"remove it (rm {self.path}), or ask its owner to; or save into a folder of "
+            f"your own")
 
     def release(self) -> None:
         """Remove the lock file and release the lock (idempotent)."""
@@ -86,3 +161,20 @@ class FolderLock:
                     f"{info['since']}")
         except (OSError, ValueError, KeyError, TypeError):
             return "held by a process that has not yet written its name"
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"

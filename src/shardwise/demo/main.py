@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import tempfile
 import textwrap
 import time
@@ -174,6 +175,10 @@ def _frozen_tokenizer(out: str) -> VideoTokenizer:
     sw.check_consistency(tokenizer)
     say("  sw.check_consistency(tokenizer): passed")
 
+    if dist.get_world_size() == 1:
+        say("  (one rank: nothing can differ between ranks; run with --nproc 2 or more to "
+            "see a rank-0-only load caught)\n", flush=True)
+        return tokenizer
     naive = VideoTokenizer().requires_grad_(False).eval()
     load_on_rank0_only(naive, load_file(path))
     _show_ranks("loaded on rank 0 only, then the parameters broadcast but not the buffers, as "
@@ -354,7 +359,8 @@ def run(cfg: DemoConfig) -> None:
     """Launch ``cfg.nproc`` local ranks that run the demo (blocks until they finish).
 
     Raises:
-        ShardwiseError: for a bad ``nproc`` or ``steps``.
+        ShardwiseError: for a bad ``nproc``, ``steps`` or ``batch``, or an ``out`` that
+            is not a folder. A failed run removes the folder it created.
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: when a rank
             failed (its traceback is printed).
     """
@@ -366,13 +372,24 @@ def run(cfg: DemoConfig) -> None:
         raise ShardwiseError(f"--nproc must be between 1 and 16, got {cfg.nproc}")
     if cfg.steps < 1:
         raise ShardwiseError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.batch < 1:
+        raise ShardwiseError(f"--batch must be at least 1, got {cfg.batch}")
+    if cfg.out is not None and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ShardwiseError(f"--out {cfg.out}: not a folder; give a folder for the "
+                             f"checkpoint (created if absent), or leave --out out")
+    created = cfg.out is None or not os.path.exists(cfg.out)
     out = cfg.out or tempfile.mkdtemp(prefix="shardwise-demo-")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
                           run_id=f"shardwise-demo-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",
                           max_restarts=0, monitor_interval=0.1)
-    elastic_launch(launch, _worker)(cfg, out)
+    try:
+        elastic_launch(launch, _worker)(cfg, out)
+    except BaseException:
+        if created:  # a failed run leaves nothing it created behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
