@@ -20,8 +20,10 @@ BEGIN, END = "<!-- layout: begin -->", "<!-- layout: end -->"
 # from one above. Every module must belong to a layer: a new top-level module is a
 # decision about where it sits, made here.
 LAYERS: list[tuple[str, str, list[str]]] = [
-    ("base", "errors, environment switches, the logger, what is attached to modules",
-     ["shardwise.errors", "shardwise._env", "shardwise._log", "shardwise._registry"]),
+    ("base", "errors and argument checks, environment switches, the logger, what is "
+             "attached to modules",
+     ["shardwise.errors", "shardwise._args", "shardwise._env", "shardwise._log",
+      "shardwise._registry"]),
     ("comm", "collectives, process groups and meshes, the checks riding on them",
      ["shardwise.comm"]),
     ("exact", "the reproducible mode's arithmetic", ["shardwise.exact"]),

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ._args import shown
 from .comm.agree import any_rank
 from .comm.collectives import Comm
 from .comm.order_check import announce
@@ -91,6 +92,21 @@ class _Slot(NamedTuple):
     attr: str
 
 
+def _tensors(target: object) -> list[torch.Tensor]:
+    """The parameters ``gathered()`` was given as an iterable; a ShardwiseError for
+    anything else (a string iterates into characters)."""
+    items = None
+    if not isinstance(target, (str, bytes)):
+        try:
+            items = list(target)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    if items is None or not all(isinstance(p, torch.Tensor) for p in items):
+        raise ShardwiseError(f"sw.gathered: module_or_params must be a module (an "
+                             f"nn.Module) or an iterable of parameters, got {shown(target)}")
+    return items
+
+
 class _GatherSession:
     """One ``gathered()`` block: what it gathers, what it snapshots, how it ends."""
 
@@ -98,11 +114,12 @@ class _GatherSession:
                  modifier_rank: int | None) -> None:
         self.module = target if isinstance(target, nn.Module) else None
         self.modifier_rank = modifier_rank
+        self.params: list[torch.Tensor]
         if self.module is not None:
             self.params = list(self.module.parameters())
             names = {id(p): n for n, p in self.module.named_parameters()}
         else:
-            self.params = list(target)  # type: ignore[arg-type]
+            self.params = _tensors(target)
             names = {id(p): f"tensor {i}" for i, p in enumerate(self.params)}
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []

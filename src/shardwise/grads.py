@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
 from .engine.state import model_state
@@ -20,6 +21,7 @@ from .exact.reduce import exact_total
 
 
 def _require_state(module: nn.Module, what: str):
+    require_module(module, f"sw.{what}")
     state = model_state(module)
     if state is None:
         raise ShardwiseError(f"{what} needs the module passed to sw.shard(); "

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn as nn
 
+from ._args import require_module
 from .comm.collectives import CommStats
 from .engine.layout import ALIGN
 from .engine.state import model_state
@@ -294,6 +295,7 @@ def inspect(module: nn.Module) -> ModelView:
         ('idle', 'sharded')
         >>> print(view)      # a table of the units and this rank's bytes
     """
+    require_module(module, "sw.inspect")
     state = model_state(module)
     if state is None:
         name = type(module).__name__

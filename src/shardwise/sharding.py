@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._args import require_module
 from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
@@ -70,6 +71,9 @@ class MixedPrecision:
             gradients over ranks loses precision. Pass ``torch.bfloat16`` to halve the
             reduction traffic at that cost.
 
+    Raises:
+        ShardwiseError: a dtype that is not a floating-point ``torch.dtype`` (``"bf16"``).
+
     Example:
         >>> mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     """
@@ -77,17 +81,30 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype)
+                                          and value.is_floating_point):
+                raise ShardwiseError(f"MixedPrecision: {name}={value!r}: expected a "
+                                     f"floating-point torch.dtype (torch.bfloat16, "
+                                     f"torch.float16, torch.float32), or None")
+
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` was sharded by :func:`shard` or holds parameters sharded by it.
 
     Args:
-        module: any module. Raises nothing.
+        module: any module.
+
+    Raises:
+        ShardwiseError: ``module`` is not a module.
 
     Example:
         >>> sw.is_sharded(model)      # False
         >>> sw.is_sharded(sw.shard(model))   # True
     """
+    require_module(module, "sw.is_sharded")
     if model_state(module) is not None or unit_of(module) is not None:
         return True
     return any(sharded_param(p) is not None for p in module.parameters())
@@ -191,7 +208,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         >>> # across 2 nodes of 8 GPUs: shard within a node, replicate across nodes
         >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
     """
-    topo = _check_arguments(module, group, mesh, src_rank)
+    topo = _check_arguments(module, group, mesh, src_rank, mixed_precision)
     check_secondary(topo, reshard_after_forward)
     _check_reproducible(reproducible, topo, mixed_precision)
     comm = topo.world
@@ -257,10 +274,16 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
 
 
 def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
-                     mesh: DeviceMesh | None, src_rank: int) -> Topology:
+                     mesh: DeviceMesh | None, src_rank: int,
+                     mixed_precision: object) -> Topology:
     """Refuse what cannot be sharded; the groups' :class:`Topology` otherwise."""
-    if not isinstance(module, nn.Module):
-        raise ShardwiseError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    require_module(module, "sw.shard")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise ShardwiseError(f"sw.shard: mixed_precision={mixed_precision!r}: expected "
+                             f"sw.MixedPrecision(param_dtype=..., reduce_dtype=...) or None")
+    if type(src_rank) is not int:
+        raise ShardwiseError(f"sw.shard: src_rank={src_rank!r}: expected an int, the rank "
+                             f"whose initial state every rank takes")
     if not dist.is_initialized():
         raise ShardwiseError("torch.distributed is not initialised: call sw.init_distributed() "
                              "first (under torchrun, or as a world of one process)")
