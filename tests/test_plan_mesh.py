@@ -146,3 +146,25 @@ def test_comm_plan_equals_the_engine_on_four_gloo_ranks():  # about 2 s
     for ag, rs, ar in run_ranks(_real, 4, timeout=120):
         assert (ag, rs, ar) == (planned.all_gather, planned.reduce_scatter,
                                 planned.all_reduce)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "7e9", "--layers", "1000000000000", "--world", "8"], "more than 1,000,000"),
+    (["--params", "100", "--layers", "1000", "--world", "2"], "exceeds --params 100"),
+])
+def test_plan_refuses_sizes_no_model_has(argv, message, capsys):
+    """Issue 31 item 8: --layers 10**12 was accepted (and the plan walked its layers)."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_consolidate_into_a_symlink_loop_is_a_usage_error(tmp_path, capsys):
+    """Issue 31 item 8: it said [Errno 17] File exists."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(SystemExit) as e:
+        main(["consolidate", str(tmp_path / "no-checkpoint"), str(loop)])
+    assert e.value.code == 2
+    assert "symbolic link that leads nowhere" in capsys.readouterr().err

@@ -210,6 +210,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, {"consolidate": c, "inspect": i, "sign": s, "plan": p, "demo": d}
 
 
+_MAX_LAYERS = 10**6  # far beyond any model; a uniform plan walks its layers one by one
+
+
+def _check_plan_sizes(args: argparse.Namespace, plan: argparse.ArgumentParser) -> None:
+    """Refuse sizes no model has: more layers than parameters, or than any model has (a
+    uniform plan of 10**12 layers would run for hours)."""
+    if args.layers is None:
+        return
+    if args.layers > _MAX_LAYERS:
+        plan.error(f"--layers {args.layers}: more than {_MAX_LAYERS:,} equal blocks; give "
+                   f"the model's real number of blocks")
+    if args.params is not None and args.layers > args.params:
+        plan.error(f"--layers {args.layers} exceeds --params {args.params:g}: every layer "
+                   f"holds at least one parameter")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``shardwise`` console script.
 
@@ -243,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             commands["consolidate"].error(problem)
     if args.command == "plan":
+        _check_plan_sizes(args, commands["plan"])
         if args.mesh is None and args.world is None:
             commands["plan"].error("give --world N, or --mesh R,S for hybrid sharding")
         if args.mesh is not None and args.world not in (None, args.mesh[0] * args.mesh[1]):

@@ -36,6 +36,9 @@ def output_problem(checkpoint: str, output: str) -> str | None:
     """Why ``output`` must not receive an export of ``checkpoint``, or None. The export
     may go beside the checkpoint's files, never over them: not the folder itself, not its
     metadata, lock or data folders (a later save would remove what lies in those)."""
+    if os.path.islink(output.rstrip("/") or output) and not os.path.exists(output):
+        return (f"the output {output!r} is a symbolic link that leads nowhere (a loop, or "
+                f"a missing target); remove it or name another output")
     out, ck = os.path.realpath(output), os.path.realpath(checkpoint)
     if out == ck:
         return (f"the output {output!r} is the checkpoint folder itself; name a file or "
