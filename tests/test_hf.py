@@ -249,3 +249,21 @@ def test_sw_from_pretrained_builds_partitioned_and_loads(tmp_path):
     got = run_ranks(_one_call_loader, 3, str(tmp_path), timeout=120)[0]
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def _resize_after_shard(rank, world):
+    torch.manual_seed(0)
+    model = sw.shard(LlamaForCausalLM(llama_config()))
+    before = sw.full_state_dict(model, rank0_only=False)
+    with pytest.raises(sw.ShardwiseError, match=r"resize_token_embeddings on a sharded "
+                                                r"LlamaForCausalLM.*nothing was changed"):
+        model.resize_token_embeddings(80)
+    assert model.config.vocab_size == 64
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_resize_token_embeddings_after_shard_is_refused_in_words():
+    """Issue 30 item 7: DTensor's NotImplementedError ... _is_all_true, or "mixed
+    torch.Tensor and DTensor", half-way through, before."""
+    run_ranks(_resize_after_shard, 2)

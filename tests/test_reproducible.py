@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 from harness import run_ranks
 from parity import GPT_CFG
 from torch.distributed.tensor import DTensor
@@ -216,3 +218,45 @@ def _misuse(rank, world, root):
 def test_misuse_of_the_reproducible_mode_is_refused(tmp_path):
     run_ranks(_misuse, 1, str(tmp_path), timeout=120)
     run_ranks(_misuse, 2, str(tmp_path), timeout=120)
+
+
+class _Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = self.drop(b(x))
+        return x.sum()
+
+
+def _traps(rank, world):
+    """Issue 30 item 8: the documented traps of the reproducible mode, said at run time."""
+    torch.manual_seed(0)
+    model = sw.shard(_Dropped(), reproducible=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 4)
+    with pytest.warns(UserWarning, match=r"dropout in training mode \(drop\)"):
+        model(x).backward()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model: no second warning
+        model(x).backward()
+    opt.zero_grad()
+    model.drop.p = 0.0
+    model(x).backward()
+    sw.clip_grad_norm_(model, 1.0)  # exact: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    opt.zero_grad()
+    model(x).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # depends on the world size
+    with pytest.warns(UserWarning, match=r"not by sw.clip_grad_norm_"):
+        opt.step()
+
+
+def test_the_reproducible_modes_traps_are_said_at_run_time():
+    run_ranks(_traps, 2)

@@ -10,8 +10,8 @@ accessors of its own objects (``_state.model_state``, ``_unit.unit_of`` and
 On modules:
 - ``_shardwise``: the root's :class:`~shardwise.engine.state.ModelState`;
 - ``_shardwise_unit``: the :class:`~shardwise.engine.unit.Unit` a module is the root of;
-- ``save_pretrained``: the guard that replaces a Hugging Face model's method on the
-  instance (``engine/guards.py``);
+- ``save_pretrained`` and ``resize_token_embeddings``: the guards that replace a Hugging
+  Face model's methods on the instance (``engine/guards.py``);
 - ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
 - ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
   every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
@@ -39,7 +39,10 @@ On tensors:
 
 On optimizers:
 - ``_shardwise_loose``: the plain trainable parameters beside shards that nothing
-  synchronises, with the parameter count they were found for (the same Note).
+  synchronises, with the parameter count they were found for (the same Note), and the
+  reproducible mode's groups among the shards;
+- ``_shardwise_warned_clip``: set once the warning about gradients rescaled outside
+  ``sw.clip_grad_norm_`` in the reproducible mode was given.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
 _SYNCED = "_shardwise_synchronised"
 LOOSE_PARAMS = "_shardwise_loose"
+WARNED_CLIP = "_shardwise_warned_clip"
 _PREFIX = "_shardwise"
 
 

@@ -122,6 +122,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
+    for u in state.units:
+        for group in u.groups:
+            if group.exact:
+                group.reduction.note_rescaled()
     return total
 
 

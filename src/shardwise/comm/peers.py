@@ -225,14 +225,17 @@ class _Watch:
         self.warning = (
             f"{waited}, which rank(s) {outside} are not in: {lines}. If that rank is busy "
             f"on purpose (writing a sample, evaluating alone, a slow data loader), this "
-            f"rank waits for it, as DDP would. If it is waiting in a collective of its own "
-            f"(dist.barrier() while this rank runs the model alone, or its data ran out), "
+            f"rank waits for it, as DDP would. If it is waiting in a collective of its own, "
             f"the ranks are stuck and this wait ends at the process group's timeout "
-            f"(sw.init_distributed(timeout=...)). To evaluate on one rank, gather on every "
-            f"rank first (`with sw.gathered(model):` on every rank, then evaluate on one) "
-            f"or evaluate a consolidated copy (docs/troubleshooting.md); to run ranks on "
-            f"different numbers of batches, don't. SHARDWISE_PEER_TIMEOUT (now "
-            f"{self.limit:g} s) sets how long a peer may be away before this warning")
+            f"(sw.init_distributed(timeout=...)). The likely causes: the ranks ran "
+            f"different numbers of batches (its data ran out first): give every rank the "
+            f"same number, as DistributedSampler does by padding (drop_last=True, or the "
+            f"same dataset length on every rank); or one rank runs the model alone "
+            f"(`if rank == 0: evaluate(model)` while the others wait in dist.barrier()): "
+            f"gather on every rank first (`with sw.gathered(model):` on every rank, then "
+            f"evaluate on one) or evaluate a consolidated copy (docs/troubleshooting.md). "
+            f"SHARDWISE_PEER_TIMEOUT (now {self.limit:g} s) sets how long a peer may be "
+            f"away before this warning")
         warnings.warn(f"shardwise: {self.warning}", RuntimeWarning, stacklevel=2)
 
     def _read(self, store: Any, now: float

@@ -16,7 +16,7 @@ import torch.nn as nn
 from .._registry import mark_collective_forward
 from ..comm.mesh import Topology
 from .buffers import BufferSync
-from .guards import guard_apply, guard_ddp, guard_save_pretrained
+from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained
 from .state import ModelState, Settings, set_model_state
 from .unit import FlatGroup, Unit, set_unit
 
@@ -38,6 +38,7 @@ def build(root: nn.Module, topology: Topology,
                     lambda _p, s=state: s.ensure_backward_callback())
     set_model_state(root, state)
     guard_save_pretrained(root)
+    guard_resize(root)
     guard_ddp(root)
     for sub in root.modules():
         mark_collective_forward(sub)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from .._registry import (
     LOOSE_PARAMS,
+    WARNED_CLIP,
     attach_to,
     attached,
     instance_attribute,
@@ -108,6 +109,24 @@ def guard_save_pretrained(module: nn.Module) -> None:
     set_instance_method(module, "save_pretrained", save_pretrained)
 
 
+def guard_resize(module: nn.Module) -> None:
+    """Make Hugging Face ``resize_token_embeddings`` on a sharded model refuse, before it
+    changes anything: it would replace sharded parameters by ones of another shape
+    (DTensor's ``NotImplementedError ... _is_all_true`` or "mixed torch.Tensor and
+    DTensor" half-way through, before)."""
+    if callable(getattr(module, "resize_token_embeddings", None)):
+        set_instance_method(module, "resize_token_embeddings",
+                            functools.partial(_refuse_resize, type(module).__name__))
+
+
+def _refuse_resize(name: str, *args: Any, **kwargs: Any) -> NoReturn:
+    raise ShardwiseError(
+        f"resize_token_embeddings on a sharded {name}: it would change the shapes of the "
+        f"embedding and output head, which shardwise laid out in shards when it sharded "
+        f"them; nothing was changed. Resize before sharding: "
+        f"model.resize_token_embeddings(n); model = sw.shard(model)")
+
+
 class _NoDDP:
     """Stands in DDP's ``_ddp_params_and_buffers_to_ignore``: DDP's constructor reads it
     with ``set(...)``, and iterating raises."""
@@ -172,6 +191,26 @@ def _guard_torch_classes() -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _refuse_factored(optimizer)
     _refuse_unsynchronised(optimizer)
+    _warn_inexact_clip(optimizer)
+
+
+def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:
+    """Reproducible mode: warn once per optimizer when the gradients it is about to step
+    were changed in place after the reduction handed them out, other than by
+    ``sw.clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` sums each rank's rows in
+    fp32, so its norm, and the clipped gradients, depend on the world size."""
+    facts = attached(optimizer, LOOSE_PARAMS)
+    if facts is None or len(facts) < 5 or not facts[4] or attached(optimizer, WARNED_CLIP):
+        return
+    if any(g.reduction.rescaled_elsewhere() for g in facts[4]):
+        attach_to(optimizer, WARNED_CLIP, True)
+        warnings.warn(
+            "shardwise: the gradients of a reproducible model (sw.shard(reproducible=True)) "
+            "were changed in place between the backward and optimizer.step(), not by "
+            "sw.clip_grad_norm_. If that was torch.nn.utils.clip_grad_norm_, its norm is "
+            "summed in fp32 over each rank's rows and differs in the last bits from one "
+            "world size to another: use sw.clip_grad_norm_(model, max_norm), which sums "
+            "exactly (docs/reproducible.md)", stacklevel=3)
 
 
 def _refuse_sharded_parts(module: Any) -> None:
@@ -314,14 +353,19 @@ def _mark_ddp_parameters() -> None:
 
 def _loose_params(params: list[torch.Tensor]) -> Any:
     """The trainable plain parameters nothing synchronises, when ``params`` also holds
-    shards of a sharded model of several ranks; the model's root and world size."""
+    shards of a sharded model of several ranks; the model's root and world size; its
+    trainable groups of the reproducible mode."""
     model = next((sp.unit.model for p in params
                   if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
-    if model is None or model.comm.world_size == 1:
-        return [], None, 1
+    if model is None:
+        return [], None, 1, []
+    exact = [g for u in model.units for g in u.groups if g.exact and g.requires_grad]
+    if model.comm.world_size == 1:
+        return [], None, 1, exact
     loose = [p for p in params if p.requires_grad and sharded_param(p) is None
              and not isinstance(p, DTensor) and synchronised_by(p) is None]
-    return loose, model.units[0].module, model.comm.world_size
+    exact = [g for u in model.units for g in u.groups if g.exact and g.requires_grad]
+    return loose, model.units[0].module, model.comm.world_size, exact
 
 
 def _names(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],

@@ -89,6 +89,7 @@ class GradReduction:
         self._exact: ExactExchange | None = None  # REDUCING, exact mode
         # Exact mode: each .grad this reduction published, and its version then.
         self._published: dict[int, tuple[weakref.ref, int]] = {}
+        self._handed: float | None = None  # reproducible mode: rescaled_elsewhere
 
     def _move(self, to: Reduction) -> None:
         if to not in _ALLOWED[self.state]:
@@ -264,6 +265,31 @@ class GradReduction:
                 local = cast(DTensor, p.shard.grad)._local_tensor
                 self._published[i] = (weakref.ref(local), local._version)
         self.used = [False] * len(g.params)
+        if g.exact:
+            self._handed = self._grad_fingerprint()
+
+    def rescaled_elsewhere(self) -> bool:
+        """Reproducible mode: whether the gradients handed out were changed since, by
+        anything but ``sw.clip_grad_norm_`` (which notes its change): most likely
+        ``torch.nn.utils.clip_grad_norm_``, whose norm depends on the world size. Told by
+        their values: DTensor's in-place arithmetic bumps no version counter."""
+        return self._handed is not None and self._grad_fingerprint() != self._handed
+
+    def note_rescaled(self) -> None:
+        """``sw.clip_grad_norm_`` scaled the gradients handed out, exactly: not a change
+        :meth:`rescaled_elsewhere` reports."""
+        if self._handed is not None:
+            self._handed = self._grad_fingerprint()
+
+    def _grad_fingerprint(self) -> float:
+        """The sum of the absolute values of this rank's gradient rows, in float64: any
+        scaling but by 1 changes it (one pass over the rows, in the reproducible mode
+        only, once per step)."""
+        total = 0.0
+        for p in self.group.params:
+            if p.shard.grad is not None:
+                total += float(cast(DTensor, p.shard.grad)._local_tensor.double().abs().sum())
+        return total
 
     def _refuse_a_second_mean(self, used_anywhere: list[bool]) -> None:
         """In the reproducible mode a synced backward hands out the mean over the step's

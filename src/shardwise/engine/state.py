@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -96,6 +97,7 @@ class ModelState:
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
         self._compile_checked = False  # warn_if_compiled_whole ran
+        self._dropout_warned = False  # _warn_dropout said it
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
@@ -158,6 +160,22 @@ class ModelState:
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
 
+    def _warn_dropout(self) -> None:
+        """Reproducible mode: dropout draws its masks from each rank's generator, whose
+        stream depends on how many micro-batches the rank ran before; results then depend
+        on the world size (docs/reproducible.md). Said once per model."""
+        active = [n for n, m in self.root.named_modules()
+                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training]
+        if active:
+            self._dropout_warned = True
+            names = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
+            warnings.warn(
+                f"shardwise: reproducible mode with dropout in training mode ({names}): "
+                f"its masks come from each rank's "
+                f"random stream, which depends on the world size, so results will too. "
+                f"Set their p to 0, or seed the generator per micro-batch "
+                f"(docs/reproducible.md)", stacklevel=4)
+
     def _all_pinned(self) -> bool:
         """Whether every unit holding parameters is pinned by ``gathered()``: the model
         then runs whole on each rank, without collectives."""
@@ -210,6 +228,8 @@ class ModelState:
         if not self._compile_checked:
             self._compile_checked = True
             warn_if_compiled_whole(self.root)
+        if self.settings.reproducible and self.root.training and not self._dropout_warned:
+            self._warn_dropout()
         self.order_check = (OrderCheck(self.comm, self.number)
                             if order_checks_enabled(self.comm) else None)
         if self._epoch != self.comm.channel.epoch:
