@@ -242,11 +242,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     # meta tensors, fails every rank here, before the first collective.
     buffer_sync, device, chosen, per_unit, auto = agreed(
         comm, f"sw.shard({type(module).__name__}) failed", plan)
-    _agree_structure(comm, chosen, per_unit, {
-        "reproducible": reproducible, "prefetch": prefetch,
-        "reshard_after_forward": reshard_after_forward, "buffers": buffer_sync.policy.value,
-        "mixed_precision": (str(mp.param_dtype), str(mp.reduce_dtype)), "src_rank": src_rank,
-        "SHARDWISE_CHECK": order_checks_enabled(comm)})
+    settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype, src_rank)
+    _agree_structure(comm, chosen, per_unit, _compared(settings, buffer_sync, mp))
     if auto is not None:
         _report_auto(auto, given=memory_budget is not None)
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
@@ -264,9 +261,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
     install_state_dict_hooks(module)
-    state = build(module, topo, built, buffer_sync,
-                  Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
-                           src_rank))
+    state = build(module, topo, built, buffer_sync, settings)
     guard_model_copies(module)
     _log_plan(state.units, topo)
     maybe_check(module)
@@ -414,6 +409,17 @@ def _log_plan(units: list[Unit], topo: Topology) -> None:
         padded = sum(g.layout.gathered_numel for g in u.groups)
         logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
                     n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))
+
+
+def _compared(settings: Settings, buffer_sync: BufferSync, mp: MixedPrecision
+              ) -> dict[str, object]:
+    """Every setting that decides what ranks communicate, for :func:`_agree_structure`."""
+    compared: dict[str, object] = dict(vars(settings))
+    compared.pop("cast_inputs")  # mixed_precision says it
+    compared.update(buffers=buffer_sync.policy.value,
+                    mixed_precision=(str(mp.param_dtype), str(mp.reduce_dtype)),
+                    SHARDWISE_CHECK=order_checks_enabled(buffer_sync.comm))
+    return compared
 
 
 def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
