@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
+from .engine.exact_reduction import ExactReduction
 from .engine.state import model_state
 from .errors import ShardwiseError
 from .exact.reduce import exact_total
@@ -124,7 +125,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         g.mul_(coef.to(g.dtype))
     for u in state.units:
         for group in u.groups:
-            if group.exact:
+            if isinstance(group.reduction, ExactReduction):
                 group.reduction.note_rescaled()
     return total
 

@@ -38,6 +38,7 @@ from .._registry import (
     synchronised_by,
 )
 from ..errors import ShardwiseError
+from .exact_reduction import ExactReduction
 from .unit import Unit, sharded_param
 
 _RETIRED: dict[type, type] = {}
@@ -202,7 +203,7 @@ def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:
     facts = attached(optimizer, LOOSE_PARAMS)
     if facts is None or len(facts) < 5 or not facts[4] or attached(optimizer, WARNED_CLIP):
         return
-    if any(g.reduction.rescaled_elsewhere() for g in facts[4]):
+    if any(r.rescaled_elsewhere() for r in facts[4]):
         attach_to(optimizer, WARNED_CLIP, True)
         warnings.warn(
             "shardwise: the gradients of a reproducible model (sw.shard(reproducible=True)) "
@@ -359,12 +360,12 @@ def _loose_params(params: list[torch.Tensor]) -> Any:
                   if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
     if model is None:
         return [], None, 1, []
-    exact = [g for u in model.units for g in u.groups if g.exact and g.requires_grad]
+    exact = [g.reduction for u in model.units for g in u.groups
+             if isinstance(g.reduction, ExactReduction) and g.requires_grad]
     if model.comm.world_size == 1:
         return [], None, 1, exact
     loose = [p for p in params if p.requires_grad and sharded_param(p) is None
              and not isinstance(p, DTensor) and synchronised_by(p) is None]
-    exact = [g for u in model.units for g in u.groups if g.exact and g.requires_grad]
     return loose, model.units[0].module, model.comm.world_size, exact
 
 

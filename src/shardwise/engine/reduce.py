@@ -8,12 +8,13 @@ first synchronised backward reduces the sum. Under hybrid sharding (Note [hybrid
 sharding] in comm/mesh.py) the reduced shard is then summed across the replicas holding the
 same rows, also asynchronously: ``advance`` starts that sum as soon as the reduce-scatter
 is done, so it overlaps the backward of the units that follow, as the reduce-scatter does.
+The reproducible mode's reduction is :class:`~shardwise.engine.exact_reduction.ExactReduction`,
+a subclass: this module is the default path only.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from typing import Any, Protocol, cast
 
 import torch
@@ -21,8 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from ..exact.reduce import ExactExchange, exchange
-from ..exact.sums import Binned, add_, encode
 from .copies import rank_major, row_regions, write_rank_major
 from .layout import ShardLayout
 
@@ -40,7 +39,6 @@ class Group(Protocol):
     comm: Comm
     replicate: Comm | None
     unit_name: str
-    exact: bool  # Note [reproducible reduction]
 
     @property
     def data_parallel_size(self) -> int: ...
@@ -59,7 +57,7 @@ class Reduction(enum.Enum):
 
     IDLE = "idle"                    # nothing held
     ACCUMULATING = "accumulating"    # _buf (exact mode: _acc): gradients summed under no_sync
-    REDUCING = "reducing"            # _buf in flight to _out (_work, or _exact, pending)
+    REDUCING = "reducing"            # _buf in flight to _out (_work, or the exact exchange)
     REPLICATING = "replicating"      # _out summed across replicas in place (_work pending)
     REDUCED = "reduced"              # _out: this rank's reduced rows, to publish
 
@@ -85,11 +83,6 @@ class GradReduction:
         self._buf: torch.Tensor | None = None   # ACCUMULATING, REDUCING
         self._out: torch.Tensor | None = None   # REDUCING, REDUCED
         self._work = None                       # REDUCING
-        self._acc: Binned | None = None         # ACCUMULATING, exact mode
-        self._exact: ExactExchange | None = None  # REDUCING, exact mode
-        # Exact mode: each .grad this reduction published, and its version then.
-        self._published: dict[int, tuple[weakref.ref, int]] = {}
-        self._handed: float | None = None  # reproducible mode: rescaled_elsewhere
 
     def _move(self, to: Reduction) -> None:
         if to not in _ALLOWED[self.state]:
@@ -105,9 +98,6 @@ class GradReduction:
         DistributedDataParallel does, so results match it bit for bit at N=2.
         """
         g = self.group
-        if g.exact:
-            self._start_exact(sync)
-            return
         accumulating = self.state is Reduction.ACCUMULATING
         buf = self._buf if accumulating else None
         if buf is None:
@@ -137,30 +127,6 @@ class GradReduction:
             self._out, buf, async_op=True,
             what=f"the reduce-scatter of unit {g.unit_name!r}'s gradients")
 
-    def _start_exact(self, sync: bool) -> None:
-        """:meth:`start` in reproducible mode (Note [reproducible reduction]): this
-        backward's gradients, unscaled, become one exact term of the accumulator."""
-        g = self.group
-        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.local.device)
-        with torch.no_grad():
-            for i, p in enumerate(g.params):
-                grad = p.full.grad
-                p.full.grad = None
-                if grad is not None:
-                    write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
-                    self.used[i] = True
-        term = encode(buf)
-        del buf
-        self._acc = term if self._acc is None else add_(self._acc, term)
-        if not sync:
-            self._move(Reduction.ACCUMULATING)
-            return
-        # The accumulator is let go only once the exchange started: if ranks diverged it
-        # raises first, and what was accumulated stays, as under ACCUMULATING.
-        self._exact = exchange(g.comm, self._acc, f"unit {g.unit_name!r}'s gradients")
-        self._acc = None
-        self._move(Reduction.REDUCING)
-
     def _take(self, buf: torch.Tensor, i: int, grad: torch.Tensor | None, seen: bool,
               sync: bool) -> None:
         """Parameter ``i``'s part of :meth:`start`. ``seen``: ``buf`` already holds its
@@ -187,11 +153,6 @@ class GradReduction:
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
         across replicas without waiting for it."""
-        if self.state is Reduction.REDUCING and self._exact is not None:
-            exact, self._exact = self._exact, None
-            self._out = exact.result()
-            self._move(Reduction.REDUCED)
-            return
         if self.state is Reduction.REDUCING:
             assert self._work is not None
             self._work.wait()
@@ -225,11 +186,9 @@ class GradReduction:
         buffers must outlive it) but nothing new starts: no sum across replicas of a
         result that is thrown away."""
         if self.state in (Reduction.REDUCING, Reduction.REPLICATING):
-            if self._exact is not None:
-                self._exact.discard()
-            elif self._work is not None:
+            if self._work is not None:
                 self._work.discard()
-            self._work = self._buf = self._exact = None
+            self._work = self._buf = None
             self._move(Reduction.IDLE)
         elif self.state is Reduction.REDUCED:
             self._move(Reduction.IDLE)
@@ -248,8 +207,7 @@ class GradReduction:
         out, self._out = self._out, None
         assert out is not None
         g = self.group
-        if g.exact:
-            self._refuse_a_second_mean(used_anywhere)
+        self._before_publishing(used_anywhere)
         if out.dtype != g.dtype:
             out = out.to(g.dtype)
         for i, p in enumerate(g.params):
@@ -261,49 +219,11 @@ class GradReduction:
             else:
                 with torch.no_grad():
                     cast(DTensor, p.shard.grad).to_local().add_(rows)
-            if g.exact:
-                local = cast(DTensor, p.shard.grad)._local_tensor
-                self._published[i] = (weakref.ref(local), local._version)
         self.used = [False] * len(g.params)
-        if g.exact:
-            self._handed = self._grad_fingerprint()
+        self._after_publishing(used_anywhere)
 
-    def rescaled_elsewhere(self) -> bool:
-        """Reproducible mode: whether the gradients handed out were changed since, by
-        anything but ``sw.clip_grad_norm_`` (which notes its change): most likely
-        ``torch.nn.utils.clip_grad_norm_``, whose norm depends on the world size. Told by
-        their values: DTensor's in-place arithmetic bumps no version counter."""
-        return self._handed is not None and self._grad_fingerprint() != self._handed
+    def _before_publishing(self, used_anywhere: list[bool]) -> None:
+        """A mode's check before the reduced rows are handed out (the default: none)."""
 
-    def note_rescaled(self) -> None:
-        """``sw.clip_grad_norm_`` scaled the gradients handed out, exactly: not a change
-        :meth:`rescaled_elsewhere` reports."""
-        if self._handed is not None:
-            self._handed = self._grad_fingerprint()
-
-    def _grad_fingerprint(self) -> float:
-        """The sum of the absolute values of this rank's gradient rows, in float64: any
-        scaling but by 1 changes it (one pass over the rows, in the reproducible mode
-        only, once per step)."""
-        total = 0.0
-        for p in self.group.params:
-            if p.shard.grad is not None:
-                total += float(cast(DTensor, p.shard.grad)._local_tensor.double().abs().sum())
-        return total
-
-    def _refuse_a_second_mean(self, used_anywhere: list[bool]) -> None:
-        """In the reproducible mode a synced backward hands out the mean over the step's
-        micro-batches; adding a second one onto it (a synced backward per micro-batch,
-        ``no_sync`` forgotten) would give a sum of partial means, scaled and rounded
-        differently at every world size. Untouched since published: raise instead."""
-        for i, p in enumerate(self.group.params):
-            grad, seen = p.shard.grad, self._published.get(i)
-            if not used_anywhere[i] or grad is None or seen is None:
-                continue
-            local = cast(DTensor, grad)._local_tensor
-            if seen[0]() is local and local._version == seen[1]:
-                raise ShardwiseError(
-                    f"reproducible mode: a second synced backward reached {p.fqns[0]} "
-                    f"before its gradient was used or cleared. Run all but the last "
-                    f"micro-batch of a step under sw.no_sync(model) (sw.micro_batches "
-                    f"splits the batch), and call optimizer.zero_grad() after each step")
+    def _after_publishing(self, used_anywhere: list[bool]) -> None:
+        """A mode's note after the reduced rows were handed out (the default: none)."""

@@ -83,6 +83,7 @@ from ..comm.collectives import Comm
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
+from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout
 from .reduce import GradReduction
 
@@ -217,7 +218,9 @@ class FlatGroup:
         self._kept: torch.Tensor | None = None
         self._kept_version = -1
         self._kept_sending: torch.Tensor | None = None
-        self.reduction = GradReduction(self)  # used by trainable groups only
+        # Used by trainable groups only. The reproducible mode's is its own class: the
+        # default path (engine/reduce.py) reads without it.
+        self.reduction: GradReduction = (ExactReduction if exact else GradReduction)(self)
         self.unit_name = "?"  # set by its Unit; names the group's collectives
 
     def follow_freezing(self) -> list[str]:

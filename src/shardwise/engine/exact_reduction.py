@@ -1,0 +1,125 @@
+"""The reproducible mode's gradient reduction: the one place the engine sums exactly.
+
+A :class:`~shardwise.engine.reduce.GradReduction` whose copy-in encodes each backward's
+gradients, unscaled, as exact terms, and whose reduction is an exact exchange of their
+sum (Note [reproducible reduction] in exact/reduce.py); the states and their moves are
+the base class's. It also refuses a second synced mean in one step and tells whether
+the gradients it handed out were rescaled by anything but ``sw.clip_grad_norm_``.
+``FlatGroup`` makes one instead of the default when ``shard(reproducible=True)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import cast
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import ShardwiseError
+from ..exact.reduce import ExactExchange, exchange
+from ..exact.sums import Binned, add_, encode
+from .copies import write_rank_major
+from .reduce import GradReduction, Group, Reduction
+
+
+class ExactReduction(GradReduction):
+    """The gradient side of a reproducible-mode ``FlatGroup``."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__(group)
+        self._acc: Binned | None = None  # ACCUMULATING: the exact sum so far
+        self._exchange: ExactExchange | None = None  # REDUCING
+        # Each .grad handed out, and its version then (_before_publishing).
+        self._published: dict[int, tuple[weakref.ref, int]] = {}
+        self._handed: float | None = None  # rescaled_elsewhere
+
+    def start(self, sync: bool) -> None:
+        """This backward's gradients, unscaled, become one exact term of the accumulator;
+        if ``sync``, the accumulator is exchanged (Note [reproducible reduction])."""
+        g = self.group
+        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.local.device)
+        with torch.no_grad():
+            for i, p in enumerate(g.params):
+                grad = p.full.grad
+                p.full.grad = None
+                if grad is not None:
+                    write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
+                    self.used[i] = True
+        term = encode(buf)
+        del buf
+        self._acc = term if self._acc is None else add_(self._acc, term)
+        if not sync:
+            self._move(Reduction.ACCUMULATING)
+            return
+        # The accumulator is let go only once the exchange started: if ranks diverged it
+        # raises first, and what was accumulated stays, as under ACCUMULATING.
+        self._exchange = exchange(g.comm, self._acc, f"unit {g.unit_name!r}'s gradients")
+        self._acc = None
+        self._move(Reduction.REDUCING)
+
+
+    def advance(self) -> None:
+        """The exchange's result, once there: this rank's rows of the exact mean."""
+        if self.state is Reduction.REDUCING and self._exchange is not None:
+            exchanged, self._exchange = self._exchange, None
+            self._out = exchanged.result()
+            self._move(Reduction.REDUCED)
+            return
+        super().advance()
+
+    def drop(self) -> None:
+        if self._exchange is not None:
+            self._exchange.discard()
+            self._exchange = None
+        super().drop()
+
+    def _before_publishing(self, used_anywhere: list[bool]) -> None:
+        self._refuse_a_second_mean(used_anywhere)
+
+    def _after_publishing(self, used_anywhere: list[bool]) -> None:
+        for i, p in enumerate(self.group.params):
+            if used_anywhere[i] and p.shard.grad is not None:
+                local = cast(DTensor, p.shard.grad)._local_tensor
+                self._published[i] = (weakref.ref(local), local._version)
+        self._handed = self._grad_fingerprint()
+
+    def rescaled_elsewhere(self) -> bool:
+        """Reproducible mode: whether the gradients handed out were changed since, by
+        anything but ``sw.clip_grad_norm_`` (which notes its change): most likely
+        ``torch.nn.utils.clip_grad_norm_``, whose norm depends on the world size. Told by
+        their values: DTensor's in-place arithmetic bumps no version counter."""
+        return self._handed is not None and self._grad_fingerprint() != self._handed
+
+    def note_rescaled(self) -> None:
+        """``sw.clip_grad_norm_`` scaled the gradients handed out, exactly: not a change
+        :meth:`rescaled_elsewhere` reports."""
+        if self._handed is not None:
+            self._handed = self._grad_fingerprint()
+
+    def _grad_fingerprint(self) -> float:
+        """The sum of the absolute values of this rank's gradient rows, in float64: any
+        scaling but by 1 changes it (one pass over the rows, in the reproducible mode
+        only, once per step)."""
+        total = 0.0
+        for p in self.group.params:
+            if p.shard.grad is not None:
+                total += float(cast(DTensor, p.shard.grad)._local_tensor.double().abs().sum())
+        return total
+
+    def _refuse_a_second_mean(self, used_anywhere: list[bool]) -> None:
+        """In the reproducible mode a synced backward hands out the mean over the step's
+        micro-batches; adding a second one onto it (a synced backward per micro-batch,
+        ``no_sync`` forgotten) would give a sum of partial means, scaled and rounded
+        differently at every world size. Untouched since published: raise instead."""
+        for i, p in enumerate(self.group.params):
+            grad, seen = p.shard.grad, self._published.get(i)
+            if not used_anywhere[i] or grad is None or seen is None:
+                continue
+            local = cast(DTensor, grad)._local_tensor
+            if seen[0]() is local and local._version == seen[1]:
+                raise ShardwiseError(
+                    f"reproducible mode: a second synced backward reached {p.fqns[0]} "
+                    f"before its gradient was used or cleared. Run all but the last "
+                    f"micro-batch of a step under sw.no_sync(model) (sw.micro_batches "
+                    f"splits the batch), and call optimizer.zero_grad() after each step")
