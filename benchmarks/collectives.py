@@ -7,7 +7,7 @@ small unit, the reference GPT's root unit, half its whole model), the fastest of
 runs of torch's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` on gloo (gloo
 has no reduce-scatter: torch clones the input, all-reduces it and copies a chunk out),
 and of ``Comm.all_gather`` and ``Comm.reduce_scatter``, which under gloo send each peer
-its part directly (Note [gloo exchanges] in ``shardwise/_comm.py``). Ranks are idle
+its part directly (Note [gloo exchanges] in ``shardwise/comm/collectives.py``). Ranks are idle
 otherwise, so this is the collectives' own speed; in training they share the cores with
 compute. The results must be equal: checked.
 """

@@ -3,8 +3,8 @@
 No other module reads or writes ``__dict__``: the keys below are the whole list of what
 shardwise leaves on user objects, so a reader can see at once what a sharded model carries.
 This module is the bottom of the stack and knows none of shardwise's types: the typed
-accessors of its own objects (``_state.model_state``, ``_unit.unit_of`` and
-``sharded_param``, ``_sharded_init.init_piece``) live with those types and go through
+accessors of its own objects (``engine.state.model_state``, ``engine.unit.unit_of`` and
+``sharded_param``, ``engine.sharded_init.init_piece``) live with those types and go through
 :func:`attached` and :func:`attach_to`.
 
 On modules:
@@ -54,8 +54,8 @@ import torch
 import torch.nn as nn
 
 # The keys whose values are shardwise's own objects. Their typed accessors live with the
-# types (``_state.model_state``, ``_unit.unit_of`` and ``sharded_param``,
-# ``_sharded_init.init_piece``), so that this module, at the bottom of the stack, knows
+# types (``engine.state.model_state``, ``engine.unit.unit_of`` and ``sharded_param``,
+# ``engine.sharded_init.init_piece``), so that this module, at the bottom of the stack, knows
 # none of them; they read and write through :func:`attached` and :func:`attach_to`.
 STATE = "_shardwise"
 UNIT = "_shardwise_unit"

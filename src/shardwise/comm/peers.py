@@ -39,7 +39,14 @@ What the waiting rank concludes from the notes, and when:
   and goes on waiting; if the process group's timeout ends the wait, the error carries
   the same text;
 - a peer busy in the same kind of operation (a slow rank still computing its forward) is
-  waited for, as long as the process group's timeout allows. Under NCCL, waits do not
+  waited for, as long as the process group's timeout allows.
+
+``ShardwiseTrainer`` never met the old rule (raise after ``SHARDWISE_PEER_TIMEOUT`` of a
+peer outside shardwise) when a rank stalled between steps: transformers' ``Trainer``
+begins each step with a torch all-gather of the token count
+(``average_tokens_across_devices``), so its ranks meet in a torch collective, which waits
+like DDP, before they enter shardwise's forward. A plain loop's first collective is the
+forward's own; it now waits too. Under NCCL, waits do not
 block the host, so the watch does not apply; the NCCL watchdog ends a hang there.
 """
 

@@ -253,13 +253,13 @@ def _refuse_factored(optimizer: torch.optim.Optimizer) -> None:
 # Note [parameters nothing synchronises]
 # sw.shard(model.encoder) beside a plain trainable model.head shards the encoder only:
 # the head's gradients are each rank's own, nothing averages them, and the ranks' heads
-# drift apart step by step, silently (measured: 0.073 apart after a few steps). DDP
-# would have averaged them. So before an optimizer steps shards of a sharded model of
+# drift apart step by step, silently (FSDP2 too: README's habits table). DDP would have
+# averaged them. So before an optimizer steps shards of a sharded model of
 # several ranks, its other trainable parameters must be synchronised by something: DDP
 # (its constructor marks them), FSDP2 or another DTensor placement, or the user, who
 # says so with sw.per_rank(...). Otherwise the step raises, before anything changes,
-# naming them. The verdict is kept on the optimizer until its parameters change, so a
-# step pays one length check.
+# naming them. The verdict is kept on the optimizer until its number of parameters
+# changes, so a step pays a walk of its parameter list, not a check of each parameter.
 
 
 def per_rank(module_or_params: nn.Module | torch.Tensor | Any) -> Any:
