@@ -228,6 +228,15 @@ def _bad_arguments(rank, world):
         sw.MixedPrecision(param_dtype="bf16")
     with pytest.raises(sw.ShardwiseError, match=r"reduce_dtype=torch.int32"):
         sw.MixedPrecision(reduce_dtype=torch.int32)
+    for call, said in ((lambda: sw.check_consistency(model, optimizer="x"), "optimizer must"),
+                       (lambda: sw.save_checkpoint("unused", model, "x"), "optimizer must"),
+                       (lambda: sw.sync_buffers(model, group="g"), "group must"),
+                       (lambda: sw.shard(model, group="g"), "group must"),
+                       (lambda: sw.sharded_init(src_rank="0").__enter__(), "src_rank='0'"),
+                       (lambda: sw.global_mean("x"), "values must"),
+                       (lambda: sw.global_mean(None), "values must")):
+        with pytest.raises(sw.ShardwiseError, match=said):
+            call()
     assert not sw.is_sharded(model)  # nothing was changed by the refusals
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import ShardwiseError
@@ -19,6 +21,27 @@ def require_module(value: Any, function: str, argument: str = "module") -> None:
     if not isinstance(value, nn.Module):
         raise ShardwiseError(f"{function}: {argument} must be a module (an nn.Module), got "
                              f"{shown(value)}")
+
+
+def require_optimizer(value: Any, function: str) -> None:
+    """Raise unless ``value`` is ``None`` or a ``torch.optim.Optimizer``."""
+    if value is not None and not isinstance(value, torch.optim.Optimizer):
+        raise ShardwiseError(f"{function}: optimizer must be a torch.optim.Optimizer (built "
+                             f"over the module's parameters) or None, got {shown(value)}")
+
+
+def require_group(value: Any, function: str) -> None:
+    """Raise unless ``value`` is ``None`` (the default group) or a process group."""
+    if value is not None and not isinstance(value, dist.ProcessGroup):
+        raise ShardwiseError(f"{function}: group must be a torch.distributed process group "
+                             f"(dist.new_group(...)) or None, got {shown(value)}")
+
+
+def require_rank(value: Any, function: str, argument: str = "src_rank") -> None:
+    """Raise unless ``value`` is an int (its range is checked where the group is known)."""
+    if type(value) is not int:
+        raise ShardwiseError(f"{function}: {argument}={value!r}: expected an int, a rank of "
+                             f"the group")
 
 
 def shown(value: Any) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._args import require_module
+from ._args import require_group, require_module, require_rank
 from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
@@ -276,9 +276,8 @@ def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise ShardwiseError(f"sw.shard: mixed_precision={mixed_precision!r}: expected "
                              f"sw.MixedPrecision(param_dtype=..., reduce_dtype=...) or None")
-    if type(src_rank) is not int:
-        raise ShardwiseError(f"sw.shard: src_rank={src_rank!r}: expected an int, the rank "
-                             f"whose initial state every rank takes")
+    require_rank(src_rank, "sw.shard")
+    require_group(group, "sw.shard")
     if not dist.is_initialized():
         raise ShardwiseError("torch.distributed is not initialised: call sw.init_distributed() "
                              "first (under torchrun, or as a world of one process)")

@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from .._args import require_module
+from .._args import require_group, require_module, require_optimizer
 from .agree import same_everywhere
 from .channel import BACKWARD, END_FORWARD, OPERATION, OPTIMIZER_STEP, diverged
 from .channel import order_checks_enabled as order_checks_enabled
@@ -107,8 +107,8 @@ Announcement = tuple[Comm | None, str, int | None]
 def operation(name: str, announced: Callable[..., Announcement | None] | None = None
               ) -> Callable[[F], F]:
     """Declare the public function ``name``: the decorator notes it for the peer watch
-    while it runs (Note [peer watch]), refuses a ``module`` argument that is not a module,
-    and, given ``announced``, checks before its body
+    while it runs (Note [peer watch]), refuses a ``module``, ``optimizer`` or ``group``
+    argument of the wrong kind, and, given ``announced``, checks before its body
     that every rank is starting the same call (:func:`announce`). ``announced`` takes the
     call's arguments by name and returns ``(group, text, model number)`` for
     :func:`announce`, or ``None`` when nothing is to be checked (an unsharded module
@@ -121,8 +121,13 @@ def operation(name: str, announced: Callable[..., Announcement | None] | None = 
             with ACTIVITY.operation(name):
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
-                if "module" in bound.arguments:
-                    require_module(bound.arguments["module"], name)
+                arguments = bound.arguments
+                if "module" in arguments:
+                    require_module(arguments["module"], name)
+                if "optimizer" in arguments:
+                    require_optimizer(arguments["optimizer"], name)
+                if "group" in arguments:
+                    require_group(arguments["group"], name)
                 if announced is not None:
                     what = announced(**bound.arguments)
                     if what is not None:

@@ -42,6 +42,7 @@ import torch.nn.modules.module as torch_module
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._args import require_group, require_rank
 from .._registry import (
     INIT,
     attach_to,
@@ -295,6 +296,8 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
     """
     if not dist.is_initialized():
         raise ShardwiseError("sharded_init needs torch.distributed: call sw.init_distributed()")
+    require_rank(src_rank, "sw.sharded_init")
+    require_group(group, "sw.sharded_init")
     comm = Comm(group)
     if not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "

@@ -125,6 +125,11 @@ def global_mean(values: Sequence[torch.Tensor | float],
         >>> losses = [model(xb, yb) for xb, yb in sw.micro_batches((x, y), 8)]
         >>> sw.global_mean(losses)     # the same float at N = 1, 2, 4 and 8
     """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not all(
+            (isinstance(v, torch.Tensor) and v.numel() == 1)
+            or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+        raise ShardwiseError(f"global_mean: values must be a list of numbers or 1-element "
+                             f"tensors, one per micro-batch, got {values!r:.80}")
     mine = [float(v.detach().float().item()) if isinstance(v, torch.Tensor) else float(v)
             for v in values]
     everyone = [mine]
