@@ -2,13 +2,19 @@
 
 - an optimizer built before ``shard`` holds the replaced originals: they are *retired*,
   and reading their ``.grad`` (every optimizer step and ``zero_grad`` does) raises;
-- Hugging Face ``save_pretrained`` without the consolidated weights raises;
+- Hugging Face ``save_pretrained`` without the consolidated weights (or with this
+  rank's rows) raises, and so does ``resize_token_embeddings``;
 - wrapping a sharded model in ``DistributedDataParallel`` raises in DDP's constructor;
 - moves and casts of a sharded model (``model.to(...)``, ``.half()``...) that would change
   a shard raise before anything changes; those that change nothing are no-ops
   (:func:`guard_apply`);
 - at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
-  changed, or parameters added after ``shard``.
+  changed on part of a group (Note [freezing after shard]), or parameters added after
+  ``shard``;
+- before every optimizer step (:func:`_before_step`): Adafactor over shards, trainable
+  plain parameters beside shards that nothing synchronises (Note [parameters nothing
+  synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
+  anything but ``sw.clip_grad_norm_`` (a warning).
 """
 
 from __future__ import annotations
