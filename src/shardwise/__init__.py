@@ -6,9 +6,11 @@ Process group
     init_distributed(backend=None, timeout=None)
 Sharding
     shard(module, *, group, mesh, units, mixed_precision, buffers, src_rank,
-          reshard_after_forward, prefetch, reproducible, memory_budget)
+          reshard_after_forward, prefetch, reproducible, memory_budget, offload)
         -> the same module; every parameter becomes a DTensor with its original shape,
         sharded on dim 0 (``p.to_local()`` is this rank's rows)
+    Offload(params=None, optimizer=None, folder=None)
+                                               states on the device, "cpu" or "disk"
     sharded_init(group=None, src_rank=0)       context manager: partition while building
     MixedPrecision(param_dtype, reduce_dtype)
     BufferPolicy                               "broadcast", "average" or "local"
@@ -64,6 +66,7 @@ from .comm.process_group import init_distributed
 from .consistency import check_consistency
 from .engine.buffers import BufferPolicy, sync_buffers
 from .engine.guards import per_rank
+from .engine.offload import Offload
 from .engine.sharded_init import sharded_init
 from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .exact.micro_batches import global_mean, micro_batches
@@ -94,6 +97,7 @@ __all__ = [
     "DivergenceError",
     "MixedPrecision",
     "ModelView",
+    "Offload",
     "ReadOnlyGatherError",
     "ShardwiseError",
     "check_consistency",

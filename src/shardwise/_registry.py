@@ -42,7 +42,9 @@ On optimizers:
   synchronises, with the parameter count they were found for (the same Note), and the
   reproducible mode's groups among the shards;
 - ``_shardwise_warned_clip``: set once the warning about gradients rescaled outside
-  ``sw.clip_grad_norm_`` in the reproducible mode was given.
+  ``sw.clip_grad_norm_`` in the reproducible mode was given;
+- ``_shardwise_offload_grads``: the gradients set aside between a unit-by-unit step of
+  disk-offloaded state and the optimizer's own call (Note [stepping unit by unit]).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ _RETIRED = "_shardwise_retired"
 _SYNCED = "_shardwise_synchronised"
 LOOSE_PARAMS = "_shardwise_loose"
 WARNED_CLIP = "_shardwise_warned_clip"
+OFFLOAD_GRADS = "_shardwise_offload_grads"
 _PREFIX = "_shardwise"
 
 

@@ -92,7 +92,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
     grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
              if p.shard.grad is not None]
-    device = state.units[0].groups[0].local.device if state.units[0].groups else \
+    device = state.units[0].groups[0].device if state.units[0].groups else \
         (grads[0].device if grads else torch.device("cpu"))
     # A rank's piece of a parameter may be empty, and the infinity norm of nothing is
     # undefined; empty pieces contribute nothing to any norm.

@@ -82,6 +82,10 @@ class GroupView:
     gathered_numel: int          # elements of the all-gather output (every rank's shard)
     full_allocated: bool         # the full parameters hold memory now
     params: tuple[ParamView, ...]
+    # Where the shard gathers read and the master shard (with its gradients and optimizer
+    # state) live: "device", "cpu" or "disk" (Note [two states, three tiers]).
+    params_tier: str = "device"
+    optimizer_tier: str = "device"
 
     @property
     def shard_bytes(self) -> int:
@@ -189,6 +193,12 @@ class ModelView:
     kept_bytes: int
     # Parameters the model holds that no unit manages (added after ``shard``).
     unmanaged: tuple[str, ...]
+    # sw.Offload: where the states live ("params on device, optimizer state on disk in
+    # ..."), None when nothing is offloaded; and this rank's bytes per tier of offloaded
+    # groups: master shards with room for their gradients, parameter copies, and the
+    # optimizer state moved to disk (state the optimizer keeps in host memory is its own).
+    offload: str | None
+    tier_bytes: dict[str, int]
     units: tuple[UnitView, ...] = field(repr=False)  # root first, then in module order
 
     def unit(self, name: str) -> UnitView:
@@ -226,6 +236,9 @@ class ModelView:
         for u in self.units:
             lines.append(f"{u.name:32s} {u.state:10s} {len(u.params):7d} "
                          f"{_mib(u.shard_bytes):>12s} {_mib(u.gathered_bytes):>12s}")
+        if self.offload is not None:
+            lines.append(f"offload: {self.offload}; " + ", ".join(
+                f"{t} {_mib(n)}" for t, n in self.tier_bytes.items()))
         if self.unmanaged:
             lines.append(f"not managed by shardwise: {', '.join(self.unmanaged)}")
         return "\n".join(lines)
@@ -253,7 +266,9 @@ def _group_view(g: FlatGroup) -> GroupView:
                      requires_grad=g.requires_grad, shard_numel=g.layout.shard_numel,
                      full_numel=g.layout.full_numel, gathered_numel=g.layout.gathered_numel,
                      full_allocated=g.full_is_allocated(),
-                     params=tuple(_param_view(p) for p in g.params))
+                     params=tuple(_param_view(p) for p in g.params),
+                     params_tier=g.placement.params if g.placement else "device",
+                     optimizer_tier=g.placement.optimizer if g.placement else "device")
 
 
 def _unit_view(u: Unit) -> UnitView:
@@ -330,4 +345,14 @@ def inspect(module: nn.Module) -> ModelView:
             else _comm_view(regather.backend, regather.stats)),
         kept_bytes=sum(g.kept_bytes for g in groups),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
-        units=units)
+        offload=next((g.placement.describe() for g in groups if g.placement), None),
+        tier_bytes=_tier_bytes(groups), units=units)
+
+
+def _tier_bytes(groups: list[FlatGroup]) -> dict[str, int]:
+    out = {"device": 0, "cpu": 0, "disk": 0}
+    for g in groups:
+        if g.store is not None:
+            for tier, n in g.store.bytes_by_tier().items():
+                out[tier] += n
+    return out

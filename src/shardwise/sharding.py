@@ -33,6 +33,7 @@ from .engine.buffers import BufferPolicy, BufferSync
 from .engine.build import build
 from .engine.clone import guard_model_copies
 from .engine.guards import retire
+from .engine.offload import Offload, Placement
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
 from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
@@ -128,7 +129,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
           buffers: str | BufferPolicy = "broadcast",
           src_rank: int = 0, reshard_after_forward: bool | int = True,
           prefetch: int = 1, reproducible: bool = False,
-          memory_budget: int | None = None) -> nn.Module:
+          memory_budget: int | None = None, offload: Offload | None = None) -> nn.Module:
     """Shard ``module`` in place (ZeRO-3) and return it.
 
     Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
@@ -188,6 +189,10 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             backward is one micro-batch, whose gradients are summed exactly; the
             gradient is their mean over all micro-batches of all ranks. Split batches
             with :func:`~shardwise.micro_batches`. Flat sharding only for now.
+        offload: a :class:`~shardwise.Offload` placing the parameter shards and the
+            optimizer state (with the gradients) on the device, in host memory or on
+            disk (docs/offload.md); ``None`` keeps everything on the device. Training
+            gives the same bits wherever the states live.
 
     Raises:
         ShardwiseError: when torch.distributed is not initialised, the module or one of
@@ -195,7 +200,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             the mesh is not 1-D or 2-D, ``reshard_after_forward`` is an int that does
             not divide the shard group's size, ``src_rank`` is out of range, a policy or
             ``units`` is invalid, ``units`` matches no submodule, ``memory_budget`` is not
-            a positive int or is given without ``units="auto"``, a parameter is 0-dim,
+            a positive int or is given without ``units="auto"``, ``offload`` is not an
+            ``Offload`` or its folder cannot be taken, a parameter is 0-dim,
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
             ``units=``): then every rank raises the same error.
@@ -215,6 +221,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
     _check_budget(units, memory_budget)
+    if offload is not None and not isinstance(offload, Offload):
+        raise ShardwiseError(f"offload={offload!r}: expected sw.Offload(params=..., "
+                             f"optimizer=..., folder=...) or None")
     mp = mixed_precision or MixedPrecision()
     budget = None
     if units == AUTO:
@@ -222,7 +231,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                                                                                    mp)
 
     def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
-                        list[list[ParamRecord]], AutoChoice | None]:
+                        list[list[ParamRecord]], AutoChoice | None, Placement | None]:
         auto = None
         if budget is not None:
             auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
@@ -234,15 +243,17 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         _check_params(records, comm.rank, src_rank)
         # Each group releases its originals as it is built (_build_group): only
         # per_unit may hold the records.
-        return (BufferSync(module, comm, buffers, src_rank, exact=reproducible),
-                _device_for(module, comm), chosen,
-                assign_units(records, [n for n, _ in chosen]), auto)
+        device = _device_for(module, comm)
+        return (BufferSync(module, comm, buffers, src_rank, exact=reproducible), device,
+                chosen, assign_units(records, [n for n, _ in chosen]), auto,
+                offload.resolve(device, comm.rank) if offload is not None else None)
 
     # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
     # meta tensors, fails every rank here, before the first collective.
-    buffer_sync, device, chosen, per_unit, auto = agreed(
+    buffer_sync, device, chosen, per_unit, auto, placement = agreed(
         comm, f"sw.shard({type(module).__name__}) failed", plan)
-    settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype, src_rank)
+    settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype, src_rank,
+                        offload)
     _agree_structure(comm, chosen, per_unit, _compared(settings, buffer_sync, mp))
     if auto is not None:
         _report_auto(auto, given=memory_budget is not None)
@@ -250,7 +261,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                                [n for n, _ in chosen], topo.shard.world_size, units)
     regather = _regather_group(topo, reshard_after_forward)
     built = [(name, mod, [_build_group(spec, topo, device, src_rank,
-                                       regather if i else None, reproducible)
+                                       regather if i else None, reproducible, placement)
                           for spec in group_specs(per_unit[i], mp.param_dtype,
                                                   mp.reduce_dtype)])
              for i, (name, mod) in enumerate(chosen)]
@@ -415,6 +426,7 @@ def _compared(settings: Settings, buffer_sync: BufferSync, mp: MixedPrecision
     """Every setting that decides what ranks communicate, for :func:`_agree_structure`."""
     compared: dict[str, object] = dict(vars(settings))
     compared.pop("cast_inputs")  # mixed_precision says it
+    compared.pop("offload")  # where a rank keeps its states changes nothing it sends
     compared.update(buffers=buffer_sync.policy.value,
                     mixed_precision=(str(mp.param_dtype), str(mp.reduce_dtype)),
                     SHARDWISE_CHECK=order_checks_enabled(buffer_sync.comm))
@@ -470,13 +482,14 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
 
 
 def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
-                 src_rank: int, regather: Comm | None, exact: bool) -> FlatGroup:
+                 src_rank: int, regather: Comm | None, exact: bool,
+                 placement: Placement | None) -> FlatGroup:
     """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
     place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
     g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
                   originals, topo, device, spec.compute_dtype, spec.reduce_dtype,
-                  regather, exact)
+                  regather, exact, placement)
     # Parameters partitioned by sharded_init are gathered one group at a time, so no
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]

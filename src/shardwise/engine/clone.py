@@ -106,8 +106,9 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         for g in u.groups:
             # Note [secondary shards]: the same groups of k ranks as the original's.
             twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
-                             [p.shard for p in g.params], g.topology, g.local.device,
-                             g.compute_dtype, g.reduce_dtype, g.regather, g.exact)
+                             [p.shard for p in g.params], g.topology, g.device,
+                             g.compute_dtype, g.reduce_dtype, g.regather, g.exact,
+                             g.placement)
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):

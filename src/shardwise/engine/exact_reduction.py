@@ -38,7 +38,7 @@ class ExactReduction(GradReduction):
         """This backward's gradients, unscaled, become one exact term of the accumulator;
         if ``sync``, the accumulator is exchanged (Note [reproducible reduction])."""
         g = self.group
-        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.local.device)
+        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.device)
         with torch.no_grad():
             for i, p in enumerate(g.params):
                 grad = p.full.grad

@@ -14,7 +14,9 @@
 - before every optimizer step (:func:`_before_step`): Adafactor over shards, trainable
   plain parameters beside shards that nothing synchronises (Note [parameters nothing
   synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
-  anything but ``sw.clip_grad_norm_`` (a warning).
+  anything but ``sw.clip_grad_norm_`` (a warning). The same pre-hook runs the step of
+  disk-offloaded state unit by unit (Note [stepping unit by unit] in
+  engine/offload/step.py), and the post-hook gives the set-aside gradients back.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .._registry import (
 )
 from ..errors import ShardwiseError
 from .exact_reduction import ExactReduction
+from .offload.step import restore_gradients, step_by_unit
 from .unit import Unit, sharded_param
 
 _RETIRED: dict[type, type] = {}
@@ -190,15 +193,21 @@ def _guard_torch_classes() -> None:
             mark_synchronised(p, "DistributedDataParallel")
 
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     register_optimizer_step_pre_hook(_before_step)
+    register_optimizer_step_post_hook(restore_gradients)
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+                 ) -> tuple[tuple, dict] | None:
     _refuse_factored(optimizer)
     _refuse_unsynchronised(optimizer)
     _warn_inexact_clip(optimizer)
+    return step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
 
 
 def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:

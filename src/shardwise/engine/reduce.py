@@ -15,10 +15,9 @@ a subclass: this module is the default path only.
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
@@ -36,9 +35,13 @@ class Group(Protocol):
     dtype: torch.dtype
     reduce_dtype: torch.dtype
     local: torch.Tensor
+    device: torch.device  # where reductions run (``local`` may be offloaded)
+    store: Any  # engine/offload/storage.py's GroupStorage, or None
     comm: Comm
     replicate: Comm | None
     unit_name: str
+
+    def publish_grad(self, p: Any, rows: torch.Tensor) -> None: ...
 
     @property
     def data_parallel_size(self) -> int: ...
@@ -101,7 +104,7 @@ class GradReduction:
         accumulating = self.state is Reduction.ACCUMULATING
         buf = self._buf if accumulating else None
         if buf is None:
-            buf = rank_major(g.layout, g.gaps, g.reduce_dtype, g.local.device)
+            buf = rank_major(g.layout, g.gaps, g.reduce_dtype, g.device)
         with torch.no_grad():
             for i, p in enumerate(g.params):
                 grad = p.full.grad
@@ -122,7 +125,7 @@ class GradReduction:
         self._move(Reduction.REDUCING)
         self._buf = buf
         self._out = torch.empty(g.layout.shard_numel, dtype=g.reduce_dtype,
-                                device=g.local.device)
+                                device=g.device)
         self._work = g.comm.reduce_scatter(
             self._out, buf, async_op=True,
             what=f"the reduce-scatter of unit {g.unit_name!r}'s gradients")
@@ -214,11 +217,9 @@ class GradReduction:
             if not used_anywhere[i]:
                 continue
             rows = out[p.slot.offset:p.slot.offset + p.local.numel()].view(p.local.shape)
-            if p.shard.grad is None:
-                p.shard.grad = p.as_dtensor(rows)
-            else:
-                with torch.no_grad():
-                    cast(DTensor, p.shard.grad).to_local().add_(rows)
+            g.publish_grad(p, rows)
+        if g.store is not None:
+            g.store.release()  # Note [the disk tier]: the gradients are written
         self.used = [False] * len(g.params)
         self._after_publishing(used_anywhere)
 

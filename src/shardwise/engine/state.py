@@ -72,6 +72,7 @@ class Settings:
     reproducible: bool  # Note [reproducible reduction] in exact/reduce.py
     cast_inputs: torch.dtype | None  # MixedPrecision.param_dtype
     src_rank: int
+    offload: Any = None  # an engine/offload Offload, or None: every state on the device
 
 
 class ModelState:
@@ -426,7 +427,7 @@ class ModelState:
             return
         # One small all-reduce says which parameters got a gradient anywhere.
         used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
-                            device=groups[0].local.device)
+                            device=groups[0].device)
         self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
                              what="the exchange of used-parameter flags ending the backward")
         used_list = used.bool().tolist()

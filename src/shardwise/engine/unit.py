@@ -85,6 +85,8 @@ from ..errors import ShardwiseError
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
 from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout
+from .offload.placement import Placement
+from .offload.storage import GroupStorage
 from .reduce import GradReduction
 
 
@@ -132,6 +134,7 @@ class ShardedParam:
     shard: nn.Parameter   # the DTensor parameter the module and the optimizer hold
     full: nn.Parameter
     unit: Unit | None = None
+    group: FlatGroup | None = None
 
     @property
     def numel(self) -> int:
@@ -178,11 +181,15 @@ class FlatGroup:
                  originals: list[nn.Parameter], topology: Topology,
                  device: torch.device, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, regather: Comm | None = None,
-                 exact: bool = False) -> None:
+                 exact: bool = False, placement: Placement | None = None) -> None:
         """``regather``: the group of k ranks a non-root unit's backward gathers in under
         ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``exact``:
-        the reproducible mode's reduction (Note [reproducible reduction])."""
+        the reproducible mode's reduction (Note [reproducible reduction]); ``placement``:
+        the tiers of an offloaded model (Note [two states, three tiers] in
+        engine/offload/__init__.py), ``None`` for all on ``device``."""
         self.topology = topology
+        self.device = device  # where gathers and reductions run; local may be elsewhere
+        self.placement = placement
         self.comm = comm = topology.shard
         # Hybrid sharding (Note [hybrid sharding] in comm/mesh.py): the ranks holding the same
         # rows, across which the reduced gradient shard is summed.
@@ -196,10 +203,15 @@ class FlatGroup:
         self.reduce_dtype = reduce_dtype
         self.layout: ShardLayout = build_layout([tuple(p.shape) for p in originals],
                                                 comm.world_size)
-        self.local = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self.store = (None if placement is None else
+                      GroupStorage(placement, self.layout.shard_numel, self.dtype,
+                                   compute_dtype))
+        self.local = (self.store.master if self.store is not None else
+                      torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device))
         self.full = torch.empty(self.layout.full_numel, dtype=compute_dtype, device=device)
-        # Mixed precision gathers a low-precision copy of the shard.
-        self._gather_in = (None if compute_dtype == self.dtype else
+        # Mixed precision gathers a low-precision copy of the shard (an offloaded group
+        # stages one per gather: GroupStorage.gather_source).
+        self._gather_in = (None if compute_dtype == self.dtype or self.store is not None else
                            torch.empty(self.layout.shard_numel, dtype=compute_dtype,
                                        device=device))
         self.gaps = padding_gaps(self.layout)
@@ -209,6 +221,7 @@ class FlatGroup:
         self._free_full()
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work = None
+        self._sending: torch.Tensor | None = None  # read by the all-gather until waited for
         self._gathered_version = -1
         # reshard_after_forward=k (Note [secondary shards]): the k ranks' group, this
         # rank's part of the gathered buffer kept from forward to backward, and its
@@ -255,7 +268,8 @@ class FlatGroup:
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
         copy_user_attributes(orig, shard, full)
         return ShardedParam(names, slots, orig.shape, orig.dtype, orig.requires_grad, slot,
-                            self.layout.piece(i, self.comm.rank), local, shard, full)
+                            self.layout.piece(i, self.comm.rank), local, shard, full,
+                            group=self)
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:
@@ -297,20 +311,27 @@ class FlatGroup:
         """Set every rank's shard from world rank ``src``'s full ``values``: a scatter
         over ``src``'s shard group, then (hybrid) a broadcast to the other replicas."""
         replica, shard_src = self.topology.source(src)
+        # An offloaded shard is received on the device and then moved to its tier.
+        into = self.local if self.store is None else torch.zeros_like(self.local,
+                                                                      device=self.device)
         if self.topology.replica_index == replica:
             chunks = None
             if self.comm.rank == shard_src:
                 assert values is not None, "src_rank passes the values"
-                buf = rank_major(self.layout, self.gaps, self.dtype, self.local.device)
+                buf = rank_major(self.layout, self.gaps, self.dtype, self.device)
                 for slot, v in zip(self.layout.slots, values):
                     write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
                 chunks = list(buf.chunk(self.comm.world_size))
             with torch.no_grad():
-                self.comm.scatter(self.local, chunks, shard_src)
+                self.comm.scatter(into, chunks, shard_src)
         if self.replicate is not None:
             with torch.no_grad():
-                self.replicate.broadcast(self.local, replica,
+                self.replicate.broadcast(into, replica,
                                          what="the broadcast of initial shards to replicas")
+        if self.store is not None:
+            with torch.no_grad():
+                self.local.copy_(into)
+            self.store.release()
 
     @property
     def data_parallel_size(self) -> int:
@@ -321,9 +342,13 @@ class FlatGroup:
     def gather_full(self) -> torch.Tensor:
         """A fresh full buffer with every full parameter, in ``dtype`` (a collective)."""
         gathered = torch.empty(self.layout.gathered_numel, dtype=self.dtype,
-                               device=self.local.device)
-        self.comm.all_gather(gathered, self.local)
-        out = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.local.device)
+                               device=self.device)
+        src = self.local
+        if self.store is not None:
+            src = self.local.to(self.device, copy=True)
+            self.store.release()
+        self.comm.all_gather(gathered, src)
+        out = torch.empty(self.layout.full_numel, dtype=self.dtype, device=self.device)
         copy_out(gathered, self.layout, out)
         return out
 
@@ -367,19 +392,37 @@ class FlatGroup:
                          f"{self.regather.world_size} ranks (reshard_after_forward)")
                 return
         self._gathered_version = self.shard_version()
-        src = self.local
-        if self._gather_in is not None:
-            src = self._gather_in
-            with torch.no_grad():
-                src.copy_(self.local)
+        src = self._gather_source()
         if self.comm.world_size == 1:
             # The rank-major buffer of a world of one is the shard itself: copied out as is.
             self._gathered = src
             return
         self._gathered = torch.empty(self.layout.gathered_numel, dtype=self.compute_dtype,
-                                     device=self.local.device)
+                                     device=self.device)
+        self._sending = src
         self._gather_work = self.comm.all_gather(
             self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's shard on the device, in the compute dtype, for an all-gather."""
+        if self.store is not None:
+            return self.store.gather_source(self._gathered_version)
+        if self._gather_in is None:
+            return self.local
+        with torch.no_grad():
+            self._gather_in.copy_(self.local)
+        return self._gather_in
+
+    def publish_grad(self, p: ShardedParam, rows: torch.Tensor) -> None:
+        """Hand ``p`` its reduced rows as its shard's ``.grad``, or add them to it; an
+        offloaded group's gradients live on the optimizer's tier."""
+        if self.store is not None:
+            self.store.publish(p, rows)
+        elif p.shard.grad is None:
+            p.shard.grad = p.as_dtensor(rows)
+        else:
+            with torch.no_grad():
+                cast(DTensor, p.shard.grad).to_local().add_(rows)
 
     def is_stale(self) -> bool:
         """Whether the shard changed since the full parameters were gathered (or a
@@ -398,7 +441,7 @@ class FlatGroup:
             else:
                 self._gather_work.discard()
             self._gather_work = None
-        self._kept_sending = None
+        self._kept_sending = self._sending = None
         if self._gathered is not None:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.

@@ -1,0 +1,134 @@
+"""One flat group's offloaded storage: its master shard, its parameter copy, its
+gradients and its optimizer state, each on the tier Note [two states, three tiers] puts
+it on."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .disk import DiskBuffer
+from .placement import Placement
+
+
+class GroupStorage:
+    """Where a group's states live when any is offloaded.
+
+    ``master`` is the shard buffer (``FlatGroup.local``: the DTensor parameters view it);
+    ``copy`` the parameters tier's copy in the compute dtype, or ``None`` when gathers
+    read the master itself.
+    """
+
+    def __init__(self, placement: Placement, numel: int, dtype: torch.dtype,
+                 compute_dtype: torch.dtype) -> None:
+        self.placement = placement
+        self.numel = numel
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype
+        self._disk: list[DiskBuffer] = []  # every disk buffer, released together
+        self.master = self._make(placement.optimizer, dtype, "master")
+        self.copy = (None if placement.params == placement.optimizer else
+                     self._make(placement.params, compute_dtype, "params"))
+        self.copy_version = -1  # the master's version the copy was taken at
+        self._grads = (self._disk_buffer(dtype, "grads").tensor
+                       if placement.optimizer == "disk" else None)
+        self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
+        assert self.placement.folder is not None, "Offload checked folder="
+        buf = self.placement.folder.buffer(self.numel, dtype, what)
+        self._disk.append(buf)
+        return buf
+
+    def _make(self, tier: str, dtype: torch.dtype, what: str) -> torch.Tensor:
+        if tier == "disk":
+            return self._disk_buffer(dtype, what).tensor
+        if tier == "cpu":
+            return self.placement.host_tensor(self.numel, dtype)
+        return torch.zeros(self.numel, dtype=dtype, device=self.placement.device)
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self._disk)
+
+    # -- gathers ---------------------------------------------------------------------
+    def gather_source(self, version: int) -> torch.Tensor:
+        """The shard in the compute dtype on the device, for an all-gather: the
+        parameters tier's copy when it is on the device, else a fresh staged copy."""
+        if self.copy is not None and self.copy_version != version:
+            self.refresh(version)
+        src = self.master if self.copy is None else self.copy
+        if src is self.copy and src.device == self.placement.device:
+            return src
+        staged = torch.empty(self.numel, dtype=self.compute_dtype, device=self.placement.device)
+        with torch.no_grad():
+            staged.copy_(src)
+        self.release()
+        return staged
+
+    def refresh(self, version: int) -> None:
+        """Take the parameters tier's copy from the master (which is at ``version``)."""
+        assert self.copy is not None
+        with torch.no_grad():
+            self.copy.copy_(self.master)
+        self.copy_version = version
+        self.release()
+
+    # -- gradients -------------------------------------------------------------------
+    def publish(self, p: Any, rows: torch.Tensor) -> None:
+        """Hand parameter ``p`` its reduced rows (on the device, in its dtype) as a
+        gradient on the optimizer's tier, or add them to the one it has."""
+        existing = cast(DTensor | None, p.shard.grad)
+        if existing is not None:
+            local = existing.to_local()
+            with torch.no_grad():
+                local.add_(rows.to(local.device))
+            return
+        if self._grads is not None:
+            home = self._grads[p.slot.offset:p.slot.offset + rows.numel()].view(rows.shape)
+            with torch.no_grad():
+                home.copy_(rows)
+        else:
+            # Host memory: a tensor of its own even where host and device are one.
+            home = rows.to("cpu", copy=True)
+        p.shard.grad = p.as_dtensor(home)
+
+    # -- optimizer state -------------------------------------------------------------
+    def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor:
+        """Parameter ``p``'s state ``key`` moved into this group's file for it (the
+        value itself if it is there already)."""
+        local = value.to_local()
+        where = (key, local.dtype)
+        if where not in self._state:
+            self._state[where] = self._disk_buffer(local.dtype, f"state-{key}").tensor
+        home = self._state[where][p.slot.offset:p.slot.offset + local.numel()].view(
+            local.shape)
+        if home.data_ptr() == local.data_ptr():
+            return value
+        with torch.no_grad():
+            home.copy_(local)
+        return cast(DTensor, p.as_dtensor(home))
+
+    # -- pages -----------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop this group's disk pages from the process (Note [the disk tier])."""
+        for b in self._disk:
+            b.release()
+
+    def prefetch(self) -> None:
+        """Start reading this group's disk pages ahead of use."""
+        for b in self._disk:
+            b.prefetch()
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Bytes this group keeps on each tier, optimizer state included."""
+        out = {t: 0 for t in ("device", "cpu", "disk")}
+        item = torch.empty((), dtype=self.dtype).element_size()
+        out[self.placement.optimizer] += 2 * self.numel * item  # master and gradients
+        if self.copy is not None:
+            out[self.placement.params] += self.copy.numel() * self.copy.element_size()
+        for t in self._state.values():
+            out["disk"] += t.numel() * t.element_size()
+        return out

@@ -1,0 +1,160 @@
+"""Offload (``sw.Offload``, engine/offload/): every placement trains to the same bits as
+no offload, at 2 and 3 ranks and on a hybrid mesh, and what cannot work is refused.
+
+Exactness is bit for bit, not within a tolerance: an offloaded state holds the same values
+as the device's would, the optimizer runs the same kernels on them (unit by unit for the
+disk tier, which for per-parameter optimizers is the same arithmetic), and gathers read
+the same compute-dtype copy. On this CPU-only machine every tier is host memory, so the
+copies between tiers are real copies between separate tensors, and the disk tier is real
+files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+from harness import run_ranks
+from parity import GPT_CFG, gpt_batches
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import shardwise as sw
+from shardwise.models import GPT
+
+PLACEMENTS = [(None, "cpu"), ("cpu", "cpu"), (None, "disk"), ("cpu", "disk"),
+              ("disk", "disk")]
+
+
+def _offload(params, optimizer, folder):
+    if params is None and optimizer is None:
+        return None
+    disk = "disk" in (params, optimizer)
+    return sw.Offload(params=params, optimizer=optimizer, folder=folder if disk else None)
+
+
+def _state(model, opt) -> dict[str, torch.Tensor]:
+    """This rank's rows of every parameter, gradient and optimizer state, copied."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"param/{name}"] = p.to_local().detach().clone()
+        for k, v in opt.state[p].items():
+            v = v.to_local() if isinstance(v, DTensor) else v
+            out[f"opt/{name}/{k}"] = v.detach().clone()
+    return out
+
+
+def _train(variant: str, placement, folder, mesh=None, steps: int = 3):
+    """A few steps of ``variant``; losses and the final local state."""
+    torch.manual_seed(0)
+    kwargs = {}
+    if variant == "mixed":
+        kwargs["mixed_precision"] = sw.MixedPrecision(param_dtype=torch.bfloat16)
+    if variant == "reproducible":
+        kwargs["reproducible"] = True
+    model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder), mesh=mesh, **kwargs)
+    if variant == "mixed":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    everyone = list(zip(*[gpt_batches(r, steps) for r in range(world)]))
+    losses = []
+    for step in range(steps):
+        x, y = everyone[step][rank]
+        if variant == "reproducible":  # every rank's batches make the global one
+            global_batch = tuple(torch.cat(t) for t in zip(*everyone[step]))
+            parts = sw.micro_batches(global_batch, 2 * world)
+        else:
+            parts = [(x[:1], y[:1]), (x[1:], y[1:])]  # two micro-batches, no_sync
+        per = []
+        for i, (xb, yb) in enumerate(parts):
+            last = i == len(parts) - 1
+            with contextlib.nullcontext() if last else sw.no_sync(model):
+                loss = model(xb, yb)
+                (loss if variant == "reproducible" else loss / len(parts)).backward()
+            per.append(loss.detach())
+        if variant == "plain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        else:
+            sw.clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(torch.stack(per).float())
+    if placement == ("disk", "disk") and variant == "plain":
+        _check_tiers(model)
+    return torch.stack(losses), _state(model, opt)
+
+
+def _check_tiers(model) -> None:
+    """Where the engine says the states are: AdamW's two moments were moved into the
+    files beside the master shards and their gradients; nothing stays on the device."""
+    view = sw.inspect(model)
+    assert view.offload.startswith("params on disk, optimizer state on disk"), view.offload
+    assert {(g.params_tier, g.optimizer_tier) for u in view.units for g in u.groups} == \
+        {("disk", "disk")}
+    assert view.tier_bytes == {"device": 0, "cpu": 0, "disk": 4 * view.param_bytes}, \
+        (view.tier_bytes, view.param_bytes)
+
+
+def _same(a, b, what: str) -> None:
+    la, sa = a
+    lb, sb = b
+    assert torch.equal(la, lb), f"{what}: losses {la.tolist()} != {lb.tolist()}"
+    assert sa.keys() == sb.keys(), what
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), f"{what}: {k} differs"
+
+
+def _every_placement(rank, world, folder):
+    checked = 0
+    for variant in ("plain", "mixed", "reproducible"):
+        ref = _train(variant, (None, None), folder)
+        for placement in PLACEMENTS:
+            _same(_train(variant, placement, folder), ref, f"{variant} {placement}")
+            checked += 1
+    # Nothing stays in the folder: the files are unlinked as soon as they are mapped.
+    left = [f for f in os.listdir(os.path.join(folder, f"rank{rank}")) if f != ".lock"]
+    assert left == [], left
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_placement_trains_to_the_same_bits(world):
+    folder = tempfile.mkdtemp()
+    try:
+        assert run_ranks(_every_placement, world, folder) == [15] * world
+    finally:
+        shutil.rmtree(folder)
+
+
+def _hybrid(rank, world, folder):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ref = _train("plain", (None, None), folder, mesh=mesh)
+    for placement in [(None, "cpu"), ("disk", "disk")]:
+        _same(_train("plain", placement, folder, mesh=mesh), ref, f"hybrid {placement}")
+
+
+def test_hybrid_mesh_offloaded_trains_to_the_same_bits():
+    folder = tempfile.mkdtemp()
+    try:
+        run_ranks(_hybrid, 4, folder)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_offload_arguments_are_checked():
+    with pytest.raises(sw.ShardwiseError, match="'cpu'"):
+        sw.Offload(params="gpu")
+    with pytest.raises(sw.ShardwiseError, match="needs folder="):
+        sw.Offload(optimizer="disk")
+    with pytest.raises(sw.ShardwiseError, match="only used with 'disk'"):
+        sw.Offload(optimizer="cpu", folder="/tmp/x")
+    with pytest.raises(sw.ShardwiseError, match="farther"):
+        sw.Offload(params="disk", optimizer="cpu", folder="/tmp/x")
+    with pytest.raises(sw.ShardwiseError, match="farther"):
+        sw.Offload(params="cpu")
