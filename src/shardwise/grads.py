@@ -90,7 +90,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
-    grads = [cast(DTensor, p.shard.grad).to_local() for u in state.units for p in u.params
+    groups = [g for u in state.units for g in u.groups]
+    grads = [cast(DTensor, p.shard.grad).to_local() for g in groups for p in g.params
              if p.shard.grad is not None]
     device = state.units[0].groups[0].device if state.units[0].groups else \
         (grads[0].device if grads else torch.device("cpu"))
@@ -98,8 +99,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     # undefined; empty pieces contribute nothing to any norm.
     nonempty = [g for g in grads if g.numel()]
     if nonempty:
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                             for g in nonempty]).to(device)
+        norms = torch.stack(_norms(groups, norm_type)).to(device)
     else:
         norms = torch.zeros(1, device=device)
     # Over the shard group only: replicas (Note [hybrid sharding]) hold the same rows, and
@@ -121,13 +121,32 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         shards.all_reduce(local, what="clip_grad_norm_'s all-reduce")
         total = local.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    for group in groups:
+        for p in group.params:
+            if p.shard.grad is not None:
+                grad = cast(DTensor, p.shard.grad).to_local()
+                grad.mul_(coef.to(grad.dtype))
+        if group.store is not None:
+            group.store.release()  # Note [the disk tier]: one unit's pages at a time
     for u in state.units:
         for group in u.groups:
             if isinstance(group.reduction, ExactReduction):
                 group.reduction.note_rescaled()
     return total
+
+
+def _norms(groups: list, norm_type: float) -> list[torch.Tensor]:
+    """Each non-empty local gradient's norm, group by group; a disk-offloaded group's
+    pages are let go once read (Note [the disk tier])."""
+    out = []
+    for group in groups:
+        for p in group.params:
+            if p.shard.grad is not None and p.shard.grad.to_local().numel():
+                out.append(torch.linalg.vector_norm(cast(DTensor, p.shard.grad).to_local(),
+                                                    norm_type, dtype=torch.float32))
+        if group.store is not None:
+            group.store.release()
+    return out
 
 
 @contextlib.contextmanager

@@ -64,7 +64,7 @@ class ExactReduction(GradReduction):
         if self.state is Reduction.REDUCING and self._exchange is not None:
             exchanged, self._exchange = self._exchange, None
             self._out = exchanged.result()
-            self._move(Reduction.REDUCED)
+            self._reduced()
             return
         super().advance()
 

@@ -118,7 +118,7 @@ class GradReduction:
         if g.comm.world_size == 1:
             self._buf, self._out = None, buf  # the sum over one rank, in this rank's layout
             if g.replicate is None:
-                self._move(Reduction.REDUCED)
+                self._reduced()
             else:
                 self._replicate()
             return
@@ -161,7 +161,7 @@ class GradReduction:
             self._work.wait()
             self._work = self._buf = None
             if self.group.replicate is None:
-                self._move(Reduction.REDUCED)
+                self._reduced()
             else:
                 self._replicate()
 
@@ -173,7 +173,16 @@ class GradReduction:
             assert self._work is not None
             self._work.wait()
             self._work = None
-            self._move(Reduction.REDUCED)
+            self._reduced()
+
+    def _reduced(self) -> None:
+        """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier,
+        so that a backward's worth of them never piles up on the device (or, for the
+        disk tier, in memory) before they are published."""
+        self._move(Reduction.REDUCED)
+        store = self.group.store
+        if store is not None and self._out is not None:
+            self._out = store.park(self._out)
 
     def _replicate(self) -> None:
         g = self.group

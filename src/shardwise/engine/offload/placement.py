@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ShardwiseError
+from ..alloc import bound_heap
 from .disk import DiskFolder
 
 TIERS = ("device", "cpu", "disk")  # nearest first
@@ -90,6 +91,7 @@ class Offload:
         folder = None
         if self.folder is not None:
             folder = DiskFolder.for_rank(os.fspath(self.folder), rank)
+            bound_heap()  # Note [a fixed mmap threshold] in engine/alloc.py
         return Placement(self.param_tier, self.optimizer_tier, device, folder)
 
 

@@ -35,6 +35,7 @@ class GroupStorage:
         self._grads = (self._disk_buffer(dtype, "grads").tensor
                        if placement.optimizer == "disk" else None)
         self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._parked: torch.Tensor | None = None  # reduced rows until published (park)
 
     def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
         assert self.placement.folder is not None, "Offload checked folder="
@@ -77,6 +78,20 @@ class GroupStorage:
         self.release()
 
     # -- gradients -------------------------------------------------------------------
+    def park(self, out: torch.Tensor) -> torch.Tensor:
+        """Reduced rows (``out``, on the device) moved to the optimizer's tier until the
+        backward ends and they are published: into a file of their own for the disk
+        tier (kept for the next backward), into host memory for the CPU tier."""
+        if self.placement.optimizer == "disk":
+            if self._parked is None or self._parked.dtype != out.dtype:
+                self._parked = self._disk_buffer(out.dtype, "reduced").tensor
+            home = self._parked[:out.numel()]
+            with torch.no_grad():
+                home.copy_(out.reshape(-1))
+            self.release()
+            return home
+        return out.to("cpu", copy=True)
+
     def publish(self, p: Any, rows: torch.Tensor) -> None:
         """Hand parameter ``p`` its reduced rows (on the device, in its dtype) as a
         gradient on the optimizer's tier, or add them to the one it has."""
@@ -127,6 +142,8 @@ class GroupStorage:
         out = {t: 0 for t in ("device", "cpu", "disk")}
         item = torch.empty((), dtype=self.dtype).element_size()
         out[self.placement.optimizer] += 2 * self.numel * item  # master and gradients
+        if self._parked is not None:
+            out["disk"] += self._parked.numel() * self._parked.element_size()
         if self.copy is not None:
             out[self.placement.params] += self.copy.numel() * self.copy.element_size()
         for t in self._state.values():

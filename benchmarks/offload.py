@@ -1,0 +1,115 @@
+"""Offload: peak resident memory and step time against depth, per placement.
+
+    OMP_NUM_THREADS=1 python benchmarks/offload.py [--layers 8 16 32] [--folder DIR]
+
+For each depth and placement, two ranks (torchrun, gloo) build a GPT 512 wide (vocabulary
+8192, 8-token sequences, batch 1: activations stay small beside the parameters) under
+``sw.sharded_init``, shard it with that ``sw.Offload``, and run 4 AdamW steps with
+``sw.clip_grad_norm_``. Each rank reports its peak RSS during the steps (``VmHWM`` after
+resetting it through ``/proc/self/clear_refs`` once the model is built: file-backed pages
+count, as the kernel counts them), its step time (median of steps 2-4) and its bytes per
+tier (``sw.inspect``). A flat row for ``disk/disk`` is the claim: the peak does not grow
+with depth. The device row grows with the training state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+PLACEMENTS = {"none": (None, None), "cpu/cpu": ("cpu", "cpu"), "disk/disk": ("disk", "disk")}
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key}")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def child(layers: int, placement: str, folder: str) -> None:
+    import torch
+
+    import shardwise as sw
+    from shardwise.models import GPT, GPTConfig
+
+    sw.init_distributed()
+    rank = torch.distributed.get_rank()
+    cfg = GPTConfig(vocab_size=8192, seq_len=8, n_layer=layers, n_head=8, d_model=512)
+    params, optimizer = PLACEMENTS[placement]
+    offload = None if params is None else sw.Offload(
+        params=params, optimizer=optimizer, folder=folder if "disk" in placement else None)
+    torch.manual_seed(0)
+    with sw.sharded_init():
+        model = GPT(cfg)
+    model = sw.shard(model, offload=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    _reset_peak()
+    base = _status_mib("VmRSS")
+    times = []
+    for _ in range(4):
+        x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
+        start = time.perf_counter()
+        model(x, torch.roll(x, -1, 1)).backward()
+        sw.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    view = sw.inspect(model)
+    print("RESULT " + json.dumps({
+        "rank": rank, "layers": layers, "placement": placement, "peak_mib": _status_mib("VmHWM"),
+        "base_mib": base,
+        "step_s": statistics.median(times[1:]),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "largest_gathered_mib": view.largest_gathered_bytes / 2**20,
+        "tier_mib": {k: v / 2**20 for k, v in view.tier_bytes.items()}}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--placements", nargs="+", default=list(PLACEMENTS))
+    ap.add_argument("--folder", default=None)
+    ap.add_argument("--child", nargs=3, metavar=("LAYERS", "PLACEMENT", "FOLDER"))
+    args = ap.parse_args()
+    if args.child:
+        child(int(args.child[0]), args.child[1], args.child[2])
+        return
+    folder = args.folder or tempfile.mkdtemp(prefix="shardwise-offload-")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    print(f"{'layers':>6} {'params':>8} {'placement':>10} {'built':>9} {'step peak':>10} "
+          f"{'gathered unit':>14} {'step':>8}  bytes per tier (rank 0)")
+    for layers in args.layers:
+        for placement in args.placements:
+            out = subprocess.run(
+                [torchrun, "--standalone", "--nproc_per_node", "2", __file__,
+                 "--child", str(layers), placement, folder],
+                capture_output=True, text=True, check=True).stdout
+            rows = [json.loads(line[7:]) for line in out.splitlines()
+                    if line.startswith("RESULT ")]
+            r0 = min(rows, key=lambda r: r["rank"])
+            peak = max(r["peak_mib"] - r["base_mib"] for r in rows)
+            base = max(r["base_mib"] for r in rows)
+            tiers = ", ".join(f"{k} {v:.0f} MiB" for k, v in r0["tier_mib"].items() if v)
+            print(f"{layers:>6} {r0['params_m']:>7.1f}M {placement:>10} {base:>5.0f} MiB "
+                  f"+{peak:>5.0f} MiB "
+                  f"{r0['largest_gathered_mib']:>10.1f} MiB {r0['step_s']:>7.2f}s  "
+                  f"{tiers or '-'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
