@@ -25,7 +25,10 @@ live grew. A model whose state is on disk promises a peak that does not grow wit
 so :func:`bound_heap` fixes the threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which
 also stops the adjustment): blocks that large are mapped and unmapped, and the same runs
 peaked at 414 MiB at both depths. It is process-wide, set once, and left alone when
-``MALLOC_MMAP_THRESHOLD_`` is in the environment (the user chose).
+``MALLOC_MMAP_THRESHOLD_`` is in the environment (the user chose). The threshold only
+decides how new memory is obtained: free chunks already in the heap (a model built under
+``sharded_init`` leaves them on ``src_rank``) are still handed out and kept, so such a
+model's full parameters report what they free (:func:`freed`), and the step trims.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ from .._registry import PARAM, UNIT, attach_to, attached, copy_user_attributes
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
+from .alloc import freed
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
 from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout
@@ -279,7 +280,13 @@ class FlatGroup:
             storage.resize_(nbytes)
 
     def _free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        storage = self.full.untyped_storage()
+        nbytes = storage.size()
+        storage.resize_(0)
+        if nbytes and self.store is not None and self.store.on_disk:
+            # Note [a fixed mmap threshold]: free chunks left in the heap from before the
+            # threshold was fixed would keep what each unit frees.
+            freed(nbytes)
 
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
