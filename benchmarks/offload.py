@@ -32,7 +32,9 @@ import sys
 import tempfile
 import time
 
-PLACEMENTS = {"none": (None, None), "cpu/cpu": ("cpu", "cpu"), "disk/disk": ("disk", "disk")}
+PLACEMENTS = {"none": (None, None), "device/cpu": (None, "cpu"), "cpu/cpu": ("cpu", "cpu"),
+              "disk/disk": ("disk", "disk")}
+DEFAULT = ["none", "cpu/cpu", "disk/disk"]  # device/cpu is cpu/cpu plus a copy on a CPU
 
 
 def _status_mib(key: str) -> float:
@@ -58,7 +60,7 @@ def child(layers: int, placement: str, folder: str) -> None:
     rank = torch.distributed.get_rank()
     cfg = GPTConfig(vocab_size=8192, seq_len=8, n_layer=layers, n_head=8, d_model=512)
     params, optimizer = PLACEMENTS[placement]
-    offload = None if params is None else sw.Offload(
+    offload = None if params is None and optimizer is None else sw.Offload(
         params=params, optimizer=optimizer, folder=folder if "disk" in placement else None)
     torch.manual_seed(0)
     with sw.sharded_init():
@@ -138,7 +140,7 @@ def end_to_end(layers: int, width: int, folder: str, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
-    ap.add_argument("--placements", nargs="+", default=list(PLACEMENTS))
+    ap.add_argument("--placements", nargs="+", default=DEFAULT, choices=list(PLACEMENTS))
     ap.add_argument("--folder", default=None)
     ap.add_argument("--child", nargs=3, metavar=("LAYERS", "PLACEMENT", "FOLDER"))
     ap.add_argument("--end-to-end", nargs=3, type=int, metavar=("LAYERS", "WIDTH", "STEPS"),
