@@ -93,7 +93,14 @@ def child(layers: int, placement: str, folder: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def end_to_end(layers: int, width: int, folder: str, steps: int) -> None:
+def _io() -> dict[str, int]:
+    """This process's block I/O so far (``/proc/self/io``): what reached the disk, page
+    cache hits excluded; writes are counted when the process dirties file pages."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
     """A model whose fp32 training state (16 bytes a parameter) exceeds the machine's
     memory, built under sharded_init straight into the disk tier, trained a few steps."""
     import torch
@@ -119,8 +126,10 @@ def end_to_end(layers: int, width: int, folder: str, steps: int) -> None:
               f"far {_status_mib('VmHWM'):.0f} MiB", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
+    _reset_peak()  # from here, the training's peak
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
+        io0 = _io()
         t0 = time.perf_counter()
         loss = model(x, torch.roll(x, -1, 1))
         loss.backward()
@@ -129,9 +138,12 @@ def end_to_end(layers: int, width: int, folder: str, steps: int) -> None:
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
+        io1 = _io()
         disk = sw.inspect(model).tier_bytes["disk"]
+        read, written = (io1[k] - io0[k] for k in ("read_bytes", "write_bytes"))
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, forward+backward "
-              f"{t1 - t0:.1f} s, clip+step {t2 - t1:.1f} s, peak RSS "
+              f"{t1 - t0:.1f} s, clip+step {t2 - t1:.1f} s, disk read {read / 2**30:.1f} "
+              f"GiB, written {written / 2**30:.1f} GiB (this process), training's peak RSS "
               f"{_status_mib('VmHWM'):.0f} MiB, this rank's files {disk / 2**30:.1f} GiB",
               flush=True)
     torch.distributed.destroy_process_group()

@@ -282,3 +282,63 @@ def test_disk_folder_is_owned_and_leftovers_are_never_read():
             DiskFolder(path)
     finally:
         shutil.rmtree(folder)
+
+
+def _plan_matches(rank, world, folder):
+    """The planner's bytes per tier and bytes moved per step are the engine's, for every
+    placement, with a frozen unit beside trainable ones, at an uneven world size."""
+    from shardwise.planning.planner import plan
+
+    with torch.device("meta"):
+        meta = GPT(GPT_CFG)
+    meta.blocks[0].requires_grad_(False)
+    for placement in PLACEMENTS:
+        offload = _offload(*placement, folder)
+        torch.manual_seed(0)
+        model = GPT(GPT_CFG)
+        model.blocks[0].requires_grad_(False)
+        model = sw.shard(model, offload=offload)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        moved = []
+        for x, y in gpt_batches(rank, 3):
+            before = sw.inspect(model).moved_bytes
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            moved.append(sw.inspect(model).moved_bytes - before)
+        if rank == 0:  # the plan is rank 0's, which holds the most rows
+            expected = plan(meta, world, "adamw", offload=offload)
+            assert sw.inspect(model).tier_bytes == expected.tiers, placement
+            # From the second step on (the first creates state and copies), every step
+            # moves the same bytes.
+            assert moved[1] == moved[2] == expected.moved_per_step, (placement, moved,
+                                                                    expected.moved_per_step)
+            assert expected.moved_minimum <= expected.moved_per_step
+
+
+def test_planner_figures_equal_the_engines():
+    folder = tempfile.mkdtemp()
+    try:
+        run_ranks(_plan_matches, 3, folder)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_plan_command_shows_bytes_per_tier(capsys):
+    import json
+
+    from shardwise.cli import main
+
+    main(["plan", "--model", "shardwise.models:gpt", "--kwargs", '{"n_layer": 2}',
+          "--world", "2", "--offload", "device,disk", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["offload"] == "params device, optimizer disk"
+    assert got["tiers"]["disk"] > got["tiers"]["device"] > 0 and got["tiers"]["cpu"] == 0
+    assert got["moved_per_step"] > got["moved_minimum"] > 0
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "shardwise.models:gpt", "--world", "2",
+              "--offload", "disk,cpu"])
+    assert "farther away" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--layers", "8", "--world", "2",
+                 "--offload", "cpu,cpu"]) != 0
+    assert "--offload needs --model" in capsys.readouterr().err

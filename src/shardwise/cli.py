@@ -51,6 +51,20 @@ def _mesh(text: str) -> tuple[int, int]:
     return r, s
 
 
+def _offload(text: str):
+    from shardwise.engine.offload import Offload
+    from shardwise.errors import ShardwiseError
+
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PARAMS,OPTIMIZER, e.g. disk,disk")
+    params, optimizer = (None if t == "device" else t for t in parts)
+    try:  # the folder is the running job's choice; planning needs only the tiers
+        return Offload(params, optimizer, "<folder>" if "disk" in parts else None)
+    except ShardwiseError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 def _float_dtype(text: str):
     import torch
 
@@ -129,12 +143,16 @@ def _plan_command(args: argparse.Namespace) -> int:
         if not isinstance(model, torch.nn.Module):
             raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
                                  f"torch.nn.Module")
-        result = plan(model, shards, args.optimizer, dtype, activation_bytes=activations)
+        result = plan(model, shards, args.optimizer, dtype, activation_bytes=activations,
+                      offload=args.offload)
         if args.mesh:
             mesh = MeshPlan(result, comm_plan(model, replicas, shards, dtype),
                             plan(model, world, args.optimizer, dtype,
                                  activation_bytes=activations),
                             comm_plan(model, 1, world, dtype))
+    elif args.offload is not None:
+        raise ShardwiseError("--offload needs --model: the bytes per tier follow the "
+                             "engine's layout of the real parameters")
     elif args.params and args.layers:
         compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
         n, layers = int(args.params), args.layers
@@ -199,6 +217,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    help="compute dtype of gathered units, e.g. bfloat16")
     p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
+    p.add_argument("--offload", type=_offload, metavar="PARAMS,OPTIMIZER",
+                   help="with --model: tiers of sw.Offload, each device, cpu or disk "
+                        "(e.g. device,cpu or disk,disk); adds bytes per tier and bytes "
+                        "moved per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan_command)
     from shardwise.demo.main import add_arguments

@@ -199,6 +199,9 @@ class ModelView:
     # optimizer state moved to disk (state the optimizer keeps in host memory is its own).
     offload: str | None
     tier_bytes: dict[str, int]
+    # Bytes shardwise's copies moved to and from the offload tiers since ``shard`` (Note
+    # [bytes moved]; ``shardwise plan --offload`` predicts them per step).
+    moved_bytes: int
     units: tuple[UnitView, ...] = field(repr=False)  # root first, then in module order
 
     def unit(self, name: str) -> UnitView:
@@ -346,7 +349,8 @@ def inspect(module: nn.Module) -> ModelView:
         kept_bytes=sum(g.kept_bytes for g in groups),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
         offload=next((g.placement.describe() for g in groups if g.placement), None),
-        tier_bytes=_tier_bytes(groups), units=units)
+        tier_bytes=_tier_bytes(groups),
+        moved_bytes=sum(g.store.moved for g in groups if g.store is not None), units=units)
 
 
 def _tier_bytes(groups: list[FlatGroup]) -> dict[str, int]:

@@ -47,7 +47,7 @@ from .._registry import (
 )
 from ..errors import ShardwiseError
 from .exact_reduction import ExactReduction
-from .offload.step import restore_gradients, step_by_unit
+from .offload.step import after_step, step_by_unit
 from .unit import Unit, sharded_param
 
 _RETIRED: dict[type, type] = {}
@@ -199,7 +199,7 @@ def _guard_torch_classes() -> None:
     )
 
     register_optimizer_step_pre_hook(_before_step)
-    register_optimizer_step_post_hook(restore_gradients)
+    register_optimizer_step_post_hook(after_step)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any

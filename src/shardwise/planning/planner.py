@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 
-from ..engine.layout import build_layout
+from ..engine.layout import ShardLayout, build_layout
+from ..engine.offload.placement import TIERS, Offload
 from .units import (
     AUTO,
     UnitSpec,
@@ -45,6 +46,14 @@ class MemoryPlan:
     prefetched_unit: int    # the next unit, gathered while the largest computes
     activations: int
     units: int
+    # With an Offload (engine/offload): what the offloaded groups keep on each tier, as
+    # sw.inspect(model).tier_bytes counts it after a step, and the bytes shardwise moves
+    # to and from the offload tiers per step (Note [bytes moved]) against the minimum,
+    # every state read and written once.
+    offload: str = ""
+    tiers: dict[str, int] = field(default_factory=dict)
+    moved_per_step: int = 0
+    moved_minimum: int = 0
 
     @property
     def total(self) -> int:
@@ -58,16 +67,22 @@ class MemoryPlan:
                 ("largest gathered unit", self.largest_unit),
                 ("prefetched unit", self.prefetched_unit), ("activations (given)",
                                                             self.activations),
-                ("total", self.total)]
+                ("total without offload" if self.offload else "total", self.total)]
+        if self.offload:
+            rows += [(f"offloaded, on {tier}", n) for tier, n in self.tiers.items()]
+            rows += [("moved to and from tiers per step", self.moved_per_step),
+                     ("  the least possible", self.moved_minimum)]
         width = max(len(r[0]) for r in rows)
-        lines = [f"per rank, world size {self.world_size}, {self.units} units"]
+        lines = [f"per rank, world size {self.world_size}, {self.units} units"
+                 + (f", offload: {self.offload}" if self.offload else "")]
         lines += [f"  {name:<{width}}  {b / 2**20:12.1f} MiB" for name, b in rows]
         return "\n".join(lines)
 
 
 def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
          param_dtype: torch.dtype | None = None, units: UnitSpec = None,
-         activation_bytes: int = 0, memory_budget: int | None = None) -> MemoryPlan:
+         activation_bytes: int = 0, memory_budget: int | None = None,
+         offload: Offload | None = None) -> MemoryPlan:
     """Plan per-rank memory for ``model`` sharded over ``world_size`` ranks.
 
     ``model`` may live on the meta device (build it under ``torch.device("meta")``): only
@@ -82,6 +97,8 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
             planner cannot read the free memory of the machine that will train).
         activation_bytes: activations per rank, which only the caller can know.
         memory_budget: bytes of gathered parameters for ``units="auto"``.
+        offload: an ``sw.Offload``: also the bytes per tier and the bytes moved per
+            step (one forward, one backward and one step, ``reshard_after_forward=True``).
 
     Raises:
         ValueError: for an unknown optimizer or a world size below 1, or
@@ -105,7 +122,8 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     per_elem, per_param = _OPTIMIZERS[optimizer]
     params = grads = opt = 0
     unit_bytes = []
-    for recs in per_unit:
+    traffic = _Traffic(offload, per_elem)
+    for i, recs in enumerate(per_unit):
         full = 0
         for spec in group_specs(recs, param_dtype, None):
             p = spec.records[0].param
@@ -117,10 +135,56 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
                 grads += layout.shard_numel * size
                 rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
                 opt += per_elem * rows * size + per_param * len(layout.slots)
+            # Gathered once a step: the root (for the whole step) and the unit running
+            # last (kept for the backward that follows it; engine/state.py's _runs_last),
+            # assumed to be the last in module order; every other unit twice.
+            traffic.add(layout, size, _itemsize(spec.compute_dtype), p.requires_grad,
+                        gathers=1 if i in (0, len(per_unit) - 1) else 2)
         unit_bytes.append(full)
     ranked = sorted(unit_bytes, reverse=True) + [0, 0]
     return MemoryPlan(world_size, params, grads, opt, ranked[0], ranked[1], activation_bytes,
-                      len(chosen))
+                      len(chosen), traffic.describe, traffic.tiers, traffic.moved,
+                      traffic.minimum)
+
+
+class _Traffic:
+    """What an ``Offload`` puts on each tier, and moves per step (Note [bytes moved] in
+    engine/offload/storage.py), group by group, as the engine does it on rank 0."""
+
+    def __init__(self, offload: Offload | None, per_elem: int) -> None:
+        self.offload = offload
+        self.per_elem = per_elem
+        self.tiers = dict.fromkeys(TIERS, 0) if offload is not None else {}
+        self.moved = self.minimum = 0
+
+    @property
+    def describe(self) -> str:
+        o = self.offload
+        return "" if o is None else f"params {o.param_tier}, optimizer {o.optimizer_tier}"
+
+    def add(self, layout: ShardLayout, size: int, compute: int, trainable: bool,
+            gathers: int) -> None:
+        o = self.offload
+        if o is None or o.param_tier == o.optimizer_tier == "device":
+            return
+        ptier, otier = o.param_tier, o.optimizer_tier
+        n = layout.shard_numel
+        rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
+        self.tiers[otier] += n * size  # the master
+        if ptier != otier:
+            self.tiers[ptier] += n * compute  # the gathers' copy
+        if ptier != "device":  # each gather stages its source from its tier
+            self.moved += gathers * n * (size if ptier == otier else compute)
+        if not trainable:
+            return
+        if ptier != otier:  # the copy refreshed after the step
+            self.moved += n * size + (n * compute if ptier != "device" else 0)
+        if otier == "disk":  # gradients, parked rows, the optimizer's state
+            self.tiers["disk"] += n * size + n * size + self.per_elem * n * size
+        # Parked (n), published (read and written), stepped (master, gradient and state
+        # read, master and state written).
+        self.moved += n * size + 2 * rows * size + (3 + 2 * self.per_elem) * rows * size
+        self.minimum += 2 * (2 + self.per_elem) * rows * size
 
 
 def uniform_plan(n_params: int, n_layers: int, world_size: int, dtype_bytes: int = 4,

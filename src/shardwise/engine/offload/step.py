@@ -111,7 +111,9 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = [p for p in params if id(p) in members]
             inner(optimizer)
-            moved = _adopt(optimizer, [p for ps in saved for p in ps if id(p) in members])
+            stepped = [p for ps in saved for p in ps if id(p) in members]
+            moved = _adopt(optimizer, stepped)
+            _count(optimizer, stepped)
             for s in stores:
                 s.release()
             if moved:
@@ -134,15 +136,29 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
     return (optimizer,), {"closure": (lambda: loss)} if closure is not None else {}
 
 
-def restore_gradients(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None
-                      ) -> None:
-    """After the optimizer's own (empty) call: give the parameters their gradients back."""
+def after_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+    """After the optimizer's own call: give the parameters their gradients back (after a
+    unit-by-unit step, whose traffic was counted then), or count what the step of state
+    in host memory read and wrote (Note [bytes moved])."""
     stash = attached(optimizer, OFFLOAD_GRADS)
     if stash is None:
+        _count(optimizer, [p for g in optimizer.param_groups for p in g["params"]],
+               tier="cpu")
         return
     detach_from(optimizer, OFFLOAD_GRADS)
     for p, grad in stash.items():
         p.grad = grad
+
+
+def _count(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+           tier: str | None = None) -> None:
+    for p in params:
+        sp = sharded_param(p)
+        if p.grad is None or sp is None or sp.group is None or sp.group.store is None:
+            continue
+        store = sp.group.store
+        if tier is None or store.placement.optimizer == tier:
+            store.count_step(sp, optimizer.state.get(p, {}))
 
 
 def _adopt(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:

@@ -1,6 +1,15 @@
 """One flat group's offloaded storage: its master shard, its parameter copy, its
 gradients and its optimizer state, each on the tier Note [two states, three tiers] puts
-it on."""
+it on.
+
+Note [bytes moved]
+``moved`` counts the bytes shardwise's own copies read from and write to the offload
+tiers (host memory, disk): staging a shard for a gather, refreshing the parameters tier's
+copy, parking reduced rows, publishing gradients, and (counted from the tensors it
+stepped) the optimizer step's reads and writes of master shards, gradients and state.
+``planning/planner.py`` predicts the same quantity per step from the layout, and a test
+holds the two equal.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .disk import DiskBuffer
-from .placement import Placement
+from .placement import TIERS, Placement
 
 
 class GroupStorage:
@@ -32,10 +41,11 @@ class GroupStorage:
         self.copy = (None if placement.params == placement.optimizer else
                      self._make(placement.params, compute_dtype, "params"))
         self.copy_version = -1  # the master's version the copy was taken at
-        self._grads = (self._disk_buffer(dtype, "grads").tensor
-                       if placement.optimizer == "disk" else None)
-        self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # Disk tier only, made at first use (a frozen group never has them):
+        self._grads: torch.Tensor | None = None  # the gradients' home
         self._parked: torch.Tensor | None = None  # reduced rows until published (park)
+        self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.moved = 0  # Note [bytes moved]
 
     def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
         assert self.placement.folder is not None, "Offload checked folder="
@@ -61,11 +71,12 @@ class GroupStorage:
         if self.copy is not None and self.copy_version != version:
             self.refresh(version)
         src = self.master if self.copy is None else self.copy
-        if src is self.copy and src.device == self.placement.device:
+        if src is self.copy and self.placement.params == "device":
             return src
         staged = torch.empty(self.numel, dtype=self.compute_dtype, device=self.placement.device)
         with torch.no_grad():
             staged.copy_(src)
+        self.moved += _nbytes(src)
         self.release()
         return staged
 
@@ -75,6 +86,9 @@ class GroupStorage:
         with torch.no_grad():
             self.copy.copy_(self.master)
         self.copy_version = version
+        self.moved += _nbytes(self.master)
+        if self.placement.params != "device":
+            self.moved += _nbytes(self.copy)
         self.release()
 
     # -- gradients -------------------------------------------------------------------
@@ -82,6 +96,7 @@ class GroupStorage:
         """Reduced rows (``out``, on the device) moved to the optimizer's tier until the
         backward ends and they are published: into a file of their own for the disk
         tier (kept for the next backward), into host memory for the CPU tier."""
+        self.moved += _nbytes(out)
         if self.placement.optimizer == "disk":
             if self._parked is None or self._parked.dtype != out.dtype:
                 self._parked = self._disk_buffer(out.dtype, "reduced").tensor
@@ -93,15 +108,20 @@ class GroupStorage:
         return out.to("cpu", copy=True)
 
     def publish(self, p: Any, rows: torch.Tensor) -> None:
-        """Hand parameter ``p`` its reduced rows (on the device, in its dtype) as a
-        gradient on the optimizer's tier, or add them to the one it has."""
+        """Hand parameter ``p`` its reduced rows (parked, in its dtype) as a gradient on
+        the optimizer's tier, or add them to the one it has."""
+        # Read from where they were parked (unless a dtype change made a device copy),
+        # written to the gradient's home.
+        self.moved += _nbytes(rows) * (2 if rows.dtype == self.dtype else 1)
         existing = cast(DTensor | None, p.shard.grad)
         if existing is not None:
             local = existing.to_local()
             with torch.no_grad():
                 local.add_(rows.to(local.device))
             return
-        if self._grads is not None:
+        if self.placement.optimizer == "disk":
+            if self._grads is None:
+                self._grads = self._disk_buffer(self.dtype, "grads").tensor
             home = self._grads[p.slot.offset:p.slot.offset + rows.numel()].view(rows.shape)
             with torch.no_grad():
                 home.copy_(rows)
@@ -126,6 +146,14 @@ class GroupStorage:
             home.copy_(local)
         return cast(DTensor, p.as_dtensor(home))
 
+    def count_step(self, p: Any, state: dict) -> None:
+        """Note [bytes moved]: one step of ``p`` read its master rows, gradient and
+        state, and wrote its master rows and state."""
+        n = _nbytes(p.local)
+        shaped = sum(_nbytes(v.to_local()) for v in state.values()
+                     if isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape))
+        self.moved += 3 * n + 2 * shaped
+
     # -- pages -----------------------------------------------------------------------
     def release(self) -> None:
         """Drop this group's disk pages from the process (Note [the disk tier])."""
@@ -138,14 +166,18 @@ class GroupStorage:
             b.prefetch()
 
     def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes this group keeps on each tier, optimizer state included."""
-        out = {t: 0 for t in ("device", "cpu", "disk")}
-        item = torch.empty((), dtype=self.dtype).element_size()
-        out[self.placement.optimizer] += 2 * self.numel * item  # master and gradients
-        if self._parked is not None:
-            out["disk"] += self._parked.numel() * self._parked.element_size()
+        """Bytes this group's storage holds on each tier: the master, the parameters
+        copy, and on disk the gradients, parked rows and optimizer state (state the
+        optimizer keeps in host memory is its own)."""
+        out = dict.fromkeys(TIERS, 0)
+        out[self.placement.optimizer] += _nbytes(self.master)
         if self.copy is not None:
-            out[self.placement.params] += self.copy.numel() * self.copy.element_size()
-        for t in self._state.values():
-            out["disk"] += t.numel() * t.element_size()
+            out[self.placement.params] += _nbytes(self.copy)
+        for t in (self._grads, self._parked, *self._state.values()):
+            if t is not None:
+                out["disk"] += _nbytes(t)
         return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
