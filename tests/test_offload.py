@@ -250,6 +250,14 @@ def _refusals(rank, world, folder):
     loss = opt.step(closure)
     assert len(calls) == 1 and torch.is_tensor(loss) and loss.item() > 0
     assert all(p.grad is not None for p in model.parameters())  # given back after the step
+    # The fused host AdamW steps unit by unit to the same bits as on the device.
+    runs = []
+    for where in ((None, None), placement):
+        model, _ = _plain(where, folder)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        losses = _steps(model, opt, 0, 2)
+        runs.append((torch.tensor(losses), _state(model, opt)))
+    _same(runs[1], runs[0], "fused AdamW on disk")
 
 
 def test_what_cannot_step_disk_offloaded_state_is_refused():
