@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import time
 
 import pytest
 import torch
@@ -25,6 +27,15 @@ from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.models import GPT
+
+
+@pytest.fixture
+def folder():
+    """A folder for the disk tier, removed after the test."""
+    path = tempfile.mkdtemp()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
 
 PLACEMENTS = [(None, "cpu"), ("cpu", "cpu"), (None, "disk"), ("cpu", "disk"),
               ("disk", "disk")]
@@ -125,12 +136,8 @@ def _every_placement(rank, world, folder):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_every_placement_trains_to_the_same_bits(world):
-    folder = tempfile.mkdtemp()
-    try:
-        assert run_ranks(_every_placement, world, folder) == [15] * world
-    finally:
-        shutil.rmtree(folder)
+def test_every_placement_trains_to_the_same_bits(world, folder):
+    assert run_ranks(_every_placement, world, folder) == [15] * world
 
 
 def _hybrid(rank, world, folder):
@@ -140,12 +147,8 @@ def _hybrid(rank, world, folder):
         _same(_train("plain", placement, folder, mesh=mesh), ref, f"hybrid {placement}")
 
 
-def test_hybrid_mesh_offloaded_trains_to_the_same_bits():
-    folder = tempfile.mkdtemp()
-    try:
-        run_ranks(_hybrid, 4, folder)
-    finally:
-        shutil.rmtree(folder)
+def test_hybrid_mesh_offloaded_trains_to_the_same_bits(folder):
+    run_ranks(_hybrid, 4, folder)
 
 
 def test_offload_arguments_are_checked():
@@ -204,14 +207,9 @@ def _load_placed(rank, world, folder, ckpt):
     return len(results)
 
 
-def test_checkpoints_round_trip_across_placements_and_world_sizes():
-    folder, ckpt = tempfile.mkdtemp(), tempfile.mkdtemp()
-    try:
-        run_ranks(_save_placed, 2, folder, ckpt)
-        assert run_ranks(_load_placed, 3, folder, ckpt) == [12] * 3
-    finally:
-        shutil.rmtree(folder)
-        shutil.rmtree(ckpt)
+def test_checkpoints_round_trip_across_placements_and_world_sizes(folder, tmp_path):
+    run_ranks(_save_placed, 2, folder, str(tmp_path))
+    assert run_ranks(_load_placed, 3, folder, str(tmp_path)) == [12] * 3
 
 
 class _Lookahead(torch.optim.SGD):
@@ -260,36 +258,47 @@ def _refusals(rank, world, folder):
     _same(runs[1], runs[0], "fused AdamW on disk")
 
 
-def test_what_cannot_step_disk_offloaded_state_is_refused():
-    folder = tempfile.mkdtemp()
-    try:
-        run_ranks(_refusals, 2, folder)
-    finally:
-        shutil.rmtree(folder)
+def test_what_cannot_step_disk_offloaded_state_is_refused(folder):
+    run_ranks(_refusals, 2, folder)
 
 
-def test_disk_folder_is_owned_and_leftovers_are_never_read():
+def test_disk_folder_is_owned_and_leftovers_are_never_read(folder):
     from shardwise.engine.offload.disk import DiskFolder
 
-    folder = tempfile.mkdtemp()
-    try:
-        path = os.path.join(folder, "rank0")
-        os.makedirs(path)
-        with open(os.path.join(path, "0000001-master.bin"), "wb") as f:
-            f.write(b"\x7f" * 4096)  # what a crashed run could have left
-        held = DiskFolder(path)
-        assert os.listdir(path) == [".lock"]
-        buf = held.buffer(1000, torch.float32, "master")
-        assert torch.equal(buf.tensor, torch.zeros(1000))  # fresh, never the old bytes
-        assert os.listdir(path) == [".lock"]  # unlinked as soon as mapped
-        buf.tensor.fill_(2.5)
-        buf.release()  # dropped from memory, kept by the file
-        assert torch.equal(buf.tensor, torch.full((1000,), 2.5))
-        # Another holder (another process, or this one through another descriptor).
-        with pytest.raises(sw.ShardwiseError, match="in use by another process"):
-            DiskFolder(path)
-    finally:
-        shutil.rmtree(folder)
+    path = os.path.join(folder, "rank0")
+    os.makedirs(path)
+    with open(os.path.join(path, "0000001-master.bin"), "wb") as f:
+        f.write(b"\x7f" * 4096)  # what a crashed run could have left
+    held = DiskFolder(path)
+    assert os.listdir(path) == [".lock"]
+    buf = held.buffer(1000, torch.float32, "master")
+    assert torch.equal(buf.tensor, torch.zeros(1000))  # fresh, never the old bytes
+    assert os.listdir(path) == [".lock"]  # unlinked as soon as mapped
+    buf.tensor.fill_(2.5)
+    buf.release()  # dropped from memory, kept by the file
+    assert torch.equal(buf.tensor, torch.full((1000,), 2.5))
+    # Another holder (another process, or this one through another descriptor).
+    with pytest.raises(sw.ShardwiseError, match="in use by another process"):
+        DiskFolder(path)
+    # A holder killed with SIGKILL leaves the folder free and nothing in it.
+    other = os.path.join(folder, "rank1")
+    pid = os.fork()
+    if pid == 0:  # the child takes the folder, fills a buffer, and waits to be killed
+        try:
+            DiskFolder(other).buffer(1 << 20, torch.float32, "master").tensor.fill_(1)
+            with open(os.path.join(folder, "ready"), "w"):
+                pass
+            signal.pause()
+        finally:
+            os._exit(1)
+    while not os.path.exists(os.path.join(folder, "ready")):
+        time.sleep(0.01)
+    with pytest.raises(sw.ShardwiseError, match="in use by another process"):
+        DiskFolder(other)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    DiskFolder(other)
+    assert os.listdir(other) == [".lock"]
 
 
 def _plan_matches(rank, world, folder):
@@ -324,12 +333,8 @@ def _plan_matches(rank, world, folder):
             assert expected.moved_minimum <= expected.moved_per_step
 
 
-def test_planner_figures_equal_the_engines():
-    folder = tempfile.mkdtemp()
-    try:
-        run_ranks(_plan_matches, 3, folder)
-    finally:
-        shutil.rmtree(folder)
+def test_planner_figures_equal_the_engines(folder):
+    run_ranks(_plan_matches, 3, folder)
 
 
 def test_plan_command_shows_bytes_per_tier(capsys):

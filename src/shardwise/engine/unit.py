@@ -371,6 +371,8 @@ class FlatGroup:
                 rows = p.slot.local_rows(self.comm.rank) * p.slot.row_numel
                 start = p.slot.full_offset + p.piece.param_offset
                 p.local.view(-1).copy_(full[start:start + rows])
+        if self.store is not None:
+            self.store.release()
 
     # -- gather ----------------------------------------------------------------------
     def shard_version(self) -> int:
