@@ -259,6 +259,8 @@ class ModelState:
         if pos < len(prev) and prev[pos] is unit:
             for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
                 nxt.start_gather()
+            if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
+                prev[pos + 1 + self.prefetch].read_ahead()
 
     def _runs_last(self, unit: Unit) -> bool:
         """Whether ``unit`` ran last in the previous forward and this forward has followed
@@ -311,6 +313,8 @@ class ModelState:
         for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
             if prev.owes_backward():
                 prev.start_gather()
+        if call_index - self.prefetch - 1 >= 0:  # offloaded shards: read one further
+            self._order[call_index - self.prefetch - 1].read_ahead()
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""

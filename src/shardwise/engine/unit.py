@@ -576,6 +576,13 @@ class Unit:
         for g in self.groups:
             g.drop_kept()
 
+    def read_ahead(self) -> None:
+        """Start reading offloaded shards from disk, without waiting, for a gather soon
+        (Note [the disk tier]); nothing for shards in memory."""
+        for g in self.groups:
+            if g.store is not None:
+                g.store.prefetch(gather=True)
+
     def reshard(self, keep_grads: bool = False) -> None:
         """-> SHARDED: expose shards again and free the full parameters (and, unless
         ``keep_grads``, their gradients).

@@ -38,6 +38,7 @@ class GroupStorage:
         self.compute_dtype = compute_dtype
         self._disk: list[DiskBuffer] = []  # every disk buffer, released together
         self.master = self._make(placement.optimizer, dtype, "master")
+        self._master_file = self._disk[0] if self._disk else None
         self.copy = (None if placement.params == placement.optimizer else
                      self._make(placement.params, compute_dtype, "params"))
         self.copy_version = -1  # the master's version the copy was taken at
@@ -160,10 +161,16 @@ class GroupStorage:
         for b in self._disk:
             b.release()
 
-    def prefetch(self) -> None:
-        """Start reading this group's disk pages ahead of use."""
+    def prefetch(self, gather: bool = False) -> None:
+        """Start reading this group's disk pages ahead of use: for a gather, the master
+        shard's; for an optimizer step, every file but the parked rows' (read by then)."""
+        if gather:
+            if self._master_file is not None and self.placement.params == "disk":
+                self._master_file.prefetch()
+            return
         for b in self._disk:
-            b.prefetch()
+            if self._parked is None or b.tensor.data_ptr() != self._parked.data_ptr():
+                b.prefetch()
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes this group's storage holds on each tier: the master, the parameters
