@@ -28,7 +28,7 @@ from ..._registry import OFFLOAD_GRADS, attach_to, attached, detach_from
 from ...errors import ShardwiseError
 from ..alloc import trim
 from ..unit import sharded_param
-from .storage import GroupStorage
+from .storage import OPTIMIZER_TIERS_USED, GroupStorage
 
 # torch.optim optimizers whose update of a parameter reads only that parameter, its
 # gradient, its own state and the group's hyperparameters.
@@ -90,6 +90,8 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
                  ) -> tuple[tuple, dict] | None:
     """Note [stepping unit by unit]: run the step, and return the arguments that make
     the optimizer's own call change nothing (``None``: no disk-offloaded state here)."""
+    if "disk" not in OPTIMIZER_TIERS_USED:
+        return None
     buckets, rest = _buckets(optimizer)
     if not buckets:
         return None
@@ -142,6 +144,8 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = N
     in host memory read and wrote (Note [bytes moved])."""
     stash = attached(optimizer, OFFLOAD_GRADS)
     if stash is None:
+        if "cpu" not in OPTIMIZER_TIERS_USED:
+            return
         _count(optimizer, [p for g in optimizer.param_groups for p in g["params"]],
                tier="cpu")
         return

@@ -21,6 +21,11 @@ from torch.distributed.tensor import DTensor
 from .disk import DiskBuffer
 from .placement import TIERS, Placement
 
+# The optimizer tiers any group of this process was ever given: until "cpu" or "disk" is
+# here, an optimizer step has nothing of offload's to do, and skips the walk of its
+# parameters (engine/offload/step.py) that every step of every optimizer would pay.
+OPTIMIZER_TIERS_USED: set[str] = set()
+
 
 class GroupStorage:
     """Where a group's states live when any is offloaded.
@@ -33,6 +38,7 @@ class GroupStorage:
     def __init__(self, placement: Placement, numel: int, dtype: torch.dtype,
                  compute_dtype: torch.dtype) -> None:
         self.placement = placement
+        OPTIMIZER_TIERS_USED.add(placement.optimizer)
         self.numel = numel
         self.dtype = dtype
         self.compute_dtype = compute_dtype
@@ -45,6 +51,7 @@ class GroupStorage:
         # Disk tier only, made at first use (a frozen group never has them):
         self._grads: torch.Tensor | None = None  # the gradients' home
         self._parked: torch.Tensor | None = None  # reduced rows until published (park)
+        self._parked_file: DiskBuffer | None = None  # the file _parked views
         self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.moved = 0  # Note [bytes moved]
 
@@ -100,7 +107,8 @@ class GroupStorage:
         self.moved += _nbytes(out)
         if self.placement.optimizer == "disk":
             if self._parked is None or self._parked.dtype != out.dtype:
-                self._parked = self._disk_buffer(out.dtype, "reduced").tensor
+                self._parked_file = self._disk_buffer(out.dtype, "reduced")
+                self._parked = self._parked_file.tensor
             home = self._parked[:out.numel()]
             with torch.no_grad():
                 home.copy_(out.reshape(-1))
@@ -169,7 +177,7 @@ class GroupStorage:
                 self._master_file.prefetch()
             return
         for b in self._disk:
-            if self._parked is None or b.tensor.data_ptr() != self._parked.data_ptr():
+            if b is not self._parked_file:
                 b.prefetch()
 
     def bytes_by_tier(self) -> dict[str, int]:
