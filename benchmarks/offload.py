@@ -32,22 +32,11 @@ import sys
 import tempfile
 import time
 
+from procstat import reset_peak, status_mib
+
 PLACEMENTS = {"none": (None, None), "device/cpu": (None, "cpu"), "cpu/cpu": ("cpu", "cpu"),
               "disk/disk": ("disk", "disk")}
 DEFAULT = ["none", "cpu/cpu", "disk/disk"]  # device/cpu is cpu/cpu plus a copy on a CPU
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def child(layers: int, placement: str, folder: str) -> None:
@@ -68,8 +57,8 @@ def child(layers: int, placement: str, folder: str) -> None:
     model = sw.shard(model, offload=offload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
-    _reset_peak()
-    base = _status_mib("VmRSS")
+    reset_peak()
+    base = status_mib("VmRSS")
     times, first = [], 0.0
     for step in range(5):
         x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
@@ -80,11 +69,11 @@ def child(layers: int, placement: str, folder: str) -> None:
         opt.zero_grad()
         times.append(time.perf_counter() - start)
         if step == 0:  # the first step creates the optimizer state: measured apart
-            first = _status_mib("VmHWM")
-            _reset_peak()
+            first = status_mib("VmHWM")
+            reset_peak()
     view = sw.inspect(model)
     print("RESULT " + json.dumps({
-        "rank": rank, "layers": layers, "placement": placement, "peak_mib": _status_mib("VmHWM"),
+        "rank": rank, "layers": layers, "placement": placement, "peak_mib": status_mib("VmHWM"),
         "first_mib": first, "base_mib": base,
         "step_s": statistics.median(times[1:]),
         "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
@@ -123,10 +112,10 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
     if rank == 0:
         print(f"{n / 1e9:.2f}B parameters: fp32 training state {16 * n / 2**30:.1f} GiB, "
               f"machine memory {total / 2**30:.1f} GiB; built in {built:.0f} s, peak RSS so "
-              f"far {_status_mib('VmHWM'):.0f} MiB", flush=True)
+              f"far {status_mib('VmHWM'):.0f} MiB", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
-    _reset_peak()  # from here, the training's peak
+    reset_peak()  # from here, the training's peak
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
         io0 = _io()
@@ -144,7 +133,7 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, forward+backward "
               f"{t1 - t0:.1f} s, clip+step {t2 - t1:.1f} s, disk read {read / 2**30:.1f} "
               f"GiB, written {written / 2**30:.1f} GiB (this process), training's peak RSS "
-              f"{_status_mib('VmHWM'):.0f} MiB, this rank's files {disk / 2**30:.1f} GiB",
+              f"{status_mib('VmHWM'):.0f} MiB, this rank's files {disk / 2**30:.1f} GiB",
               flush=True)
     torch.distributed.destroy_process_group()
 

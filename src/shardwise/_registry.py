@@ -28,6 +28,8 @@ Besides these keys, shardwise registers forward hooks on unit modules (``engine/
 On tensors:
 - ``_shardwise_param``: the :class:`~shardwise.engine.unit.ShardedParam` behind a shard or a
   full parameter;
+- ``_shardwise_packed``: the :class:`~shardwise.engine.packed.PackedParam` behind a shard
+  or full tensor of a quantized (tensor subclass) parameter;
 - ``_shardwise_init``: the :class:`~shardwise.engine.sharded_init.InitPiece` of a parameter
   partitioned by ``sharded_init``;
 - ``_shardwise_partitioned_as``: the stand-in that replaced an original under
@@ -62,6 +64,7 @@ import torch.nn as nn
 STATE = "_shardwise"
 UNIT = "_shardwise_unit"
 PARAM = "_shardwise_param"
+PACKED = "_shardwise_packed"
 INIT = "_shardwise_init"
 _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
@@ -146,9 +149,13 @@ def synchronised_by(t: torch.Tensor) -> str | None:
     return t.__dict__.get(_SYNCED)
 
 
-def copy_user_attributes(src: torch.Tensor, *dsts: torch.Tensor) -> None:
-    """Copy attributes users set on a parameter (e.g. "no weight decay" flags), not ours."""
-    user = {k: v for k, v in src.__dict__.items() if not k.startswith(_PREFIX)}
+def copy_user_attributes(src: torch.Tensor, *dsts: torch.Tensor,
+                         besides: torch.Tensor | None = None) -> None:
+    """Copy attributes users set on a parameter (e.g. "no weight decay" flags), not ours;
+    nor, for a tensor subclass, those a fresh instance ``besides`` has of its own (its
+    inner tensors and settings)."""
+    own = besides.__dict__ if besides is not None else {}
+    user = {k: v for k, v in src.__dict__.items() if not k.startswith(_PREFIX) and k not in own}
     for dst in dsts:
         dst.__dict__.update(user)
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from ._env import checks_enabled
 from .comm.order_check import operation
 from .engine.buffers import comm_for, named_buffers
+from .engine.packed import packed_param
 from .engine.state import model_state
 from .engine.unit import sharded_param
 from .errors import DivergenceError
@@ -33,7 +34,8 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every tensor that should be identical on all ranks: buffers, unsharded parameters."""
-    out = [(n, p) for n, p in module.named_parameters() if sharded_param(p) is None]
+    out = [(n, p) for n, p in module.named_parameters()
+           if sharded_param(p) is None and packed_param(p) is None]
     return out + named_buffers(module)
 
 
@@ -45,6 +47,9 @@ def _replica_shards(module: nn.Module) -> tuple[int, int, dict[str, str]]:
         return 0, 0, {}
     topo = state.topology
     rows = {p.fqns[0]: tensor_digest(p.local) for u in state.units for p in u.params}
+    for u in state.units:
+        for pg in u.packed:  # the packed bytes of every quantized parameter of the group
+            rows[", ".join(pp.fqns[0] for pp in pg.params)] = tensor_digest(pg.local)
     return topo.replica_index, topo.shard.rank, rows
 
 

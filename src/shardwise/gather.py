@@ -29,6 +29,7 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.buffers import named_buffers
+from .engine.packed import packed_param
 from .engine.unit import FlatGroup, ShardedParam, Unit, UnitState, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
@@ -128,6 +129,11 @@ class _GatherSession:
             if sp is not None and sp.unit is not None and all(sp.unit is not u
                                                               for u in self.units):
                 self.units.append(sp.unit)
+        packed = [names.get(id(p), "?") for p in self.params if packed_param(p) is not None]
+        if packed:
+            raise ShardwiseError(f"sw.gathered does not take quantized (tensor subclass) "
+                                 f"parameters yet ({', '.join(packed[:3])}); nothing was "
+                                 f"gathered. docs/qlora.md lists what works with them")
         self.plain: list[tuple[str, torch.Tensor]] = [
             (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
         self.groups = [g for u in self.units for g in u.groups]

@@ -30,6 +30,7 @@ from .errors import ShardwiseError
 from .planning.memory import unique_bytes
 
 if TYPE_CHECKING:
+    from .engine.packed import PackedGroup
     from .engine.unit import FlatGroup, ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
@@ -99,6 +100,20 @@ class GroupView:
 
 
 @dataclass(frozen=True)
+class PackedView:
+    """A unit's frozen tensor-subclass parameters (quantized weights such as torchao's
+    ``NF4Tensor``), gathered through FSDP2's extension protocol in one all-gather of bytes
+    (Note [packed parameters] in engine/packed.py)."""
+
+    names: tuple[str, ...]       # the first qualified name of each parameter
+    types: tuple[str, ...]       # each one's class name
+    numel: int                   # elements the full parameters stand for
+    shard_bytes: int             # this rank's packed bytes (its chunks' inner tensors)
+    full_bytes: int              # bytes while gathered (0 before the first gather)
+    full_allocated: bool         # the gathered form holds memory now
+
+
+@dataclass(frozen=True)
 class UnitView:
     """Parameters gathered and released together (one block, or what the root owns)."""
 
@@ -109,6 +124,7 @@ class UnitView:
     reshard_after_forward: bool | int
     pins: int                    # open ``gathered()`` blocks holding it gathered
     groups: tuple[GroupView, ...]
+    packed: tuple[PackedView, ...] = ()  # quantized frozen weights, beside the groups
 
     @property
     def params(self) -> tuple[ParamView, ...]:
@@ -120,13 +136,21 @@ class UnitView:
         return tuple(n for p in self.params for n in p.names)
 
     @property
+    def packed_names(self) -> tuple[str, ...]:
+        """The first qualified name of each packed parameter."""
+        return tuple(n for p in self.packed for n in p.names)
+
+    @property
     def shard_bytes(self) -> int:
-        return sum(g.shard_bytes for g in self.groups)
+        return sum(g.shard_bytes for g in self.groups) + sum(p.shard_bytes
+                                                             for p in self.packed)
 
     @property
     def gathered_bytes(self) -> int:
-        """Bytes of its full parameters while gathered."""
-        return sum(g.full_bytes for g in self.groups)
+        """Bytes of its full parameters while gathered (packed ones as gathered: still
+        packed, dequantized only inside their own kernels)."""
+        return sum(g.full_bytes for g in self.groups) + sum(p.full_bytes
+                                                            for p in self.packed)
 
 
 @dataclass(frozen=True)
@@ -174,7 +198,8 @@ class ModelView:
     buffers: str                 # the buffer policy: "broadcast", "average" or "local"
     grad_sync: bool              # False inside ``no_sync``
     align: int                   # every slot starts at a multiple of this many elements
-    param_bytes: int             # this rank's shard buffers
+    param_bytes: int             # this rank's shard buffers (packed ones included)
+    packed_bytes: int            # of which quantized frozen weights (``UnitView.packed``)
     grad_bytes: int              # this rank's gradient shards (``p.grad``), each storage once
     full_bytes: int              # full parameters allocated now (gathered units)
     largest_gathered_bytes: int  # the largest unit's full parameters while gathered
@@ -228,16 +253,18 @@ class ModelView:
         raise KeyError(f"no sharded parameter {name!r}")
 
     def __str__(self) -> str:
+        quantized = f" ({_mib(self.packed_bytes)} quantized)" if self.packed_bytes else ""
         lines = [
             f"sharded model on rank {self.rank} of {self.world_size} ({self.comm.backend}): "
             f"{len(self.units)} units, phase {self.phase}, steps done {self.steps}",
-            f"this rank: parameters {_mib(self.param_bytes)}, gradients "
+            f"this rank: parameters {_mib(self.param_bytes)}{quantized}, gradients "
             f"{_mib(self.grad_bytes)}, full parameters now {_mib(self.full_bytes)}; "
             f"largest gathered unit {_mib(self.largest_gathered_bytes)}",
             f"{'unit':32s} {'state':10s} {'params':>7s} {'shard':>12s} {'gathered':>12s}",
         ]
         for u in self.units:
-            lines.append(f"{u.name:32s} {u.state:10s} {len(u.params):7d} "
+            count = len(u.params) + len(u.packed_names)
+            lines.append(f"{u.name:32s} {u.state:10s} {count:7d} "
                          f"{_mib(u.shard_bytes):>12s} {_mib(u.gathered_bytes):>12s}")
         if self.offload is not None:
             lines.append(f"offload: {self.offload}; " + ", ".join(
@@ -274,10 +301,18 @@ def _group_view(g: FlatGroup) -> GroupView:
                      optimizer_tier=g.placement.optimizer if g.placement else "device")
 
 
+def _packed_view(g: PackedGroup) -> PackedView:
+    return PackedView(names=tuple(p.fqns[0] for p in g.params),
+                      types=tuple(type(p.local).__name__ for p in g.params),
+                      numel=sum(p.numel for p in g.params), shard_bytes=g.shard_bytes,
+                      full_bytes=g.full_bytes, full_allocated=g.full_is_allocated())
+
+
 def _unit_view(u: Unit) -> UnitView:
     return UnitView(name=u.name, module_type=type(u.module).__name__, is_root=u.is_root,
                     state=u.state.value, reshard_after_forward=u.reshard_after_forward,
-                    pins=u.pins, groups=tuple(_group_view(g) for g in u.groups))
+                    pins=u.pins, groups=tuple(_group_view(g) for g in u.groups),
+                    packed=tuple(_packed_view(g) for g in u.packed))
 
 
 def _comm_view(backend: str, stats: CommStats) -> CommView:
@@ -327,15 +362,20 @@ def inspect(module: nn.Module) -> ModelView:
     units = tuple(_unit_view(u) for u in state.units)
     groups = [g for u in state.units for g in u.groups]
     params = [p for g in groups for p in g.params]
+    packed = [g for u in state.units for g in u.packed]
     managed = {id(t) for sp in params for t in (sp.shard, sp.full)}
+    managed |= {id(t) for g in packed for pp in g.params for t in (pp.shard, pp.full)}
+    packed_bytes = sum(g.shard_bytes for g in packed)
     return ModelView(
         rank=state.comm.rank, world_size=state.comm.world_size, phase=state.phase.value,
         steps=state.steps, prefetch=state.prefetch, src_rank=state.src_rank,
         buffers=state.buffers.policy.value, grad_sync=state.requires_grad_sync,
         align=ALIGN,
-        param_bytes=sum(g.local.numel() * g.local.element_size() for g in groups),
+        param_bytes=sum(g.local.numel() * g.local.element_size() for g in groups)
+        + packed_bytes, packed_bytes=packed_bytes,
         grad_bytes=unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
-        full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated),
+        full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated)
+        + sum(pv.full_bytes for u in units for pv in u.packed if pv.full_allocated),
         largest_gathered_bytes=max((u.gathered_bytes for u in units), default=0),
         comm=_comm_view(state.comm.backend, state.topology.shard.stats),
         comm_world=(None if state.comm is state.topology.shard

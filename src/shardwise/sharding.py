@@ -34,6 +34,7 @@ from .engine.build import build
 from .engine.clone import guard_model_copies
 from .engine.guards import retire
 from .engine.offload import Offload, Placement
+from .engine.packed import PackedGroup, refusal, shard_mesh, uses_protocol
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
 from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
@@ -240,7 +241,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         else:
             chosen = choose_units(module, units)
         records = discover_params(module, [n for n, _ in chosen])
-        _check_params(records, comm.rank, src_rank)
+        _check_params(records, comm.rank, src_rank, offload)
+        if any(uses_protocol(r.param) for r in records):
+            shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
         # Each group releases its originals as it is built (_build_group): only
         # per_unit may hold the records.
         device = _device_for(module, comm)
@@ -260,15 +263,19 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
                                [n for n, _ in chosen], topo.shard.world_size, units)
     regather = _regather_group(topo, reshard_after_forward)
-    built = [(name, mod, [_build_group(spec, topo, device, src_rank,
-                                       regather if i else None, reproducible, placement)
-                          for spec in group_specs(per_unit[i], mp.param_dtype,
-                                                  mp.reduce_dtype)])
-             for i, (name, mod) in enumerate(chosen)]
+    built = []
+    for i, (name, mod) in enumerate(chosen):
+        plain = [r for r in per_unit[i] if not uses_protocol(r.param)]
+        packed = [r for r in per_unit[i] if uses_protocol(r.param)]
+        built.append((name, mod, [_build_group(spec, topo, device, src_rank,
+                                               regather if i else None, reproducible, placement)
+                                  for spec in group_specs(plain, mp.param_dtype,
+                                                          mp.reduce_dtype)],
+                      [_build_packed(packed, topo, device, src_rank, mp)] if packed else []))
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
-    for _, mod, _ in built:
+    for _, mod, _, _ in built:
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
     install_state_dict_hooks(module)
@@ -468,7 +475,18 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
                              "same arguments to sw.shard\n" + "\n".join(lines))
 
 
-def _check_params(records: list[ParamRecord], rank: int, src_rank: int) -> None:
+def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
+                  offload: Offload | None) -> None:
+    refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
+    if refused:
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise ShardwiseError(refused[0] + more)
+    packed = [r.fqns[0] for r in records if uses_protocol(r.param)]
+    if packed and offload is not None:
+        raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
+                             f"parameters yet ({packed[0]}, ...): they are already a "
+                             f"quarter of their full-precision size or less; shard without "
+                             f"offload=")
     scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
     if scalars:
         raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
@@ -504,6 +522,18 @@ def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/alloc.py
+    return g
+
+
+def _build_packed(records: list[ParamRecord], topo: Topology, device: torch.device,
+                  src_rank: int, mp: MixedPrecision) -> PackedGroup:
+    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/packed.py):
+    rows from ``src_rank``, registered in place of the originals, which are released."""
+    g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
+                    [r.param for r in records], topo, device, mp.param_dtype, src_rank)
+    g.install()
+    for rec in records:
+        rec.param = None  # type: ignore[assignment]
     return g
 
 

@@ -26,7 +26,7 @@ from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
-from ..engine.state import model_state
+from ..engine.state import model_state, refuse_packed
 from ..errors import ShardwiseError
 from ._format import (
     _ST_DTYPES,
@@ -185,6 +185,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
     """
     path = path_argument(path, "save_checkpoint")
+    refuse_packed(module, "sw.save_checkpoint")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
@@ -778,6 +779,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
     """
     path = path_argument(path, "load_checkpoint")
+    refuse_packed(module, "sw.load_checkpoint")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"

@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
-from ..engine.state import owning_state
+from ..engine.state import owning_state, refuse_packed
 from ..errors import ShardwiseError
 from ._targets import apply_values, comm_of, match_targets, module_targets
 from .sources import Rename, open_source, renamer
@@ -97,6 +97,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> model = sw.shard(LlamaForCausalLM(config))
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
+    refuse_packed(module, "sw.load_pretrained")
     comm = comm_of(module)
     what = "load_pretrained failed"
     source_id, values, buffer_values, casts = agreed(

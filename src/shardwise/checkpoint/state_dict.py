@@ -11,8 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
+from ..engine.packed import PackedParam, packed_param
 from ..engine.state import owning_state
-from ..engine.unit import sharded_param
+from ..engine.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
 
 
@@ -55,7 +56,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     else:
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     sd = module.state_dict(keep_vars=True)
-    pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and sharded_param(v) is None]
+    pieces = [k for k, v in sd.items() if isinstance(v, DTensor) and _param_of(v) is None]
     if pieces:  # every rank sees the same keys: every rank raises, before any collective
         raise ShardwiseError(
             f"full_state_dict would return this rank's rows for {len(pieces)} parameter(s) "
@@ -68,7 +69,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         # A submodule of a sharded model gathers the groups holding its parameters only;
         # every rank was given the same submodule, so every rank gathers the same ones.
         wanted = {id(sp) for v in sd.values()
-                  if isinstance(v, torch.Tensor) and (sp := sharded_param(v)) is not None}
+                  if isinstance(v, torch.Tensor) and (sp := _param_of(v)) is not None}
         for unit in state.units:
             for g in unit.groups:
                 if not any(id(p) in wanted for p in g.params):
@@ -77,12 +78,20 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
                 if keep:
                     for p in g.params:
                         full[id(p)] = g.full_value(p, flat).to("cpu", copy=True)
+            # Quantized weights come back quantized: the full tensor subclass, its
+            # packed bytes gathered as they are (Note [packed parameters]).
+            for pg in unit.packed:
+                if any(id(pp) in wanted for pp in pg.params):
+                    values = pg.gather_full()
+                    if keep:
+                        for pp, v in zip(pg.params, values):
+                            full[id(pp)] = v.to("cpu")
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
     given: set[int] = set()
     for key, value in sd.items():
-        sp = sharded_param(value) if isinstance(value, torch.Tensor) else None
+        sp = _param_of(value) if isinstance(value, torch.Tensor) else None
         if sp is not None:
             # A tied weight gets its own copy under each further name, so the result can
             # go straight to safetensors, which refuses tensors sharing memory.
@@ -95,6 +104,10 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         if isinstance(value, torch.Tensor):
             _check_full(key, out[key], sp.shape if sp is not None else value.shape)
     return out
+
+
+def _param_of(t: torch.Tensor) -> ShardedParam | PackedParam | None:
+    return sharded_param(t) or packed_param(t)
 
 
 def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:

@@ -427,6 +427,13 @@ class _Pending:
         if not self._abandoned():
             self.wait()
 
+    def settle(self, use: bool) -> None:
+        """:meth:`wait` when the result is used, else :meth:`discard`."""
+        if use:
+            self.wait()
+        else:
+            self.discard()
+
     def wait(self) -> None:
         if self._error is not None:  # a failed exchange stays failed
             raise self._comm.stuck(self._what, self._error)

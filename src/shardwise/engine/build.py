@@ -17,18 +17,19 @@ from .._registry import mark_collective_forward
 from ..comm.mesh import Topology
 from .buffers import BufferSync
 from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained
+from .packed import PackedGroup
 from .state import ModelState, Settings, set_model_state
 from .unit import FlatGroup, Unit, set_unit
 
 
 def build(root: nn.Module, topology: Topology,
-          units: list[tuple[str, nn.Module, list[FlatGroup]]], buffers: BufferSync,
-          settings: Settings) -> ModelState:
-    """The engine of ``root``'s sharded model: ``units`` are ``(name, module, groups)``,
-    the root's first, in module order."""
+          units: list[tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]],
+          buffers: BufferSync, settings: Settings) -> ModelState:
+    """The engine of ``root``'s sharded model: ``units`` are ``(name, module, groups,
+    packed groups)``, the root's first, in module order."""
     built = [Unit(module, name, groups, settings.reshard_after_forward, is_root=(i == 0),
-                  cast_inputs=settings.cast_inputs)
-             for i, (name, module, groups) in enumerate(units)]
+                  cast_inputs=settings.cast_inputs, packed=packed)
+             for i, (name, module, groups, packed) in enumerate(units)]
     state = ModelState(root, topology, built, buffers, settings)
     for unit in built:
         set_unit(unit.module, unit)

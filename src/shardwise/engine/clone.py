@@ -38,7 +38,8 @@ from .._registry import remove_instance_method, set_instance_method
 from ..errors import ShardwiseError
 from .buffers import BufferSync
 from .build import build
-from .state import ModelState, model_state
+from .packed import PackedGroup
+from .state import ModelState, model_state, refuse_packed
 from .unit import FlatGroup
 
 
@@ -101,6 +102,7 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
             "copy.deepcopy of a reproducible model between the micro-batches of a step: "
             "the copy would miss what they summed so far. Copy it after the step's last "
             "(synced) backward")
+    refuse_packed(state.root, "copy.deepcopy of a sharded model")
     twins: dict[int, FlatGroup] = {}
     for u in state.units:
         for g in u.groups:
@@ -122,8 +124,9 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         for sp in twin.params:
             sp.slots = [(memo[id(m)], attr) for m, attr in sp.slots]
         twin.install()
-    units = [(u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups])
-             for u in state.units]
+    units: list[tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]] = [
+        (u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups], [])
+        for u in state.units]
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank,
                          state.buffers.exact)
     remove_instance_method(root, "save_pretrained")  # the original's guard: build makes one

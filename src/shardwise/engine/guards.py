@@ -48,6 +48,7 @@ from .._registry import (
 from ..errors import ShardwiseError
 from .exact_reduction import ExactReduction
 from .offload.step import after_step, step_by_unit
+from .packed import packed_param
 from .unit import Unit, sharded_param
 
 _RETIRED: dict[type, type] = {}
@@ -434,7 +435,8 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
             f"(and unfreezes only what was trainable at sw.shard, outside sw.no_sync). "
             f"Freeze or unfreeze these parameters before sw.shard(model), or freeze whole "
             f"units (Note [freezing after shard])")
-    added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
+    added = [n for n, p in root.named_parameters()
+             if sharded_param(p) is None and packed_param(p) is None]
     if added:
         raise ShardwiseError(
             f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "

@@ -136,3 +136,13 @@ def build_layout(shapes: list[tuple[int, ...]], world_size: int,
     shard = max(shard_cursor, align)
     return ShardLayout(slots=tuple(slots), world_size=world_size, shard_numel=shard,
                        full_numel=max(full_cursor, align))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (what ``DTensor`` and FSDP2's
+    protocol are told a full parameter has)."""
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))

@@ -180,7 +180,7 @@ class ModelState:
     def _all_pinned(self) -> bool:
         """Whether every unit holding parameters is pinned by ``gathered()``: the model
         then runs whole on each rank, without collectives."""
-        return all(u.pins for u in self.units if u.groups)
+        return all(u.pins for u in self.units if u.holds_params)
 
     def _order_checked(self, unit: Unit) -> bool:
         """Whether the order check covers this call of ``unit``. A unit pinned by
@@ -188,8 +188,8 @@ class ModelState:
         of times (``generate`` stopping at different lengths): it is not checked. A unit
         without parameters is, for it prefetches the next one, unless every unit that
         has parameters is pinned."""
-        return not (unit.pins or (not unit.groups and all(u.pins for u in self.units
-                                                           if u.groups)))
+        return not (unit.pins or (not unit.holds_params
+                                  and all(u.pins for u in self.units if u.holds_params)))
 
     def on_post_forward(self, unit: Unit, output: Any) -> None:
         """A unit's forward ended: hook its outputs for backward, reshard what may go."""
@@ -462,3 +462,17 @@ def owning_state(module: nn.Module) -> ModelState | None:
 
 def set_model_state(module: nn.Module, state: ModelState) -> None:
     attach_to(module, STATE, state)
+
+
+def refuse_packed(module: nn.Module, what: str) -> None:
+    """Raise if sharded ``module`` holds quantized parameters that ``what`` does not take
+    yet; called where leaving them out would be silent."""
+    state = model_state(module)
+    if state is None:
+        return
+    names = [pp.fqns[0] for u in state.units for g in u.packed for pp in g.params]
+    if names:
+        raise ShardwiseError(
+            f"{what} does not take quantized (tensor subclass) parameters yet, and this "
+            f"model has {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+            f"); nothing was done. docs/qlora.md lists what works with them")

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..comm.order_check import announce
 from ..errors import ShardwiseError
 from .buffers import BufferPolicy
+from .packed import packed_param
 from .state import model_state
 from .unit import ShardedParam, sharded_param
 
@@ -40,6 +41,9 @@ def install_state_dict_hooks(root: nn.Module) -> None:
                if t is not None):
             m.register_state_dict_post_hook(_saveable_values)
             m.register_load_state_dict_pre_hook(_take_rows)
+        if any(packed_param(t) is not None for t in m._parameters.values()
+               if t is not None):
+            m.register_load_state_dict_pre_hook(_refuse_packed)
     root.register_load_state_dict_post_hook(_sync_buffers)
 
 
@@ -90,6 +94,19 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         if t is not sp.shard or not isinstance(value, torch.Tensor):
             continue  # gathered (the full parameter takes a full value), or torch reports
         state_dict[key] = _rows(sp, value, key)
+
+
+def _refuse_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                   *args: Any) -> None:
+    """Loading into a quantized shard is not supported yet: refuse the keys that would
+    (PEFT's adapter loads never name them)."""
+    keys = [prefix + name for name, t in module._parameters.items()
+            if t is not None and packed_param(t) is not None and prefix + name in state_dict]
+    if keys:
+        raise ShardwiseError(f"load_state_dict cannot load quantized (tensor subclass) "
+                             f"parameters of a sharded model yet ({', '.join(keys)}); "
+                             f"nothing was loaded. Quantize the loaded weights before "
+                             f"sw.shard instead (docs/qlora.md)")
 
 
 def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:

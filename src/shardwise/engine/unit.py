@@ -85,9 +85,10 @@ from ..errors import ShardwiseError
 from .alloc import freed
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
 from .exact_reduction import ExactReduction
-from .layout import Piece, ShardLayout, Slot, build_layout
+from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
 from .offload.placement import Placement
 from .offload.storage import GroupStorage
+from .packed import PackedGroup
 from .reduce import GradReduction
 
 
@@ -262,7 +263,7 @@ class FlatGroup:
         with torch.no_grad():
             dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
                                     run_check=False, shape=orig.shape,
-                                    stride=_contiguous_stride(orig.shape))
+                                    stride=contiguous_stride(orig.shape))
         shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
         full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
                             .view(orig.shape), requires_grad=orig.requires_grad)
@@ -445,10 +446,7 @@ class FlatGroup:
         a forward's gather, whose backward gathers again within the group of k ranks
         (Note [secondary shards])."""
         if self._gather_work is not None:
-            if fill:
-                self._gather_work.wait()
-            else:
-                self._gather_work.discard()
+            self._gather_work.settle(use=fill)
             self._gather_work = None
         self._kept_sending = self._sending = None
         if self._gathered is not None:
@@ -474,14 +472,6 @@ class FlatGroup:
         return 0 if self._kept is None else self._kept.numel() * self._kept.element_size()
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
-
-
 class Unit:
     """A module whose parameters are gathered and released together.
 
@@ -491,14 +481,21 @@ class Unit:
 
     def __init__(self, module: nn.Module, name: str, groups: list[FlatGroup],
                  reshard_after_forward: bool | int, is_root: bool,
-                 cast_inputs: torch.dtype | None = None) -> None:
+                 cast_inputs: torch.dtype | None = None,
+                 packed: list[PackedGroup] | None = None) -> None:
         self.module = module
         self.name = name or "<root>"
         self.groups = groups
+        # Frozen tensor subclasses (Note [packed parameters] in engine/packed.py): gathered
+        # and released with the groups, but not in ``groups`` or ``params``, which the
+        # reduction, checkpoints and ``gathered()`` read; those refuse them by name.
+        self.packed = packed or []
         for g in groups:
             g.unit_name = self.name
             for p in g.params:
                 p.unit = self
+        for pg in self.packed:
+            pg.unit_name = self.name
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
         self.model: Model = None  # type: ignore[assignment]  # set by ModelState
@@ -547,6 +544,11 @@ class Unit:
         return [p for g in self.groups for p in g.params]
 
     @property
+    def holds_params(self) -> bool:
+        """Whether the unit gathers anything (plain or packed parameters)."""
+        return bool(self.groups or self.packed)
+
+    @property
     def trainable_groups(self) -> list[FlatGroup]:
         return [g for g in self.groups if g.requires_grad]
 
@@ -557,6 +559,8 @@ class Unit:
             return
         for g in self.groups:
             g.start_gather()
+        for pg in self.packed:
+            pg.start_gather()
         self.state = UnitState.GATHERING
 
     def finish_gather(self, keep: bool = False) -> None:
@@ -568,6 +572,8 @@ class Unit:
         self.start_gather()
         for g in self.groups:
             g.wait_gather(keep=keep)
+        for pg in self.packed:
+            pg.wait_gather()
         self._swap(full=True)
         self.state = UnitState.GATHERED
 
@@ -593,12 +599,16 @@ class Unit:
             return
         for g in self.groups:
             g.wait_gather(fill=False)  # never free memory a collective still writes
+        for pg in self.packed:
+            pg.wait_gather(fill=False)
         self._swap(full=False)
         for g in self.groups:
             if not keep_grads:
                 for p in g.params:
                     p.full.grad = None
             g._free_full()
+        for pg in self.packed:
+            pg._free_full()
         self.state = UnitState.SHARDED
 
     def start_reduce(self, sync: bool) -> None:
@@ -614,6 +624,12 @@ class Unit:
                 tensor = p.full if full else p.shard
                 for module, attr in p.slots:
                     module._parameters[attr] = tensor
+        for pg in self.packed:
+            for pp in pg.params:
+                packed = pp.full if full else pp.shard
+                assert packed is not None, "a packed group's full tensors exist once gathered"
+                for module, attr in pp.slots:
+                    module._parameters[attr] = packed
 
     def __repr__(self) -> str:
         n = sum(p.numel for p in self.params)

@@ -1,0 +1,445 @@
+"""Frozen tensor subclasses gathered through FSDP2's extension protocol (QLoRA bases).
+
+Note [packed parameters]
+A quantized weight such as torchao's ``NF4Tensor`` is a tensor subclass: it reports the
+shape and dtype of the weight it stands for, and stores packed 4-bit codes and scales in
+inner tensors. Sharded like a plain parameter it would be dequantized (``.to(dtype)``) into
+a full-precision shard: 7x the bytes QLoRA exists to save, and nothing said. A subclass
+that implements FSDP2's extension protocol says instead how it is gathered:
+
+- sharding: ``torch.chunk(t, N, dim=0)[r]`` is rank r's shard, itself an instance of the
+  subclass (FSDP2 shards it the same way);
+- ``shard.fsdp_pre_all_gather(mesh)`` (or the five-argument form ``(mesh, outer_size,
+  outer_stride, module, mp_policy)``) returns the tensors to all-gather and metadata;
+- ``shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=None)``, given each
+  input all-gathered across the shard group (rank after rank, viewed ``(-1, *size[1:])``),
+  returns the full tensor and the inner tensors it allocated; called again with
+  ``out=`` the full tensor after a release, it refills that tensor in place.
+
+shardwise calls these exactly as FSDP2 does (``torch/distributed/fsdp/_fully_shard/
+_fsdp_param.py``), so one subclass works under both. What it adds:
+
+- Bytes move as bytes. Every all-gather input is viewed as ``uint8`` and packed into one
+  byte buffer per group, so packed codes never pass through a floating-point cast, a NaN
+  canonicalisation or a reduction; one all-gather per group and gather.
+- Each rank's shard lives in the group's own byte buffer: the chunk's inner tensors
+  (``__tensor_flatten__``) are copied there and the chunk rebuilt around views of it
+  (``__tensor_unflatten__``), so no rank keeps the full original alive, and initial values
+  come from ``src_rank`` as for every parameter (a scatter of bytes).
+- Release frees the full buffer's storage and the inner tensors ``fsdp_post_all_gather``
+  allocated; the next gather refills them in place, so tensors autograd saved in forward
+  (``LinearNF4`` saves its weight) see the values again in backward, as with
+  Note [freeing full parameters] in engine/unit.py.
+
+Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
+subclass, float8 training, would need its gradients reduced through the protocol), every
+rank's chunk must have the same shape (no padding), its inner tensors must be plain, and
+``offload=`` and ``sharded_init`` do not take it. Any other tensor subclass, and any
+``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
+beside packed bytes that a row split would tear apart), is refused: shardwise never
+shards a tensor whose bytes it cannot move exactly.
+"""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .._registry import PACKED, attach_to, attached, copy_user_attributes
+from ..comm.mesh import Topology
+from ..errors import ShardwiseError
+from .copies import copy_out
+from .layout import ShardLayout, build_layout, contiguous_stride
+
+
+def uses_protocol(t: torch.Tensor) -> bool:
+    """Whether ``t`` implements FSDP2's all-gather extension protocol."""
+    return hasattr(t, "fsdp_pre_all_gather") and hasattr(t, "fsdp_post_all_gather")
+
+
+def refusal(name: str, p: torch.Tensor) -> str | None:
+    """Why parameter ``name`` cannot be sharded, or ``None`` when it can (plain, or a
+    frozen subclass with the protocol: Note [packed parameters])."""
+    kind = f"{type(p).__module__}.{type(p).__qualname__}"
+    if type(p) is nn.Parameter and type(p.data) is torch.Tensor:
+        return None
+    has_pre, has_post = hasattr(p, "fsdp_pre_all_gather"), hasattr(p, "fsdp_post_all_gather")
+    if has_pre != has_post:
+        return (f"{name} ({kind}) defines only one of fsdp_pre_all_gather and "
+                f"fsdp_post_all_gather; the extension protocol needs both")
+    if not has_pre:
+        # nn.Parameter(subclass_tensor) keeps the subclass as its type; an nn.Parameter
+        # subclass (bitsandbytes' Params4bit) holds plain data.
+        plain_data = type(p.data) is torch.Tensor
+        what = f"an nn.Parameter subclass, {kind}" if plain_data else f"a tensor subclass, {kind}"
+        return (f"{name} is {what}, which shardwise cannot shard exactly: its bytes may "
+                f"carry meaning (packed 4-bit codes, a quantization state) that splitting "
+                f"its rows would lose, and it does not implement FSDP2's extension "
+                f"protocol (fsdp_pre_all_gather / fsdp_post_all_gather) that says how to "
+                f"gather it. Use a subclass that does (torchao's NF4Tensor: "
+                f"docs/qlora.md), or a plain nn.Parameter")
+    if p.requires_grad:
+        return (f"{name} ({kind}) requires grad: shardwise gathers tensor subclasses "
+                f"through the extension protocol for frozen weights only (QLoRA bases); "
+                f"freeze it with requires_grad_(False), or train it as a plain parameter")
+    if not hasattr(p, "__tensor_flatten__") or not hasattr(type(p), "__tensor_unflatten__"):
+        return (f"{name} ({kind}) implements the extension protocol but not "
+                f"__tensor_flatten__ / __tensor_unflatten__, by which shardwise moves its "
+                f"shard's inner tensors between ranks")
+    return None
+
+
+def _plain_inner(t: torch.Tensor) -> tuple[list[str], Any]:
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    for n in names:
+        inner = getattr(t, n)
+        if type(inner) is not torch.Tensor:
+            raise ShardwiseError(f"{type(t).__qualname__}.{n} is a "
+                                 f"{type(inner).__qualname__}: shardwise moves the inner "
+                                 f"tensors of a subclass's shard as bytes, so they must "
+                                 f"be plain tensors")
+    return list(names), ctx
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+@dataclass
+class PackedParam:
+    """One frozen subclass parameter: where it is registered, its shard, its full form."""
+
+    fqns: list[str]
+    slots: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    dtype: torch.dtype
+    local: torch.Tensor            # this rank's chunk, the subclass over the group's bytes
+    shard: nn.Parameter            # DTensor(local), what the module holds while sharded
+    inner: list[str]               # names of ``local``'s inner tensors
+    full: nn.Parameter | None = None      # the full subclass, built at the first gather
+    # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
+    # with the full buffer.
+    allocated: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    metadata: Any = None           # fsdp_pre_all_gather's, until fsdp_post_all_gather
+    requires_grad: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's shard (every inner tensor of the chunk)."""
+        return sum(getattr(self.local, n).nbytes for n in self.inner)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
+                             f"copy.deepcopy of a sharded model with quantized parameters is "
+                             f"not supported yet")
+
+
+def packed_param(t: torch.Tensor) -> PackedParam | None:
+    """The packed parameter behind a shard or full tensor, or ``None``."""
+    return attached(t, PACKED)
+
+
+class PackedGroup:
+    """A unit's frozen subclass parameters, gathered through the protocol with one
+    all-gather of bytes (Note [packed parameters]).
+
+    ``local`` is this rank's byte buffer holding every chunk's inner tensors; ``full`` is
+    the byte buffer of the all-gather outputs, parameter after parameter, whose storage is
+    empty while the group is sharded.
+    """
+
+    requires_grad = False
+
+    def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
+                 originals: list[torch.Tensor], topology: Topology, device: torch.device,
+                 compute_dtype: torch.dtype | None, src_rank: int) -> None:
+        self.topology = topology
+        self.comm = comm = topology.shard
+        self.device = device
+        self.compute_dtype = compute_dtype  # MixedPrecision.param_dtype, or None
+        self.mesh = shard_mesh(topology)
+        self.unit_name = "?"
+        chunks = [self._chunk(n[0], p) for n, p in zip(names, originals)]
+        mine = [c[comm.rank] for c in chunks]
+        structure = [_plain_inner(c) for c in mine]
+        inner = [[getattr(c, n) for n in names_] for c, (names_, _) in zip(mine, structure)]
+        self.store_layout = build_layout([(t.nbytes,) for ts in inner for t in ts], 1)
+        self._agree([n[0] for n in names], mine, inner)
+        self.local = torch.zeros(self.store_layout.shard_numel, dtype=torch.uint8,
+                                 device=device)
+        self._fill(chunks if topology.world.rank == src_rank else None, structure, src_rank)
+        self.params: list[PackedParam] = []
+        k = 0
+        for i, (orig, (inner_names, ctx)) in enumerate(zip(originals, structure)):
+            views = {}
+            for n, t in zip(inner_names, inner[i]):
+                s = self.store_layout.slots[k]
+                k += 1
+                views[n] = self.local[s.offset:s.offset + s.numel].view(t.dtype).view(t.shape)
+            local = type(mine[i]).__tensor_unflatten__(  # type: ignore[attr-defined]
+                views, ctx, mine[i].size(), mine[i].stride())
+            with torch.no_grad():
+                dt = DTensor.from_local(local, topology.mesh, topology.placements,
+                                        run_check=False, shape=orig.shape,
+                                        stride=orig.stride())
+            shard = nn.Parameter(dt, requires_grad=False)
+            # Not the original's inner tensors: they would keep the full weight alive.
+            copy_user_attributes(orig, shard, besides=mine[i])
+            self.params.append(PackedParam(names[i], slots[i], orig.shape, orig.dtype, local,
+                                           shard, inner_names))
+        self.full = torch.empty(0, dtype=torch.uint8, device=device)
+        self.gather_layout: ShardLayout | None = None
+        self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
+        self._gathered: torch.Tensor | None = None
+        self._sending: torch.Tensor | None = None
+        self._gather_work: Any = None
+
+    # -- construction ------------------------------------------------------------------
+    def _chunk(self, name: str, p: torch.Tensor) -> list[torch.Tensor]:
+        n = self.comm.world_size
+        try:
+            chunks = list(torch.chunk(p.detach(), n, dim=0))
+        except Exception as err:
+            raise ShardwiseError(f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) "
+                                 f"cannot be split into {n} shards on dim 0: {err}") from err
+        if len(chunks) != n or len({tuple(c.shape) for c in chunks}) != 1:
+            raise ShardwiseError(
+                f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) does not split "
+                f"into {n} equal shards on dim 0 (got {[tuple(c.shape) for c in chunks]}); "
+                f"a quantized weight is sharded only evenly: choose a world size dividing "
+                f"{p.shape[0]} rows, and block sizes dividing each shard")
+        return chunks
+
+    def _agree(self, names: list[str], mine: list[torch.Tensor],
+               inner: list[list[torch.Tensor]]) -> None:
+        """Every rank must hold the same kinds of chunks, or the byte scatter would
+        misplace them: compare once, and fail on every rank alike."""
+        sig = [(n, type(c).__qualname__, [(tuple(t.shape), str(t.dtype)) for t in ts])
+               for n, c, ts in zip(names, mine, inner)]
+        everyone = self.comm.all_gather_object(sig, what="the quantized parameters' layout")
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                bad = next((a, b) for a, b in zip(everyone[0], theirs) if a != b)
+                raise ShardwiseError(f"ranks hold different quantized parameters: rank 0 "
+                                     f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
+                                     f"same weights with the same settings on every rank")
+
+    def _fill(self, chunks: list[list[torch.Tensor]] | None,
+              structure: list[tuple[list[str], Any]], src_rank: int) -> None:
+        """Every rank's bytes from ``src_rank``'s chunks (as ``FlatGroup.fill_local``)."""
+        replica, shard_src = self.topology.source(src_rank)
+        n = self.comm.world_size
+        if self.topology.replica_index == replica:
+            send = None
+            if chunks is not None:
+                buf = torch.zeros(n, self.store_layout.shard_numel, dtype=torch.uint8,
+                                  device=self.device)
+                for r in range(n):
+                    k = 0
+                    for per_param, (names, _) in zip(chunks, structure):
+                        for name in names:
+                            s = self.store_layout.slots[k]
+                            k += 1
+                            buf[r, s.offset:s.offset + s.numel].copy_(
+                                _as_bytes(getattr(per_param[r], name)))
+                send = list(buf.unbind(0))
+            self.comm.scatter(self.local, send, shard_src,
+                              what="the scatter of quantized shards")
+        if self.topology.replicate is not None:
+            self.topology.replicate.broadcast(
+                self.local, replica, what="the broadcast of quantized shards to replicas")
+
+    def install(self) -> None:
+        """Register each shard in place of its parameter on every module holding it."""
+        for pp in self.params:
+            attach_to(pp.shard, PACKED, pp)
+            for m, attr in pp.slots:
+                m._parameters[attr] = pp.shard
+
+    # -- gather ------------------------------------------------------------------------
+    def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:
+        fn = pp.local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if len(pyinspect.signature(fn).parameters) == 1:
+            inputs, pp.metadata = fn(self.mesh)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            module = pp.slots[0][0]
+            inputs, pp.metadata = fn(self.mesh, pp.shape, contiguous_stride(pp.shape),
+                                     module, MixedPrecisionPolicy(
+                                         param_dtype=self.compute_dtype))
+        return list(inputs)
+
+    def _send_buffer(self) -> torch.Tensor:
+        per_param = [self._pre_all_gather(pp) for pp in self.params]
+        sizes = [[(t.size(), t.dtype) for t in ts] for ts in per_param]
+        if self.gather_layout is None:
+            self._sizes = sizes
+            self.gather_layout = build_layout(
+                [(self.comm.world_size * _as_bytes(t).numel(),) for ts in per_param
+                 for t in ts], self.comm.world_size)
+        elif sizes != self._sizes:
+            changed = next(pp.fqns[0] for pp, a, b in zip(self.params, sizes, self._sizes)
+                           if a != b)
+            raise ShardwiseError(f"{changed}: fsdp_pre_all_gather returned tensors of other "
+                                 f"sizes or dtypes than at its first gather")
+        layout = self.gather_layout
+        send = torch.zeros(layout.shard_numel, dtype=torch.uint8, device=self.device)
+        for s, t in zip(layout.slots, (t for ts in per_param for t in ts)):
+            send[s.offset:s.offset + s.chunk_rows].copy_(_as_bytes(t))
+        return send
+
+    def start_gather(self) -> None:
+        send = self._send_buffer()
+        if self.comm.world_size == 1:
+            self._gathered = send
+            return
+        assert self.gather_layout is not None
+        self._gathered = torch.empty(self.gather_layout.gathered_numel, dtype=torch.uint8,
+                                     device=self.device)
+        self._sending = send
+        self._gather_work = self.comm.all_gather(
+            self._gathered, send, async_op=True,
+            what=f"the all-gather of unit {self.unit_name!r}'s quantized parameters")
+
+    def wait_gather(self, fill: bool = True, keep: bool = False) -> None:
+        """Wait for the all-gather and, if ``fill``, rebuild (or refill) every full
+        tensor through ``fsdp_post_all_gather``."""
+        if self._gather_work is not None:
+            self._gather_work.settle(use=fill)
+            self._gather_work = None
+        self._sending = None
+        if self._gathered is None:
+            return
+        if fill:
+            layout = self.gather_layout
+            assert layout is not None
+            version = self.full._version
+            if self.full.numel() == 0:
+                self.full = torch.empty(layout.full_numel, dtype=torch.uint8,
+                                        device=self.device)
+            self._alloc_full()
+            copy_out(self._gathered, layout, self.full)
+            # Note [freeing full parameters] in engine/unit.py: autograd may hold views.
+            torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+            self._post_all_gather()
+        self._gathered = None
+
+    def _post_all_gather(self) -> None:
+        for pp, outputs in zip(self.params, self._outputs(self.full)):
+            fn = pp.local.fsdp_post_all_gather  # type: ignore[attr-defined]
+            dtype = self.compute_dtype or pp.dtype
+            if pp.full is None:
+                full, allocated = fn(outputs, pp.metadata, dtype)
+                if tuple(full.shape) != tuple(pp.shape):
+                    raise ShardwiseError(
+                        f"{pp.fqns[0]}: fsdp_post_all_gather built a tensor of shape "
+                        f"{tuple(full.shape)}, not the parameter's {tuple(pp.shape)}")
+                pp.full = nn.Parameter(full, requires_grad=False)
+                copy_user_attributes(pp.shard, pp.full, besides=pp.local)
+                attach_to(pp.full, PACKED, pp)
+                pp.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
+                                if not _shares(t, self.full)]
+            else:
+                fn(outputs, pp.metadata, dtype, out=pp.full)
+            pp.metadata = None
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's full tensor, freshly gathered into memory of its own (a
+        collective over the shard group); the unit's own gathered form is untouched."""
+        send = self._send_buffer()
+        layout = self.gather_layout
+        assert layout is not None
+        gathered = send
+        if self.comm.world_size > 1:
+            gathered = torch.empty(layout.gathered_numel, dtype=torch.uint8,
+                                   device=self.device)
+            self.comm.all_gather(gathered, send,
+                                 what="the all-gather of quantized parameters' values")
+        full = torch.empty(layout.full_numel, dtype=torch.uint8, device=self.device)
+        copy_out(gathered, layout, full)
+        out = []
+        for pp, outputs in zip(self.params, self._outputs(full)):
+            value, _ = pp.local.fsdp_post_all_gather(  # type: ignore[attr-defined]
+                outputs, pp.metadata, self.compute_dtype or pp.dtype)
+            pp.metadata = None
+            out.append(value)
+        return out
+
+    def _outputs(self, full: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Each parameter's all-gather outputs, as views of the byte buffer ``full``."""
+        assert self.gather_layout is not None
+        slots = iter(self.gather_layout.slots)
+        out = []
+        for sizes in self._sizes:
+            views = []
+            for size, dtype in sizes:
+                s = next(slots)
+                views.append(full[s.full_offset:s.full_offset + s.numel].view(dtype)
+                             .view(-1, *size[1:]))
+            out.append(tuple(views))
+        return out
+
+    # -- storage -----------------------------------------------------------------------
+    def _storages(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.full, self.full.numel())] + [a for pp in self.params
+                                                    for a in pp.allocated]
+
+    def _alloc_full(self) -> None:
+        for t, nbytes in self._storages():
+            if t.untyped_storage().size() != nbytes:
+                t.untyped_storage().resize_(nbytes)
+
+    def _free_full(self) -> None:
+        for t, _ in self._storages():
+            t.untyped_storage().resize_(0)
+
+    def full_is_allocated(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    def drop_kept(self) -> None:
+        """Nothing is kept between forward and backward (Note [secondary shards] is for
+        trainable groups' rows)."""
+
+    def is_stale(self) -> bool:
+        return False  # frozen: nothing writes the shards
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes this rank keeps for the group (its chunks' inner tensors)."""
+        return self.local.numel()
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the gathered form while the group is gathered (0 before the first
+        gather): the all-gather outputs, plus what the subclass allocated."""
+        extra = sum(n for pp in self.params for _, n in pp.allocated)
+        return (self.gather_layout.full_numel if self.gather_layout else 0) + extra
+
+
+def _shares(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def shard_mesh(topology: Topology) -> DeviceMesh:
+    """The 1-D mesh of the shard group, which ``fsdp_pre_all_gather`` is given (FSDP2
+    passes its shard mesh)."""
+    mesh = topology.mesh
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ShardwiseError("quantized parameters on a 2-D mesh need named mesh dims "
+                             "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))): "
+                             "fsdp_pre_all_gather is given the shard dim's mesh")
+    return mesh[names[-1]]

@@ -1,0 +1,121 @@
+"""Quantized frozen bases for QLoRA, with torchao's ``NF4Tensor`` (``shardwise[quant]``).
+
+``quantize_nf4(model)`` replaces the weights of a model's linear layers by frozen
+``NF4Tensor`` s before ``sw.shard``; shardwise then shards, gathers and releases them as
+packed bytes (Note [packed parameters] in engine/packed.py). torchao is imported quietly:
+on a machine without CUDA its CUDA-only extension libraries are not loaded at all
+(``TORCHAO_FORCE_SKIP_LOADING_SO_FILES``), so they print no "Failed to load" warnings,
+and nothing NF4 needs lives in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..engine.sharded_init import init_piece
+from ..errors import ShardwiseError
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    # torchao logs each CUDA library it fails to load, and torch's pytree logs a
+    # deprecation for an enum torchao registers: neither concerns the user.
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    skip = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
+    forced = skip not in os.environ and not torch.cuda.is_available()
+    if forced:
+        os.environ[skip] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if forced:
+            del os.environ[skip]
+
+
+def nf4_module() -> Any:
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported without its CUDA noise.
+
+    Raises:
+        ShardwiseError: torchao is not installed.
+
+    Example:
+        >>> to_nf4 = nf4_module().to_nf4
+    """
+    try:
+        with _quiet_import():
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as err:
+        raise ShardwiseError("quantized bases need torchao: pip install 'shardwise[quant]' "
+                             "(after torch, as the README says)") from err
+    return nf4_tensor
+
+
+def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: int = 256,
+                 where: Callable[[str, nn.Linear], bool] | None = None) -> list[str]:
+    """Replace the weight of every chosen ``nn.Linear`` by a frozen ``NF4Tensor``, in place.
+
+    Call it on the unsharded model, before ``sw.shard`` (and before or after adding PEFT
+    adapters: their own weights are never quantized). Each weight is quantized from its
+    current values, one layer at a time.
+
+    Args:
+        module: the model.
+        block_size: elements per NF4 block (one scale each).
+        scaler_block_size: blocks per block of the double-quantized scales.
+        where: ``(qualified_name, linear) -> bool`` choosing the layers; default: every
+            ``nn.Linear`` except PEFT adapters and output heads named ``lm_head``.
+
+    Returns:
+        The qualified names of the quantized weights.
+
+    Raises:
+        ShardwiseError: torchao is missing, a chosen weight was partitioned by
+            ``sw.sharded_init``, or its size is not a multiple of ``block_size *
+            scaler_block_size`` (the error names the weight).
+
+    Example:
+        >>> quantize_nf4(model)                      # every linear layer but lm_head
+        >>> model = sw.shard(get_peft_model(model, LoraConfig(...)))
+    """
+    nf4 = nf4_module()
+    chosen = where or _default_choice
+    done = []
+    for name, mod in module.named_modules():
+        if not isinstance(mod, nn.Linear) or not chosen(name, mod):
+            continue
+        w = mod.weight
+        if init_piece(w) is not None:
+            raise ShardwiseError(
+                f"{name}.weight was partitioned by sw.sharded_init: each rank holds some "
+                f"of its rows, and quantizing would read a stand-in. Build the model "
+                f"without sharded_init, quantize it, then sw.shard it")
+        if w.numel() % (block_size * scaler_block_size):
+            raise ShardwiseError(
+                f"{name}.weight has {w.numel()} elements, not a multiple of block_size * "
+                f"scaler_block_size = {block_size} * {scaler_block_size}; choose smaller "
+                f"blocks, or leave the layer out with where=")
+        with torch.no_grad():
+            mod.weight = nn.Parameter(nf4.to_nf4(w.detach(), block_size, scaler_block_size),
+                                      requires_grad=False)
+        done.append(f"{name}.weight")
+    return done
+
+
+def _default_choice(name: str, mod: nn.Linear) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf != "lm_head" and ".lora_" not in f".{name}" and not leaf.startswith("lora_")
