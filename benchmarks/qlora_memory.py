@@ -3,14 +3,15 @@
     OMP_NUM_THREADS=1 python benchmarks/qlora_memory.py [--world 2] [--layers 8]
 
 For each base, ``--world`` ranks (torchrun, gloo) build the same Llama (hidden 1024,
-intermediate 2816, vocabulary 32000, untied head), make its decoder's linear weights
+intermediate 2816, vocabulary 8000 so that the decoder holds most of the weights, as in
+a 7B model, untied head), make its decoder's linear weights
 the frozen base (``quantize_nf4`` for NF4; for bf16 the whole model cast, as QLoRA's
 bf16 baseline does; as built for fp32), add PEFT
 LoRA adapters (r 16 on q_proj and v_proj), shard it, and run 3 AdamW steps on 2
 sequences of 128 tokens. Each rank reports, from ``sw.inspect``, its bytes of the frozen
-base's shards (packed bytes for NF4), its bytes of all parameter shards, the largest unit
-while gathered, and its peak RSS during steps 2-3 above its RSS before them (``VmHWM``,
-reset through ``/proc/self/clear_refs``). The table shows rank 0.
+base's shards (packed bytes for NF4), its bytes of all parameter shards, the largest
+decoder layer while gathered, and its peak RSS during steps 2-3 above its RSS before
+them (``VmHWM``, reset through ``/proc/self/clear_refs``). The table shows rank 0.
 
 Every rank builds the full-precision model before quantizing or sharding it: the
 construction peak is the unsharded model's and is not what this measures (docs/qlora.md:
@@ -39,7 +40,7 @@ def _model(base: str, layers: int):
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+        vocab_size=8000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
         tie_word_embeddings=False))
     if base == "nf4":
@@ -65,7 +66,7 @@ def child(base: str, layers: int) -> None:
         if step == 1:
             before = status_mib("VmRSS")
             reset_peak()
-        x = torch.randint(0, 32000, (2, 128), generator=g)
+        x = torch.randint(0, 8000, (2, 128), generator=g)
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -75,13 +76,15 @@ def child(base: str, layers: int) -> None:
         gv.shard_bytes for u in view.units for gv in u.groups
         if not gv.requires_grad and any("layers" in p.name and "proj" in p.name
                                         for p in gv.params))
-    base_numel = sum(p.numel() for u in view.units for gv in u.groups for p in gv.params
+    base_numel = sum(p.numel for u in view.units for gv in u.groups for p in gv.params
                      if not gv.requires_grad and "layers" in p.name and "proj" in p.name)
     base_numel += sum(pv.numel for u in view.units for pv in u.packed)
     if rank == 0:
         print(json.dumps({"base": base, "world": view.world_size, "frozen_base": frozen,
                           "base_numel": base_numel, "params": view.param_bytes,
-                          "largest_unit": view.largest_gathered_bytes, "peak_mib": peak}))
+                          "largest_unit": max(u.gathered_bytes for u in view.units
+                                              if "layers" in u.name),
+                          "peak_mib": peak}))
 
 
 def main() -> None:
@@ -106,7 +109,7 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"world {args.world}, {args.layers} layers; per rank (rank 0):")
     print(f"{'base':6s} {'base shard MiB':>15s} {'bytes/element':>14s} {'all params MiB':>15s} "
-          f"{'largest unit MiB':>17s} {'peak RSS in steps MiB':>22s}")
+          f"{'one layer MiB':>17s} {'peak RSS in steps MiB':>22s}")
     mib = 2**20
     for r in rows:
         per = r["frozen_base"] * r["world"] / r["base_numel"]

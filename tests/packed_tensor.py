@@ -97,3 +97,33 @@ class RowInt8(OnlyPre):
             return None
         CALLS["post"] += 1
         return RowInt8(codes, scales), (codes, scales)
+
+
+class CountedRows(RowInt8):
+    """RowInt8 whose chunks also carry their own row count as an inner tensor: neither
+    the full tensor's count nor a part of it, so a checkpoint cannot reshard it (and
+    says so), while training works."""
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scales: torch.Tensor,
+                rows: torch.Tensor | None = None) -> CountedRows:
+        return RowInt8Codes.__new__(cls, codes, scales)
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
+        super().__init__(codes, scales)
+        self.rows = torch.tensor([codes.shape[0]]) if rows is None else rows
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return ["codes", "scales", "rows"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner: dict, ctx: Any, size: Any, stride: Any
+                             ) -> CountedRows:
+        return cls(inner["codes"], inner["scales"], inner["rows"])
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if out is not None:
+            return None
+        codes, scales = outputs
+        return CountedRows(codes, scales), (codes, scales)

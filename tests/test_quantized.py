@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 from harness import run_ranks
-from packed_tensor import CALLS, OnlyPre, RowInt8, RowInt8Codes
+from packed_tensor import CALLS, CountedRows, OnlyPre, RowInt8, RowInt8Codes
 
 import shardwise as sw
 
@@ -74,7 +76,7 @@ def _net() -> Net:
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.detach().clone().contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().clone().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _subclass_through_protocol(rank, world):
@@ -224,8 +226,6 @@ def _refusals(rank, world, folder):
         sw.shard(_net(), offload=sw.Offload(optimizer="cpu"))
     model = sw.shard(_net())
     refused = {
-        "sw.save_checkpoint": lambda: sw.save_checkpoint(f"{folder}/ck", model),
-        "sw.load_checkpoint": lambda: sw.load_checkpoint(f"{folder}/ck", model),
         "sw.load_pretrained": lambda: sw.load_pretrained(model, {}),
         "sw.gathered": lambda: sw.gathered(model).__enter__(),
         "copy.deepcopy": lambda: copy.deepcopy(model),
@@ -236,6 +236,13 @@ def _refusals(rank, world, folder):
         with pytest.raises(sw.ShardwiseError, match="quantized") as err:
             call()
         assert what in str(err.value) or what == "sw.gathered", err.value
+    # Chunks whose inner tensors are not parts of the full tensor's train, but a
+    # checkpoint could not reshard them: the save says so and writes nothing.
+    counted = sw.shard(_with_weight(CountedRows(*_parts(torch.randn(4, 4)))))
+    counted(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(sw.ShardwiseError, match="contiguous parts"):
+        sw.save_checkpoint(f"{folder}/counted", counted)
+    assert not os.path.exists(f"{folder}/counted/checkpoint.json")
     with sw.sharded_init():
         partitioned = nn.Sequential(nn.Linear(64, 64))
     with pytest.raises(sw.ShardwiseError, match="sharded_init"):
@@ -282,17 +289,18 @@ def test_integer_weights_move_as_bytes_under_mixed_precision():
 
 
 # -- QLoRA: a tiny Llama with an NF4 base and PEFT LoRA adapters ------------------------
-def _qlora():
+def _qlora(seed: int = 0, blocks: tuple[int, int] = (32, 8), quantize: bool = True):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     # Shapes that split evenly over 1, 2 and 3 ranks into whole NF4 blocks (32 elements)
     # and whole blocks of scales (8 blocks): 96 and 192 rows.
     base = LlamaForCausalLM(LlamaConfig(
         vocab_size=64, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
-    quantize_nf4(base, block_size=32, scaler_block_size=8)
+    if quantize:
+        quantize_nf4(base, block_size=blocks[0], scaler_block_size=blocks[1])
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                             lora_dropout=0.0))
     with torch.no_grad():  # LoRA's B starts at zero; make the adapters matter at once
@@ -318,21 +326,24 @@ def _adapters(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
+def _step(model, opt, batch) -> float:
+    """One reproducible step over a global batch of 6 sequences; its mean loss."""
+    mine = sw.micro_batches(batch, 6)
+    per = []
+    for i, x in enumerate(mine):
+        with sw.no_sync(model) if i < len(mine) - 1 else contextlib.nullcontext():
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+        per.append(loss.detach())
+    opt.step()
+    opt.zero_grad()
+    return sw.global_mean(per)
+
+
 def _qlora_reproducible(rank, world):
     model = sw.shard(_qlora(), reproducible=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for batch in _batches():
-        mine = sw.micro_batches(batch, 6)
-        per = []
-        for i, x in enumerate(mine):
-            with sw.no_sync(model) if i < len(mine) - 1 else contextlib.nullcontext():
-                loss = model(input_ids=x, labels=x).loss
-                loss.backward()
-            per.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        losses.append(sw.global_mean(per))
+    losses = [_step(model, opt, batch) for batch in _batches()]
     _check_memory(model, world)
     state = _adapters(model, opt)  # a collective: every rank
     return losses, state if rank == 0 else None
@@ -418,11 +429,11 @@ def test_qlora_default_mode_matches_one_process():
 
 def _qlora_trainer(rank, world, root):
     """ShardwiseTrainer against a DDP Trainer on the QLoRA model (DDP told to leave the
-    NF4 weights alone), then the adapters saved PEFT's way and loaded into a fresh
-    sharded model."""
+    NF4 weights alone), resumed from its checkpoint into a model quantized from other
+    weights, then the adapters saved PEFT's way and loaded into a fresh sharded model."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-    from test_trainer import _args, _dataset, _env, _losses
+    from test_trainer import SAVE_AT, _args, _dataset, _env, _losses
     from transformers import Trainer
 
     from shardwise.integrations.transformers import ShardwiseTrainer
@@ -435,9 +446,15 @@ def _qlora_trainer(rank, world, root):
     ddp = Trainer(model=ref, args=_args(f"{root}/ddp", save_strategy="no"),
                   train_dataset=_dataset())
     ddp.train()
-    ours = ShardwiseTrainer(model=_qlora(), args=_args(f"{root}/sw", save_strategy="no"),
-                            train_dataset=_dataset())
+    # With the Trainer's checkpoints every 3 steps: sw.save_checkpoint holds the NF4 base.
+    ours = ShardwiseTrainer(model=_qlora(), args=_args(f"{root}/sw"), train_dataset=_dataset())
     ours.train()
+    resumed = ShardwiseTrainer(model=_qlora(seed=1), args=_args(f"{root}/resumed"),
+                               train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=f"{root}/sw/checkpoint-{SAVE_AT}")
+    assert _nf4_bytes(resumed.model) == _nf4_bytes(_qlora())  # the base came back
+    late = [h["loss"] for h in ours.state.log_history if "loss" in h and h["step"] > SAVE_AT]
+    assert _losses(resumed)[-len(late):] == late  # and training went on the same
     assert sw.inspect(ours.model).packed_bytes > 0
     ours.save_model(f"{root}/adapter")  # a PeftModel saves its adapters only
     trained = {k: v for k, v in sw.full_state_dict(ours.model, rank0_only=False).items()
@@ -459,3 +476,68 @@ def test_qlora_shardwise_trainer_matches_ddp_and_saves_adapters(tmp_path):
     # may differ only through the clip factor's last bits (1e-5 of losses ~4).
     assert ours[0] == ddp[0]
     assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5, (ours, ddp)
+
+
+def _nf4_bytes(model) -> dict[str, bytes]:
+    """Every NF4 weight's inner tensors, whole, as bytes (a collective when sharded)."""
+    nf4 = nf4_module().NF4Tensor
+    sd = sw.full_state_dict(model, rank0_only=False) if sw.is_sharded(model) else \
+        model.state_dict()
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, nf4):
+            names, _ = v.__tensor_flatten__()
+            out.update({f"{k}/{n}": _bytes(getattr(v, n)) for n in names})
+    return out
+
+
+def _checkpoint_save(rank, world, folder):
+    """Two reproducible steps, a checkpoint, a third step."""
+    model = sw.shard(_qlora(), reproducible=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # frozen NF4 weights included
+    batches = _batches()
+    for batch in batches[:2]:
+        _step(model, opt, batch)
+    sw.save_checkpoint(folder, model, opt, extra={"step": 2})
+    loss = _step(model, opt, batches[2])
+    state = _adapters(model, opt)
+    return loss, state if rank == 0 else None
+
+
+def _checkpoint_load(rank, world, folder):
+    """Into a model quantized from other weights, at another world size: the NF4 bytes
+    come back byte for byte, and the third step gives the uninterrupted run's bits."""
+    model = sw.shard(_qlora(seed=1), reproducible=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert sw.load_checkpoint(folder, model, opt) == {"step": 2}
+    assert _nf4_bytes(model) == _nf4_bytes(_qlora())
+    loss = _step(model, opt, _batches()[2])
+    state = _adapters(model, opt)
+    if world == 1:  # what does not fit is refused by name, and nothing changes
+        from shardwise.checkpoint.consolidation import consolidate
+
+        for other, match in [(_qlora(blocks=(64, 4)), "quantized with other settings"),
+                             (_qlora(quantize=False), "missing from the checkpoint")]:
+            other = sw.shard(other)
+            before = sw.full_state_dict(other)
+            with pytest.raises(sw.ShardwiseError, match=match):
+                sw.load_checkpoint(folder, other)
+            after = sw.full_state_dict(other)
+            assert all(_bytes(after[k]) == _bytes(v) for k, v in before.items()
+                       if not isinstance(v, nf4_module().NF4Tensor))
+        with pytest.raises(sw.ShardwiseError, match="quantized"):
+            consolidate(folder, f"{folder}-full")
+    return loss, state if rank == 0 else None
+
+
+def test_qlora_checkpoint_round_trips_the_nf4_base_across_world_sizes(tmp_path):
+    folder = str(tmp_path / "ck")
+    loss, state = run_ranks(_checkpoint_save, 2, folder)[0]
+    meta = json.loads((tmp_path / "ck" / "checkpoint.json").read_text())
+    assert len(meta["packed"]) == 2 * 7  # every linear weight of both decoder layers
+    for world in (1, 3):
+        got_loss, got = run_ranks(_checkpoint_load, world, folder)[0]
+        assert got_loss == loss, (world, got_loss, loss)
+        assert got.keys() == state.keys()
+        for k in state:
+            assert torch.equal(got[k], state[k]), (world, k)

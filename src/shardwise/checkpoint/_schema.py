@@ -122,7 +122,12 @@ def validate(meta: Any, path: str, signed: bool = True) -> None:
     if meta.get("step") is not None:
         c.int_(meta["step"], "step")
     _files(c, meta, world)
-    shapes = _params(c, meta, world)
+    seen: set[str] = set()
+    shapes = _params(c, meta, world, seen)
+    if "packed" in meta:
+        _packed(c, meta, world, seen)
+        # An optimizer may hold the frozen quantized parameters too (without state).
+        shapes.update({main: tuple(e["shape"]) for main, e in meta["packed"].items()})
     buffers = c.dict_(meta.get("buffers", {}), "buffers")
     for name, e in buffers.items():
         e = c.dict_(e, f"buffers.{name}")
@@ -151,30 +156,60 @@ def _files(c: _Checker, meta: dict, world: int) -> None:
             raise c.fail("files", f"{rank_file(r, world)} (rank {r}'s data) is not listed")
 
 
-def _params(c: _Checker, meta: dict, world: int) -> dict[str, tuple[int, ...]]:
+def _params(c: _Checker, meta: dict, world: int,
+            seen: set[str]) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
-    seen_names: set[str] = set()
     for main, e in c.dict_(meta.get("params"), "params").items():
         f = f"params.{main}"
         e = c.dict_(e, f)
-        names = c.list_(e.get("names"), f"{f}.names")
-        if not names or names[0] != main:
-            raise c.fail(f"{f}.names", f"must start with {main!r}, got {names!r:.80}")
-        for n in names:
-            if c.str_(n, f"{f}.names") in seen_names:
-                raise c.fail(f"{f}.names", f"{n!r} is listed twice")
-            seen_names.add(n)
+        _names(c, f, main, e, seen)
         shape = c.shape(e.get("shape"), f"{f}.shape")
         c.dtype(e.get("dtype"), f"{f}.dtype")
-        pieces = c.list_(e.get("pieces"), f"{f}.pieces", length=world)
-        spans = []
-        for r, piece in enumerate(pieces):
-            off, cnt = c.list_(piece, f"{f}.pieces[{r}]", length=2)
-            spans.append((c.int_(off, f"{f}.pieces[{r}][0]"),
-                          c.int_(cnt, f"{f}.pieces[{r}][1]"), r))
-        _tile(c, f"{f}.pieces", spans, math.prod(shape))
+        _pieces(c, f"{f}.pieces", e.get("pieces"), world, math.prod(shape))
         shapes[main] = shape
     return shapes
+
+
+def _packed(c: _Checker, meta: dict, world: int, seen: set[str]) -> None:
+    """Quantized parameters (Note [packed checkpoints] in engine/packed.py): each inner
+    tensor's pieces tile its full shape, as a parameter's do."""
+    for main, e in c.dict_(meta.get("packed"), "packed").items():
+        f = f"packed.{main}"
+        e = c.dict_(e, f)
+        _names(c, f, main, e, seen)
+        c.str_(e.get("type"), f"{f}.type")
+        c.shape(e.get("shape"), f"{f}.shape")
+        c.dtype(e.get("dtype"), f"{f}.dtype")
+        inner = c.dict_(e.get("inner"), f"{f}.inner")
+        if not inner:
+            raise c.fail(f"{f}.inner", "lists no inner tensors")
+        for name, ie in inner.items():
+            g = f"{f}.inner.{name}"
+            ie = c.dict_(ie, g)
+            shape = c.shape(ie.get("shape"), f"{g}.shape")
+            c.dtype(ie.get("dtype"), f"{g}.dtype")
+            _pieces(c, f"{g}.pieces", ie.get("pieces"), world, math.prod(shape))
+
+
+def _names(c: _Checker, f: str, main: str, e: dict, seen: set[str]) -> None:
+    """A tensor's names start with its key, and no name belongs to two tensors."""
+    names = c.list_(e.get("names"), f"{f}.names")
+    if not names or names[0] != main:
+        raise c.fail(f"{f}.names", f"must start with {main!r}, got {names!r:.80}")
+    for n in names:
+        if c.str_(n, f"{f}.names") in seen:
+            raise c.fail(f"{f}.names", f"{n!r} is listed twice")
+        seen.add(n)
+
+
+def _pieces(c: _Checker, field: str, value: Any, world: int, numel: int) -> None:
+    """One ``[offset, count]`` per rank, tiling ``numel`` elements."""
+    pieces = c.list_(value, field, length=world)
+    spans = []
+    for r, piece in enumerate(pieces):
+        off, cnt = c.list_(piece, f"{field}[{r}]", length=2)
+        spans.append((c.int_(off, f"{field}[{r}][0]"), c.int_(cnt, f"{field}[{r}][1]"), r))
+    _tile(c, field, spans, numel)
 
 
 def _tile(c: _Checker, field: str, spans: list[tuple[int, int, int]], numel: int) -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import Comm
+from ..engine.packed import PackedParam, packed_param
 from ..engine.sharded_init import init_piece
 from ..engine.state import owning_state
 from ..engine.unit import ShardedParam, UnitState, sharded_param
@@ -66,13 +67,66 @@ class ParamTarget:
                 self.plain.copy_(values.reshape(self.shape))
 
 
+@dataclass
+class PackedTarget:
+    """One quantized (tensor subclass) parameter, under every name it has; a checkpoint
+    holds its inner tensors' values (Note [packed checkpoints] in engine/packed.py)."""
+
+    names: list[str]
+    packed: PackedParam
+
+    @property
+    def kind(self) -> str:
+        t = type(self.packed.local)
+        return f"{t.__module__}.{t.__qualname__}"
+
+    @property
+    def writes(self) -> bool:
+        """As :attr:`ParamTarget.writes`: replica 0 saves under hybrid sharding."""
+        group = self.packed.group
+        return group is None or group.topology.replica_index == 0
+
+    def saved_piece(self, inner: str, rank: int) -> tuple[int, int]:
+        """What this rank saves of ``inner``: its part, or the whole once (rank 0)."""
+        off, cnt = self.packed.inner_piece(inner)
+        whole = cnt == math.prod(self.packed.full_inner[inner])
+        if not self.writes or (whole and rank != 0):
+            return off, 0
+        return off, cnt
+
+    def inner(self, name: str) -> InnerTarget:
+        return InnerTarget(getattr(self.packed.local, name))
+
+
+@dataclass
+class InnerTarget:
+    """An inner tensor of a quantized parameter's shard, which a load writes into."""
+
+    local: torch.Tensor
+
+    def write_local(self, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.local.view(-1).copy_(values.reshape(-1))
+
+
+def packed_targets(module: nn.Module) -> list[PackedTarget]:
+    """The quantized parameters of ``module``, each once with all its names."""
+    out: dict[int, PackedTarget] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        pp = packed_param(value) if isinstance(value, torch.Tensor) else None
+        if pp is not None:
+            out.setdefault(id(pp), PackedTarget([], pp)).names.append(name)
+    return list(out.values())
+
+
 def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:
-    """The parameters (each once, with all its names) and persistent buffers of ``module``."""
+    """The parameters (each once, with all its names) and persistent buffers of ``module``;
+    quantized ones are :func:`packed_targets`'."""
     params: dict[int, ParamTarget] = {}
     buffers: dict[str, torch.Tensor] = {}
     param_ids = {id(p) for p in module.parameters()}
     for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or packed_param(value) is not None:
             continue
         sp = sharded_param(value)
         if init_piece(value) is not None or (sp is None and value.is_meta):
@@ -114,7 +168,7 @@ def comm_of(module: nn.Module) -> Comm | None:
     return Comm(None) if dist.is_initialized() else None
 
 
-def apply_values(values: list[tuple[ParamTarget, torch.Tensor]],
+def apply_values(values: list[tuple[ParamTarget | InnerTarget, torch.Tensor]],
                  buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write planned parameter rows and buffer values into the model."""
     for t, v in values:

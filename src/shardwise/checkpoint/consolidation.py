@@ -23,6 +23,12 @@ from .io import _Checkpoint
 
 def _entries(ck: _Checkpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], str, str]]:
     """(output name, dtype, shape, kind, source key) for every tensor, tied names included."""
+    if ck.meta.get("packed"):
+        raise ShardwiseError(
+            f"{ck.path} holds quantized (tensor subclass) weights "
+            f"({', '.join(list(ck.meta['packed'])[:3])}, ...), which plain safetensors "
+            f"cannot represent: load it with sw.load_checkpoint, or export the trainable "
+            f"weights with sw.full_state_dict (docs/qlora.md)")
     out = []
     for main, e in ck.meta["params"].items():
         for name in e["names"]:

@@ -26,7 +26,7 @@ from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
-from ..engine.state import model_state, refuse_packed
+from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ._format import (
     _ST_DTYPES,
@@ -50,7 +50,16 @@ from ._format import (
 )
 from ._lock import FolderLock
 from ._schema import CHECKSUM, canonical_sha256, validate
-from ._targets import ParamTarget, apply_values, comm_of, match_targets, module_targets
+from ._targets import (
+    InnerTarget,
+    PackedTarget,
+    ParamTarget,
+    apply_values,
+    comm_of,
+    match_targets,
+    module_targets,
+    packed_targets,
+)
 
 
 def _py_rng() -> list:
@@ -185,7 +194,6 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
     """
     path = path_argument(path, "save_checkpoint")
-    refuse_packed(module, "sw.save_checkpoint")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
@@ -196,22 +204,22 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     _reached("begin")
     # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
-    params, buffers, tensors, opt_meta = agreed(
-        comm, what, lambda: _prepare(module, optimizer, extra))
+    params, packed, buffers, tensors, opt_meta = agreed(
+        comm, what, lambda: _prepare(module, optimizer, extra, rank))
     _reached("prepared")
     folder = _Folder(path, keep_previous) if rank == 0 else None
     try:
         data_dir = _new_data_dir(path, comm, rank, world, what, folder)
-        mine = agreed(comm, what,
-                      lambda: _write_data(data_dir, rank, world, tensors, buffers, params))
+        mine = agreed(comm, what, lambda: _write_data(data_dir, rank, world, tensors,
+                                                      buffers, params, packed))
         _reached("data-written")
         everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
         _reached("reports")
 
         def commit() -> None:
             if folder is not None:
-                meta = _metadata(module, params, buffers, opt_meta, tensors, everyone,
-                                 extra, world)
+                meta = _metadata(module, params, packed, buffers, opt_meta, tensors,
+                                 everyone, extra, world)
                 meta["data"] = os.path.basename(data_dir)
                 folder.commit(meta)
 
@@ -292,24 +300,37 @@ def _committed_data(path: str) -> str | None:
     return data if isinstance(data, str) and data.startswith("data-") else None
 
 
-def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any):
+def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
+             rank: int):
     """This rank's view of what to save (checks included); nothing is written."""
     _json_ok(extra, "extra", exact=True)
     params, buffers = module_targets(module)
-    tensors, opt_meta = _local_tensors(params, optimizer)
-    return params, buffers, tensors, opt_meta
+    packed = packed_targets(module)
+    unsaveable = [t.packed.unsaveable for t in packed if t.packed.unsaveable]
+    if unsaveable:
+        raise ShardwiseError(unsaveable[0])
+    tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
+    return params, packed, buffers, tensors, opt_meta
 
 
-def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
+def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
+                   optimizer: torch.optim.Optimizer | None, rank: int,
                    ) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """This rank's parameter pieces, optimizer-state pieces and RNG states, and the
-    optimizer's metadata."""
+    """This rank's parameter pieces (quantized ones' inner tensors too: Note [packed
+    checkpoints]), optimizer-state pieces and RNG states, and the optimizer's metadata."""
     name_of: dict[int, str] = {}
     for t in params:
         key = t.sharded.shard if t.sharded is not None else t.plain
         name_of[id(key)] = t.names[0]
+    for pt in packed:  # frozen: an optimizer may hold them, without state
+        name_of[id(pt.packed.shard)] = pt.names[0]
     tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
                .to("cpu", copy=True).contiguous() for t in params}
+    for pt in packed:
+        for inner in pt.packed.inner:
+            n = pt.saved_piece(inner, rank)[1]
+            tensors[_packed_key(pt.names[0], inner)] = (
+                getattr(pt.packed.local, inner).detach().reshape(-1)[:n].to("cpu", copy=True))
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -346,13 +367,20 @@ def _by_rank(values: list) -> str:
     return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
 
 
+def _packed_key(main: str, inner: str) -> str:
+    return f"packed/{main}/{inner}"
+
+
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-                buffers: dict[str, torch.Tensor], params: list[ParamTarget]) -> dict:
+                buffers: dict[str, torch.Tensor], params: list[ParamTarget],
+                packed: list[PackedTarget]) -> dict:
     """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it.
 
     The file's own header records the pieces it holds, so that metadata claiming other
     pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
     pieces = {t.names[0]: list(t.saved_range()) for t in params}
+    pieces.update({_packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
+                   for t in packed for inner in t.packed.inner})
     fname = rank_file(rank, world)
     header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
     info = write_atomic(os.path.join(data_dir, fname),
@@ -367,9 +395,10 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     return {"file": fname, "files": files, "python_rng": _py_rng(), "pieces": pieces}
 
 
-def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
-              opt_meta: dict | None, tensors: dict[str, torch.Tensor], everyone: list[dict],
-              extra: Any, world: int) -> dict:
+def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
+              buffers: dict[str, torch.Tensor], opt_meta: dict | None,
+              tensors: dict[str, torch.Tensor], everyone: list[dict], extra: Any,
+              world: int) -> dict:
     """``checkpoint.json`` (without ``data``), from every rank's report."""
     meta = {
         "format": FORMAT,
@@ -388,10 +417,25 @@ def _metadata(module: nn.Module, params: list[ParamTarget], buffers: dict[str, t
         "extra": extra,
         "files": {name: info for e in everyone for name, info in e["files"].items()},
     }
+    if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
+        meta["packed"] = {t.names[0]: _packed_entry(t, everyone) for t in packed}
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         meta["hf_config"] = json.loads(config.to_json_string())
     return meta
+
+
+def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
+    """A quantized parameter's record: its type, shape and dtype, and each inner tensor's
+    full shape, dtype and pieces (Note [packed checkpoints])."""
+    main = t.names[0]
+    return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
+            "dtype": dtype_name(t.packed.dtype),
+            "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
+                              "dtype": dtype_name(getattr(t.packed.local, inner).dtype),
+                              "pieces": [e["pieces"][_packed_key(main, inner)]
+                                         for e in everyone]}
+                      for inner in t.packed.inner}}
 
 
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
@@ -498,8 +542,53 @@ def _check_counts(meta: Any, expect: int, meta_path: str) -> None:
                                  f"checkpoint ({summary(list(entries))})")
 
 
-def _read_values(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, torch.Tensor],
-               optimizer, rank: int, world: int) -> tuple:
+def _read_packed(ck: _Checkpoint, packed: list[PackedTarget],
+                 ) -> tuple[list[tuple[InnerTarget, torch.Tensor]], dict[int, str]]:
+    """This rank's part of every quantized parameter's inner tensors (Note [packed
+    checkpoints]), checked against the model's; and each shard's saved name."""
+    saved = ck.meta.get("packed", {})
+    key_of = {n: main for main, e in saved.items() for n in e["names"]}
+    problems: list[str] = []
+    values: list[tuple[InnerTarget, torch.Tensor]] = []
+    names: dict[int, str] = {}
+    for t in packed:
+        present = [n for n in t.names if n in key_of]
+        if not present:
+            problems.append(f"{t.names[0]}: not among the checkpoint's quantized parameters")
+            continue
+        main = key_of[present[0]]
+        e, pp = saved[main], t.packed
+        names[id(pp.shard)] = main
+        mine = (t.kind, list(pp.shape), dtype_name(pp.dtype))
+        if (e["type"], e["shape"], e["dtype"]) != mine or set(e["inner"]) != set(pp.inner):
+            problems.append(f"{t.names[0]}: the checkpoint holds a {e['type']} "
+                            f"{e['shape']} {e['dtype']} with {sorted(e['inner'])}, the "
+                            f"model a {mine[0]} {mine[1]} {mine[2]} with {sorted(pp.inner)}")
+            continue
+        if pp.unsaveable:
+            problems.append(pp.unsaveable)
+            continue
+        for inner in pp.inner:
+            ie, dtype = e["inner"][inner], getattr(pp.local, inner).dtype
+            if (tuple(ie["shape"]), ie["dtype"]) != (pp.full_inner[inner], dtype_name(dtype)):
+                problems.append(f"{t.names[0]}: its {inner} is {ie['dtype']} {ie['shape']} "
+                                f"in the checkpoint, {dtype_name(dtype)} "
+                                f"{list(pp.full_inner[inner])} in the model (quantized with "
+                                f"other settings?)")
+                continue
+            lo, n = pp.inner_piece(inner)
+            values.append((t.inner(inner), ck.assemble(_packed_key(main, inner),
+                                                       ie["pieces"], lo, n, dtype)))
+    unexpected = [m for m in saved if m not in names.values()]
+    if unexpected:
+        problems.append(f"quantized parameters the model does not have: {summary(unexpected)}")
+    if problems:
+        raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
+    return values, names
+
+
+def _read_values(ck: _Checkpoint, params: list[ParamTarget], packed: list[PackedTarget],
+                 buffers: dict[str, torch.Tensor], optimizer, rank: int, world: int) -> tuple:
     """Everything this rank will write into the module, optimizer and RNGs, read and
     checked; nothing is changed."""
     saved = {main: (tuple(e["shape"]), e["dtype"]) for main, e in ck.meta["params"].items()}
@@ -514,10 +603,12 @@ def _read_values(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, 
     matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
 
     _check_files(ck)
-    values = []
+    values: list[tuple[ParamTarget | InnerTarget, torch.Tensor]] = []
     for t, main, entry in matched:
         lo, n = t.local_range()
         values.append((t, ck.assemble(f"param/{main}", entry["pieces"], lo, n, t.dtype)))
+    inner_values, packed_names = _read_packed(ck, packed)
+    values += inner_values
     buffer_values = []
     if buffers:
         f = ck.file(BUFFERS_FILE)
@@ -525,7 +616,7 @@ def _read_values(ck: _Checkpoint, params: list[ParamTarget], buffers: dict[str, 
 
     opt_sd = None
     if optimizer is not None:
-        opt_sd = _read_optimizer(ck, optimizer, matched)
+        opt_sd = _read_optimizer(ck, optimizer, matched, packed_names)
     rng = None
     if ck.world_size == world:
         f = ck.file(rank_file(rank, world))
@@ -544,9 +635,10 @@ def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: 
     """(digest of the metadata read, the values read), or None when a save replaced the
     checkpoint while it was being read (the caller starts again)."""
     params, buffers = module_targets(module)
-    ck = _Checkpoint(path, expect=len(params) + len(buffers))
+    packed = packed_targets(module)
+    ck = _Checkpoint(path, expect=len(params) + len(packed) + len(buffers))
     try:
-        return ck.digest, _read_values(ck, params, buffers, optimizer, rank, world)
+        return ck.digest, _read_values(ck, params, packed, buffers, optimizer, rank, world)
     except ShardwiseError:
         if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
             return None
@@ -605,6 +697,10 @@ def _check_files(ck: _Checkpoint) -> None:
     (a deleted optimizer-state entry would silently reset it)."""
     meta = ck.meta
     pieces = {main: e["pieces"] for main, e in meta["params"].items()}
+    packed = {_packed_key(main, inner): (ie["dtype"], ie["pieces"])
+              for main, e in meta.get("packed", {}).items()
+              for inner, ie in e["inner"].items()}
+    pieces.update({key: p for key, (_, p) in packed.items()})
     state = (meta.get("optimizer") or {}).get("state") or {}
     for r in range(ck.world_size):
         expected: dict[str, tuple[str, list[int]]] = {}
@@ -616,6 +712,8 @@ def _check_files(ck: _Checkpoint) -> None:
                     expected[f"optim/{name}/{k}"] = (info["dtype"], [pieces[name][r][1]])
                 elif info["kind"] == "replicated":
                     expected[f"optim/{name}/{k}"] = (info["dtype"], info["shape"])
+        for key, (dtype, inner_pieces) in packed.items():
+            expected[key] = (dtype, [inner_pieces[r][1]])
         fname = rank_file(r, ck.world_size)
         f = ck.file(fname)
         where = f"{ck.data}/{fname}"
@@ -669,7 +767,7 @@ def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
                              f", the metadata says {pieces.get(wrong[0])})")
 
 
-def _read_optimizer(ck: _Checkpoint, optimizer, matched):
+def _read_optimizer(ck: _Checkpoint, optimizer, matched, packed_names: dict[int, str]):
     meta = ck.meta.get("optimizer")
     if meta is None:
         raise ShardwiseError(f"{ck.path}: holds no optimizer state")
@@ -680,6 +778,8 @@ def _read_optimizer(ck: _Checkpoint, optimizer, matched):
     for t, main, entry in matched:
         key = t.sharded.shard if t.sharded is not None else t.plain
         target_of[id(key)] = (t, main, entry)
+    for shard_id, main in packed_names.items():  # frozen: named in groups, no state
+        target_of[shard_id] = (None, main, None)
     groups = meta["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ShardwiseError(f"{ck.path}: {len(groups)} optimizer parameter groups saved, the "
@@ -694,6 +794,9 @@ def _read_optimizer(ck: _Checkpoint, optimizer, matched):
         for p in group["params"]:
             t, main, entry = target_of[id(p)]
             saved_state = meta["state"].get(main)
+            if saved_state and t is None:
+                raise ShardwiseError(f"{ck.path}: optimizer state for the quantized "
+                                     f"parameter {main}, which is frozen")
             if saved_state:
                 lo, n = t.local_range()
                 st = {}
@@ -779,7 +882,6 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
     """
     path = path_argument(path, "load_checkpoint")
-    refuse_packed(module, "sw.load_checkpoint")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"

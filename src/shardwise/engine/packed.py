@@ -43,6 +43,7 @@ shards a tensor whose bytes it cannot move exactly.
 from __future__ import annotations
 
 import inspect as pyinspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,41 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
+# Note [packed checkpoints]
+# A checkpoint must reload at any world size, and the subclass's own metadata (block
+# sizes, shapes, what its __tensor_flatten__ context holds) is not JSON. So a checkpoint
+# holds the *values* of the full tensor's inner tensors, in pieces, and a load writes them
+# into the chunk the model already holds, whose structure comes from quantizing the same
+# architecture with the same settings (checked: the type, every inner tensor's full
+# shape and dtype). That works when each inner tensor of rank r's chunk is either the
+# whole of the full tensor's (NF4's scaler mean and lookup table) or its r-th of N
+# contiguous parts (NF4's codes and scales), which ``shard`` checks on the bytes
+# (``_inner_split``); a checkpoint then stores the first kind once and the second kind as
+# one piece per rank, and a load at N' ranks reads its r'-th part, or the whole. A
+# subclass whose chunks are made otherwise trains, and its checkpoints are refused, with
+# the reason.
+def _inner_split(name: str, full: torch.Tensor, chunk: torch.Tensor, rank: int,
+                 world: int) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """Each inner tensor's full shape, and why a checkpoint could not hold the parameter
+    (Note [packed checkpoints]), or None."""
+    full_names, _ = full.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, _ = chunk.__tensor_flatten__()  # type: ignore[attr-defined]
+    shapes = {n: tuple(getattr(full, n).shape) for n in full_names}
+    if list(full_names) != list(names):
+        return shapes, f"{name}: its shards have other inner tensors than the full tensor"
+    for n in names:
+        whole, part = _as_bytes(getattr(full, n)), _as_bytes(getattr(chunk, n))
+        k = part.numel()
+        if whole.numel() == k and torch.equal(whole, part):
+            continue
+        if whole.numel() == world * k and torch.equal(whole[rank * k:(rank + 1) * k], part):
+            continue
+        return shapes, (f"{name}: its shard's inner tensor {n} is neither the full "
+                        f"tensor's {n} nor one of its {world} contiguous parts, so a "
+                        f"checkpoint could not reload it at another world size")
+    return shapes, None
+
+
 @dataclass
 class PackedParam:
     """One frozen subclass parameter: where it is registered, its shard, its full form."""
@@ -122,6 +158,12 @@ class PackedParam:
     local: torch.Tensor            # this rank's chunk, the subclass over the group's bytes
     shard: nn.Parameter            # DTensor(local), what the module holds while sharded
     inner: list[str]               # names of ``local``'s inner tensors
+    # Each inner tensor's shape in the full tensor: a checkpoint records the full inner
+    # tensors in pieces (Note [packed checkpoints]).
+    full_inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Why a checkpoint cannot hold this parameter, or None (Note [packed checkpoints]).
+    unsaveable: str | None = None
+    group: PackedGroup | None = None
     full: nn.Parameter | None = None      # the full subclass, built at the first gather
     # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
     # with the full buffer.
@@ -137,6 +179,14 @@ class PackedParam:
     def nbytes(self) -> int:
         """Bytes of this rank's shard (every inner tensor of the chunk)."""
         return sum(getattr(self.local, n).nbytes for n in self.inner)
+
+    def inner_piece(self, inner: str) -> tuple[int, int]:
+        """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
+        elements (Note [packed checkpoints]): its part, or all of it."""
+        assert self.group is not None
+        k = getattr(self.local, inner).numel()
+        full = math.prod(self.full_inner[inner])
+        return (0, k) if k == full else (self.group.comm.rank * k, k)
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
@@ -195,8 +245,10 @@ class PackedGroup:
             shard = nn.Parameter(dt, requires_grad=False)
             # Not the original's inner tensors: they would keep the full weight alive.
             copy_user_attributes(orig, shard, besides=mine[i])
+            full_inner, unsaveable = _inner_split(names[i][0], orig, mine[i], comm.rank,
+                                                  comm.world_size)
             self.params.append(PackedParam(names[i], slots[i], orig.shape, orig.dtype, local,
-                                           shard, inner_names))
+                                           shard, inner_names, full_inner, unsaveable, self))
         self.full = torch.empty(0, dtype=torch.uint8, device=device)
         self.gather_layout: ShardLayout | None = None
         self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
