@@ -46,7 +46,10 @@ On optimizers:
 - ``_shardwise_warned_clip``: set once the warning about gradients rescaled outside
   ``sw.clip_grad_norm_`` in the reproducible mode was given;
 - ``_shardwise_offload_grads``: the gradients set aside between a unit-by-unit step of
-  disk-offloaded state and the optimizer's own call (Note [stepping unit by unit]).
+  disk-offloaded state and the optimizer's own call (Note [stepping unit by unit]);
+- ``_shardwise_plain_step``: the parameter groups swapped to local tensors for the step
+  under way, and ``_shardwise_plain_step_hooked``, set once the optimizer's
+  ``state_dict`` hooks that undo such a swap are registered (Note [plain step]).
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ _SYNCED = "_shardwise_synchronised"
 LOOSE_PARAMS = "_shardwise_loose"
 WARNED_CLIP = "_shardwise_warned_clip"
 OFFLOAD_GRADS = "_shardwise_offload_grads"
+PLAIN_STEP = "_shardwise_plain_step"
+PLAIN_STEP_HOOKED = "_shardwise_plain_step_hooked"
 _PREFIX = "_shardwise"
 
 

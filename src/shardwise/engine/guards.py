@@ -46,6 +46,7 @@ from .._registry import (
     synchronised_by,
 )
 from ..errors import ShardwiseError
+from . import plain_step
 from .exact_reduction import ExactReduction
 from .offload.step import after_step, step_by_unit
 from .packed import packed_param
@@ -200,7 +201,7 @@ def _guard_torch_classes() -> None:
     )
 
     register_optimizer_step_pre_hook(_before_step)
-    register_optimizer_step_post_hook(after_step)
+    register_optimizer_step_post_hook(_after_step)
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
@@ -208,7 +209,15 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     _refuse_factored(optimizer)
     _refuse_unsynchronised(optimizer)
     _warn_inexact_clip(optimizer)
-    return step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
+    changed = step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
+    if changed is None:
+        plain_step.enter(optimizer, args, kwargs)  # Note [plain step]
+    return changed
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    plain_step.leave(optimizer)
+    after_step(optimizer, args, kwargs)
 
 
 def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:
