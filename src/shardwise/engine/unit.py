@@ -380,10 +380,13 @@ class FlatGroup:
         """Changes whenever this rank's shard is written.
 
         Optimizer steps write through the DTensor parameters, and DTensor's dispatch bumps
-        the wrapper's version counter, not its local tensor's; shardwise writes through
-        ``local``. Both count.
+        the wrapper's version counter, not its local tensor's; the plain step (Note
+        [plain step] in engine/plain_step.py) writes through the wrappers' local tensors,
+        which have counters of their own; shardwise writes through ``local``. All count.
         """
-        return self.local._version + sum(p.shard._version for p in self.params)
+        return self.local._version + sum(
+            p.shard._version + cast(DTensor, p.shard)._local_tensor._version
+            for p in self.params)
 
     def start_gather(self) -> None:
         # The full buffer is allocated only at the copy-out: a prefetched unit holds the
