@@ -15,7 +15,9 @@ On modules:
 - ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
 - ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
   every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
-  stops skipping layers), on every module of a sharded model;
+  stops skipping layers), on every module of a sharded model, with
+  ``_fsdp_use_orig_params``, by which dynamo compiles such modules with their parameters
+  as inputs (Note [compile] in ``engine/hooks.py``);
 - ``_apply``: on every module of a sharded model, the guard that makes moves and casts
   no-ops or refuses them (``engine/guards.py``);
 - ``__deepcopy__`` and ``__reduce_ex__``: on every module of a sharded model, the deep
@@ -121,10 +123,18 @@ def remove_instance_method(module: nn.Module, name: str) -> None:
 
 
 def mark_collective_forward(module: nn.Module) -> None:
-    """Tell Hugging Face transformers that ``module``'s forward is collective, as it does
-    for FSDP2 models: ``generate`` then defaults to ``synced_gpus=True``, so ranks that
-    finish early keep stepping until every rank is done, instead of hanging the others."""
+    """Mark ``module`` as a module whose parameters a sharding engine manages, with the
+    two attributes torch and transformers read for FSDP:
+
+    - Hugging Face transformers then knows that its forward is collective: ``generate``
+      defaults to ``synced_gpus=True``, so ranks that finish early keep stepping until
+      every rank is done, instead of hanging the others;
+    - dynamo (``torch.compile``) then treats it as FSDP with original parameters: its
+      parameters are read when a compiled graph runs, not baked in or guarded on, since
+      they are swapped between shards and full parameters (Note [compile] in
+      engine/hooks.py)."""
     module.__dict__["_is_fsdp_managed_module"] = True
+    module.__dict__["_fsdp_use_orig_params"] = True
 
 
 # -- tensors -----------------------------------------------------------------------------

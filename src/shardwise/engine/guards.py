@@ -22,10 +22,8 @@
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -512,25 +510,3 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
 
 def _some(names: list[Any]) -> str:
     return ", ".join(map(str, names[:3])) + (", ..." if len(names) > 3 else "")
-
-
-def warn_if_compiled_whole(root: nn.Module) -> None:
-    """Warn once when the sharded root itself is under ``torch.compile`` (Note [compile]
-    in engine/hooks.py): dynamo skips a sharded root (it carries the marker transformers uses
-    to recognise FSDP models), so the model runs eagerly and nothing is gained. Called at
-    a model's first forward only: the frame walk is cheap once."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    compiled = getattr(root, "_compiled_call_impl", None) is not None  # root.compile()
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(16):  # torch.compile(root): an OptimizedModule called us
-        if frame is None or compiled:
-            break
-        compiled = isinstance(frame.f_locals.get("self"), OptimizedModule)
-        frame = frame.f_back
-    if compiled:
-        warnings.warn(
-            "torch.compile of a whole sharded model compiles nothing: it runs eagerly. "
-            "Compile each unit's module before sw.shard instead, e.g. "
-            "`for block in model.blocks: block.compile()` (docs/performance.md)",
-            stacklevel=2)

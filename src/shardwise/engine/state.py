@@ -49,7 +49,7 @@ from ..comm.order_check import OrderCheck, order_checks_enabled
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
 from .autograd import in_backward, output_tensors, prepare_inputs
-from .guards import check_model, warn_if_compiled_whole
+from .guards import check_model
 from .running_stats import RunningStats
 from .unit import Unit, sharded_param
 
@@ -97,7 +97,6 @@ class ModelState:
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
-        self._compile_checked = False  # warn_if_compiled_whole ran
         self._dropout_warned = False  # _warn_dropout said it
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
@@ -226,9 +225,6 @@ class ModelState:
         check_model(self.root, self.units)
         if not self._all_pinned():  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
-        if not self._compile_checked:
-            self._compile_checked = True
-            warn_if_compiled_whole(self.root)
         if self.settings.reproducible and self.root.training and not self._dropout_warned:
             self._warn_dropout()
         self.order_check = (OrderCheck(self.comm, self.number)
