@@ -522,22 +522,24 @@ def _save_failures(rank, world, root):
     with pytest.raises(sw.ShardwiseError) as err:
         sw.save_checkpoint(good, model, opt, extra={"loss": object() if rank == 1 else 1.0})
     messages["extra"] = str(err.value)
-    # A full disk on rank 1: its write fails half-way.
-    real = io.write_atomic
+    # A full disk on rank 1: its data file, streamed a tensor at a time (Note [streamed
+    # save]), fails half-way, after some tensors reached the file.
+    real = io.SafetensorsStreamWriter.write
+    written = [0]
 
-    def full_disk(path, data, **kwargs):
-        if rank == 1:
-            real(path, data[: len(data) // 2])  # leaves a partial file, as a full disk does
+    def full_disk(self, name, tensor):
+        written[0] += 1
+        if rank == 1 and written[0] > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, data, **kwargs)
+        return real(self, name, tensor)
 
-    io.write_atomic = full_disk
+    io.SafetensorsStreamWriter.write = full_disk
     try:
         with pytest.raises(sw.ShardwiseError) as err:
             sw.save_checkpoint(good, model, opt, extra={"step": 2})
         messages["disk"] = str(err.value)
     finally:
-        io.write_atomic = real
+        io.SafetensorsStreamWriter.write = real
     torch.distributed.barrier()
     # The last good checkpoint is intact and alone: the failed save left no data folder.
     assert sw.load_checkpoint(good, model, opt) == {"step": 1}

@@ -21,6 +21,7 @@ SHA-256 are in the metadata, so truncation and corruption are reported, by file 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -171,7 +172,9 @@ class SafetensorsStreamWriter:
     """Writes a safetensors file one tensor at a time, so memory stays at one tensor.
 
     The header (names, dtypes, shapes, offsets) is known up front from metadata; tensors
-    must then be written in the order given.
+    must then be written in the order given. The file is written under a temporary name
+    and renamed by :meth:`close`, which returns its size and SHA-256 (as
+    :func:`write_atomic` does).
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -195,34 +198,55 @@ class SafetensorsStreamWriter:
         self.total_bytes = offset
         self._tmp = f"{path}{TMP_MARK}{os.getpid()}"
         self._f = open(self._tmp, "wb")
-        self._f.write(struct.pack("<Q", len(raw)))
-        self._f.write(raw)
+        self._hash = hashlib.sha256()
+        self._bytes = 0
+        self._put(struct.pack("<Q", len(raw)))
+        self._put(raw)
         self._next = 0
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._f.write(data)
+        self._hash.update(data)
+        self._bytes += len(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected, nbytes = self._order[self._next]
         if name != expected:
             raise ValueError(f"expected tensor {expected!r} next, got {name!r}")
+        # No copy of a contiguous CPU tensor: its memory goes to the file as it is.
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         if data.numel() != nbytes:
             raise ValueError(f"{name}: {data.numel()} bytes, expected {nbytes}")
         if sys.byteorder != "little":
             raise RuntimeError("writing safetensors needs a little-endian machine")
-        self._f.write(data.numpy().tobytes())
+        if nbytes:
+            # Through ctypes, not numpy(): numpy() marks the storage as not resizable
+            # for good, and shardwise frees and refills some storages by resizing them.
+            self._put(memoryview((ctypes.c_ubyte * nbytes).from_address(data.data_ptr())))
         self._next += 1
 
-    def close(self) -> None:
+    def close(self, before_rename: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Finish the file and rename it into place (``before_rename`` runs just before,
+        as for :func:`write_atomic`); its size and SHA-256."""
         if self._next != len(self._order):
             self.abort()
             raise ValueError(f"only {self._next} of {len(self._order)} tensors were written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self._tmp, self.path)
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            if before_rename is not None:
+                before_rename()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
         fsync_dir(os.path.dirname(self.path) or ".")
+        return {"bytes": self._bytes, "sha256": self._hash.hexdigest()}
 
     def abort(self) -> None:
-        self._f.close()
+        if not self._f.closed:
+            self._f.close()
         if os.path.exists(self._tmp):
             os.remove(self._tmp)
 

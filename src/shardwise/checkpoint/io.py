@@ -36,6 +36,7 @@ from ._format import (
     META,
     PIECES,
     TMP_MARK,
+    SafetensorsStreamWriter,
     dtype_from_name,
     dtype_name,
     fsync_dir,
@@ -109,7 +110,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
                 shape = list(v.shape)  # the full shape, for a DTensor too
                 if isinstance(v, DTensor):
                     v = v.to_local()  # this rank's rows, like the parameter's
-                value = v.detach().to("cpu", copy=True).contiguous()
+                value = v.detach()  # streamed from where it lives (Note [streamed save])
                 # State shaped like the parameter is stored flat: it is cut into the same
                 # pieces as the parameter, and reloads at any world size.
                 if sharded:
@@ -324,13 +325,15 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         name_of[id(key)] = t.names[0]
     for pt in packed:  # frozen: an optimizer may hold them, without state
         name_of[id(pt.packed.shard)] = pt.names[0]
+    # Views of the live tensors, not copies: the data file is streamed from them, one at
+    # a time (Note [streamed save]).
     tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
-               .to("cpu", copy=True).contiguous() for t in params}
+               for t in params}
     for pt in packed:
         for inner in pt.packed.inner:
             n = pt.saved_piece(inner, rank)[1]
             tensors[_packed_key(pt.names[0], inner)] = (
-                getattr(pt.packed.local, inner).detach().reshape(-1)[:n].to("cpu", copy=True))
+                getattr(pt.packed.local, inner).detach().reshape(-1)[:n])
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -371,6 +374,15 @@ def _packed_key(main: str, inner: str) -> str:
     return f"packed/{main}/{inner}"
 
 
+# Note [streamed save]
+# A rank's data file is written one tensor at a time, from where each tensor lives (the
+# device, host memory, or an offload tier's file), through a safetensors writer that
+# knows the header up front. The tensors collected before the writes are views of the
+# live parameters and optimizer state, not copies: nothing changes them during a save,
+# every rank being inside it. So a save needs memory for one tensor at a time, where it
+# needed a copy of the rank's state plus the file's bytes; and a disk tier's pages, read
+# for the file, are released after each of its tensors (Note [the disk tier]), so the
+# state of an offloaded model larger than memory can be saved (docs/offload.md).
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
                 buffers: dict[str, torch.Tensor], params: list[ParamTarget],
                 packed: list[PackedTarget]) -> dict:
@@ -383,10 +395,23 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
                    for t in packed for inner in t.packed.inner})
     fname = rank_file(rank, world)
     header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
-    info = write_atomic(os.path.join(data_dir, fname),
-                        safetensors.torch.save(tensors, metadata=header),
-                        before_rename=lambda: _reached("data-tmp"))
-    files = {fname: info}
+    writer = SafetensorsStreamWriter(
+        os.path.join(data_dir, fname),
+        [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata=header)
+    on_disk = {t.names[0]: t.sharded.group.store for t in params
+               if t.sharded is not None and t.sharded.group is not None
+               and t.sharded.group.store is not None and t.sharded.group.store.on_disk}
+    try:
+        for k, v in tensors.items():
+            writer.write(k, v)
+            kind, _, rest = k.partition("/")
+            store = on_disk.get(rest.split("/")[0]) if kind in ("param", "optim") else None
+            if store is not None:
+                store.release()  # its pages, read for the file, leave the process again
+    except BaseException:
+        writer.abort()
+        raise
+    files = {fname: writer.close(before_rename=lambda: _reached("data-tmp"))}
     if rank == 0 and buffers:
         buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
         files[BUFFERS_FILE] = write_atomic(
