@@ -219,9 +219,13 @@ def _refusals(rank, world, folder):
         with pytest.raises(sw.ShardwiseError, match=expected) as err:
             sw.shard(model)
         assert "0.weight" in str(err.value), err.value
-    # A weight that does not split evenly: 5 rows over 2 ranks.
+    # A weight that does not split evenly (5 rows over 2 ranks), in the second unit:
+    # refused before the first unit is touched.
+    uneven = nn.Sequential(_with_weight(RowInt8(*_parts(torch.randn(4, 4)))),
+                           _with_weight(RowInt8(*_parts(torch.randn(5, 4)))))
     with pytest.raises(sw.ShardwiseError, match="equal shards"):
-        sw.shard(_with_weight(RowInt8(*_parts(torch.randn(5, 4)))))
+        sw.shard(uneven)
+    assert not sw.is_sharded(uneven) and type(uneven[0][0].weight) is RowInt8
     with pytest.raises(sw.ShardwiseError, match="offload="):
         sw.shard(_net(), offload=sw.Offload(optimizer="cpu"))
     model = sw.shard(_net())

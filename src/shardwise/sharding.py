@@ -34,7 +34,7 @@ from .engine.build import build
 from .engine.clone import guard_model_copies
 from .engine.guards import retire
 from .engine.offload import Offload, Placement
-from .engine.packed import PackedGroup, refusal, shard_mesh, uses_protocol
+from .engine.packed import PackedGroup, refusal, shard_mesh, split, uses_protocol
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
 from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
@@ -135,11 +135,14 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
 
     Every parameter is sharded on dim 0: rank r keeps its rows as ``torch.chunk`` splits
     them (possibly none), in one flat buffer per unit, dtype and ``requires_grad``. A
-    unit's full parameters exist only while it computes. After the call every rank holds
-    ``src_rank``'s parameters and buffers. The module keeps its class and methods;
-    ``named_parameters()`` yields the original names, each an ``nn.Parameter`` holding a
-    ``DTensor`` with the original shape (``p.to_local()`` is this rank's rows), so build
-    the optimizer *after* sharding: one built before raises at its first step.
+    frozen tensor subclass implementing FSDP2's all-gather extension protocol (torchao's
+    ``NF4Tensor``) is sharded and gathered through that protocol, as packed bytes
+    (docs/qlora.md). A unit's full parameters exist only while it computes. After the
+    call every rank holds ``src_rank``'s parameters and buffers. The module keeps its
+    class and methods; ``named_parameters()`` yields the original names, each an
+    ``nn.Parameter`` holding a ``DTensor`` with the original shape (``p.to_local()`` is
+    this rank's rows), so build the optimizer *after* sharding: one built before raises
+    at its first step.
 
     Args:
         module: the model; its parameters must be real tensors on ``src_rank``.
@@ -202,7 +205,10 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             not divide the shard group's size, ``src_rank`` is out of range, a policy or
             ``units`` is invalid, ``units`` matches no submodule, ``memory_budget`` is not
             a positive int or is given without ``units="auto"``, ``offload`` is not an
-            ``Offload`` or its folder cannot be taken, a parameter is 0-dim,
+            ``Offload`` or its folder cannot be taken, a parameter is 0-dim, a parameter
+            is a tensor subclass or an ``nn.Parameter`` subclass without FSDP2's
+            extension protocol, or one with it requires grad, does not split into equal
+            shards, or is given with ``offload``,
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
             ``units=``): then every rank raises the same error.
@@ -241,7 +247,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         else:
             chosen = choose_units(module, units)
         records = discover_params(module, [n for n, _ in chosen])
-        _check_params(records, comm.rank, src_rank, offload)
+        _check_params(records, comm.rank, src_rank, offload, topo.shard.world_size)
         if any(uses_protocol(r.param) for r in records):
             shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
         # Each group releases its originals as it is built (_build_group): only
@@ -476,12 +482,15 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
 
 
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
-                  offload: Offload | None) -> None:
+                  offload: Offload | None, shards: int) -> None:
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ShardwiseError(refused[0] + more)
     packed = [r.fqns[0] for r in records if uses_protocol(r.param)]
+    for r in records:
+        if uses_protocol(r.param):
+            split(r.fqns[0], r.param, shards)  # refuses uneven splits before any change
     if packed and offload is not None:
         raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
                              f"parameters yet ({packed[0]}, ...): they are already a "

@@ -96,6 +96,30 @@ def refusal(name: str, p: torch.Tensor) -> str | None:
     return None
 
 
+def split(name: str, p: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``p``'s ``n`` shards as FSDP2 makes them (``torch.chunk`` on dim 0, the subclass's
+    own split); ``sw.shard`` calls it before changing anything, to refuse what does not
+    split evenly into whole shards.
+
+    Raises:
+        ShardwiseError: the subclass cannot split so, or not into ``n`` equal shards, or
+            a shard's inner tensors are not plain tensors.
+    """
+    try:
+        chunks = list(torch.chunk(p.detach(), n, dim=0))
+    except Exception as err:
+        raise ShardwiseError(f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) "
+                             f"cannot be split into {n} shards on dim 0: {err}") from err
+    if len(chunks) != n or len({tuple(c.shape) for c in chunks}) != 1:
+        raise ShardwiseError(
+            f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) does not split "
+            f"into {n} equal shards on dim 0 (got {[tuple(c.shape) for c in chunks]}); "
+            f"a quantized weight is sharded only evenly: choose a world size dividing "
+            f"{p.shape[0]} rows, and block sizes dividing each shard")
+    _plain_inner(chunks[0])
+    return chunks
+
+
 def _plain_inner(t: torch.Tensor) -> tuple[list[str], Any]:
     names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
     for n in names:
@@ -219,7 +243,7 @@ class PackedGroup:
         self.compute_dtype = compute_dtype  # MixedPrecision.param_dtype, or None
         self.mesh = shard_mesh(topology)
         self.unit_name = "?"
-        chunks = [self._chunk(n[0], p) for n, p in zip(names, originals)]
+        chunks = [split(n[0], p, comm.world_size) for n, p in zip(names, originals)]
         mine = [c[comm.rank] for c in chunks]
         structure = [_plain_inner(c) for c in mine]
         inner = [[getattr(c, n) for n in names_] for c, (names_, _) in zip(mine, structure)]
@@ -257,21 +281,6 @@ class PackedGroup:
         self._gather_work: Any = None
 
     # -- construction ------------------------------------------------------------------
-    def _chunk(self, name: str, p: torch.Tensor) -> list[torch.Tensor]:
-        n = self.comm.world_size
-        try:
-            chunks = list(torch.chunk(p.detach(), n, dim=0))
-        except Exception as err:
-            raise ShardwiseError(f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) "
-                                 f"cannot be split into {n} shards on dim 0: {err}") from err
-        if len(chunks) != n or len({tuple(c.shape) for c in chunks}) != 1:
-            raise ShardwiseError(
-                f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) does not split "
-                f"into {n} equal shards on dim 0 (got {[tuple(c.shape) for c in chunks]}); "
-                f"a quantized weight is sharded only evenly: choose a world size dividing "
-                f"{p.shape[0]} rows, and block sizes dividing each shard")
-        return chunks
-
     def _agree(self, names: list[str], mine: list[torch.Tensor],
                inner: list[list[torch.Tensor]]) -> None:
         """Every rank must hold the same kinds of chunks, or the byte scatter would
