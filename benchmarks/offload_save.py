@@ -1,14 +1,15 @@
-"""The memory and time of saving a disk-offloaded model's checkpoint.
+"""The memory and time of saving, then loading, a disk-offloaded model's checkpoint.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/offload_save.py \
         [--layers 12] [--width 1024] [--folder DIR]
 
 Each rank builds a GPT (vocabulary 8192) under ``sw.sharded_init``, shards it with
 everything on disk (``sw.Offload(params="disk", optimizer="disk")``), runs one AdamW step
-so that the optimizer state exists, then saves a checkpoint. It prints its state's bytes
-on disk, the save's peak RSS above the RSS before it (``VmHWM``, reset through
-``/proc/self/clear_refs``: file-backed pages count) and the save's time. Run it against
-two commits (``PYTHONPATH=<worktree>/src``) to compare.
+so that the optimizer state exists, then saves a checkpoint, and loads it into a second
+model built the same way (its own tier folder). It prints its state's bytes on disk, and
+for the save and the load their peak RSS above the RSS before each (``VmHWM``, reset
+through ``/proc/self/clear_refs``: file-backed pages count) and their time. Run it
+against two commits (``PYTHONPATH=<worktree>/src``) to compare.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ import shardwise as sw
 from shardwise.models import GPT, GPTConfig
 
 
+def _measured(fn) -> str:
+    before = status_mib("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    fn()
+    took = time.perf_counter() - t0
+    return f"peak RSS +{status_mib('VmHWM') - before:.0f} MiB over {before:.0f} MiB, {took:.1f} s"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -42,24 +52,25 @@ def main() -> None:
     dist.barrier()
     cfg = GPTConfig(vocab_size=8192, seq_len=8, n_layer=args.layers, n_head=16,
                     d_model=args.width)
-    with sw.sharded_init():
-        model = GPT(cfg)
-    model = sw.shard(model, offload=sw.Offload(params="disk", optimizer="disk",
-                                               folder=os.path.join(root, "tier")))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    def build(tier: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        with sw.sharded_init():
+            model = GPT(cfg)
+        model = sw.shard(model, offload=sw.Offload(params="disk", optimizer="disk",
+                                                   folder=os.path.join(root, tier)))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    model, opt = build("tier")
     x = torch.randint(0, 8192, (1, 8))
     model(x, torch.roll(x, -1, 1)).backward()
     opt.step()
     opt.zero_grad()
-    before = status_mib("VmRSS")
-    reset_peak()
-    t0 = time.perf_counter()
-    sw.save_checkpoint(os.path.join(root, "checkpoint"), model, opt)
-    took = time.perf_counter() - t0
-    peak = status_mib("VmHWM") - before
+    ckpt = os.path.join(root, "checkpoint")
+    save = _measured(lambda: sw.save_checkpoint(ckpt, model, opt))
     state = sum(sw.inspect(model).tier_bytes.values()) / 2**20
-    print(f"rank {rank}: state on disk {state:.0f} MiB; save peak RSS +{peak:.0f} MiB over "
-          f"{before:.0f} MiB; {took:.1f} s", flush=True)
+    other, other_opt = build("tier2")
+    load = _measured(lambda: sw.load_checkpoint(ckpt, other, other_opt))
+    print(f"rank {rank}: state on disk {state:.0f} MiB; save: {save}; load: {load}",
+          flush=True)
     dist.barrier()
     if rank == 0 and args.folder is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -199,12 +199,33 @@ def _load_placed(rank, world, folder, ckpt):
         for placement in ((None, None), ("disk", "disk"), ("cpu", "cpu"), (None, "disk")):
             model, opt = _plain(placement, folder)
             sw.load_checkpoint(os.path.join(ckpt, saved), model, opt)
+            if placement[1] == "disk":
+                # Note [streamed load]: the loaded AdamW moments went straight into the
+                # tier's files, as a step would have put them (not into memory first).
+                view = sw.inspect(model)
+                state = [v for p in model.parameters() for v in opt.state[p].values()
+                         if isinstance(v, DTensor)]
+                assert state and view.tier_bytes["disk"] >= 2 * view.param_bytes
+                assert all(_in_tier_files(v) for v in state)
             losses = _steps(model, opt, 2, 1)
             results[(saved, placement)] = (torch.tensor(losses), _state(model, opt))
     ref = results[("device", (None, None))]
     for key, got in results.items():
         _same(got, ref, f"saved on {key[0]}, loaded {key[1]}")
     return len(results)
+
+
+def _in_tier_files(v: DTensor) -> bool:
+    """Whether a state tensor lives in a disk tier's shared file mapping (its pages come
+    from /proc/self/maps lines naming a file, not anonymous memory)."""
+    addr = v.to_local().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= addr < hi:
+                return len(fields) >= 6 and fields[5].startswith("/")
+    return False
 
 
 def test_checkpoints_round_trip_across_placements_and_world_sizes(folder, tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -168,11 +168,20 @@ def comm_of(module: nn.Module) -> Comm | None:
     return Comm(None) if dist.is_initialized() else None
 
 
-def apply_values(values: list[tuple[ParamTarget | InnerTarget, torch.Tensor]],
+# A value to write: the tensor, or what reads it (a disk tier's rows, read one at a time:
+# Note [streamed load] in io.py).
+Value = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def apply_values(values: list[tuple[ParamTarget | InnerTarget, Value]],
                  buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write planned parameter rows and buffer values into the model."""
     for t, v in values:
-        t.write_local(v)
+        t.write_local(v() if callable(v) else v)
+        store = t.sharded.group.store if isinstance(t, ParamTarget) and t.sharded is not None \
+            and t.sharded.group is not None else None
+        if store is not None and store.on_disk:
+            store.release()
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)

@@ -8,12 +8,15 @@ pieces that overlap it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import json
 import os
 import random
 import shutil
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import safetensors.torch
@@ -26,6 +29,7 @@ from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
+from ..engine.offload.storage import GroupStorage
 from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ._format import (
@@ -55,6 +59,7 @@ from ._targets import (
     InnerTarget,
     PackedTarget,
     ParamTarget,
+    Value,
     apply_values,
     comm_of,
     match_targets,
@@ -504,6 +509,7 @@ class _Checkpoint:
         self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
         self.world_size = self.meta["world_size"]
         self._handles: dict[str, Any] = {}
+        self._raw: dict[str, _RawFile] = {}
 
     @property
     def digest(self) -> str:
@@ -532,6 +538,7 @@ class _Checkpoint:
                 self._handles[name] = safe_open(full, framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
                 raise ShardwiseError(f"{full}: not a readable safetensors file ({e})") from e
+            self._raw[name] = _RawFile(full)
         return self._handles[name]
 
     def assemble(self, key: str, pieces: list[list[int]], lo: int, n: int,
@@ -542,9 +549,48 @@ class _Checkpoint:
             a, b = max(lo, off), min(lo + n, off + cnt)
             if b <= a:
                 continue
-            f = self.file(rank_file(r, self.world_size))
-            out[a - lo:b - lo] = f.get_slice(key)[a - off:b - off]
+            name = rank_file(r, self.world_size)
+            self.file(name)  # verified first
+            self._raw[name].read_into(key, a - off, out[a - lo:b - lo])
         return out
+
+    def __del__(self) -> None:
+        for raw in getattr(self, "_raw", {}).values():
+            raw.close()
+
+
+class _RawFile:
+    """A verified safetensors file read with ``pread`` into the caller's tensors.
+
+    safetensors' own reader maps the file, and every page it reads then counts in the
+    process's resident memory until the mapping goes: a load of a disk tier's state would
+    hold the whole file that way (Note [streamed load]). Reading with ``pread`` leaves
+    the pages to the page cache, outside the process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "rb")  # noqa: SIM115 - kept open while the checkpoint is read
+        n = int.from_bytes(self._f.read(8), "little")
+        header = json.loads(self._f.read(n))
+        self._base = 8 + n
+        self._offsets = {k: v["data_offsets"][0] for k, v in header.items()
+                         if k != "__metadata__"}
+
+    def read_into(self, key: str, first: int, out: torch.Tensor) -> None:
+        """Elements ``[first, first + out.numel())`` of tensor ``key`` into ``out``."""
+        size = out.element_size()
+        nbytes = out.numel() * size
+        start = self._base + self._offsets[key] + first * size
+        view = memoryview((ctypes.c_ubyte * nbytes).from_address(out.data_ptr()))
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._f.fileno(), [view[done:]], start + done)
+            if got <= 0:
+                raise ShardwiseError(f"{self.path}: ended while reading {key}")
+            done += got
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _meta_cap(expect: int) -> int:
@@ -628,10 +674,12 @@ def _read_values(ck: _Checkpoint, params: list[ParamTarget], packed: list[Packed
     matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
 
     _check_files(ck)
-    values: list[tuple[ParamTarget | InnerTarget, torch.Tensor]] = []
+    values: list[tuple[ParamTarget | InnerTarget, Value]] = []
     for t, main, entry in matched:
         lo, n = t.local_range()
-        values.append((t, ck.assemble(f"param/{main}", entry["pieces"], lo, n, t.dtype)))
+        read = functools.partial(ck.assemble, f"param/{main}", entry["pieces"], lo, n,
+                                 t.dtype)
+        values.append((t, read if _disk_store(t) is not None else read()))  # Note [streamed load]
     inner_values, packed_names = _read_packed(ck, packed)
     values += inner_values
     buffer_values = []
@@ -640,8 +688,9 @@ def _read_values(ck: _Checkpoint, params: list[ParamTarget], packed: list[Packed
         buffer_values = [(b, f.get_tensor(key)) for b, key in match.buffers]
 
     opt_sd = None
+    deferred: list[Callable[[], None]] = []
     if optimizer is not None:
-        opt_sd = _read_optimizer(ck, optimizer, matched, packed_names)
+        opt_sd = _read_optimizer(ck, optimizer, matched, packed_names, deferred)
     rng = None
     if ck.world_size == world:
         f = ck.file(rank_file(rank, world))
@@ -653,7 +702,7 @@ def _read_values(ck: _Checkpoint, params: list[ParamTarget], packed: list[Packed
         except (RuntimeError, TypeError) as e:
             raise ShardwiseError(f"{ck.data}/{rank_file(rank, world)}: rng/torch is not a "
                                  f"torch RNG state ({e})") from e
-    return values, buffer_values, opt_sd, rng, ck.meta.get("extra")
+    return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
 
 
 def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
@@ -792,7 +841,11 @@ def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
                              f", the metadata says {pieces.get(wrong[0])})")
 
 
-def _read_optimizer(ck: _Checkpoint, optimizer, matched, packed_names: dict[int, str]):
+def _read_optimizer(ck: _Checkpoint, optimizer, matched, packed_names: dict[int, str],
+                    deferred: list[Callable[[], None]]):
+    """The optimizer's state dict, read and checked. State that lives on a disk tier is
+    not read here: ``deferred`` gets, per tensor, what reads it into its tier's file
+    once the load applies (Note [streamed load])."""
     meta = ck.meta.get("optimizer")
     if meta is None:
         raise ShardwiseError(f"{ck.path}: holds no optimizer state")
@@ -829,6 +882,11 @@ def _read_optimizer(ck: _Checkpoint, optimizer, matched, packed_names: dict[int,
                     key = f"optim/{main}/{k}"
                     if info["kind"] == "value":
                         st[k] = info["value"]
+                    elif info["kind"] == "sharded" and _disk_store(t) is not None:
+                        read = functools.partial(ck.assemble, key, entry["pieces"], lo, n,
+                                                 dtype_from_name(info["dtype"]))
+                        deferred.append(functools.partial(_adopt_state, optimizer, p, t, k,
+                                                          read))
                     elif info["kind"] == "sharded":
                         flat = ck.assemble(key, entry["pieces"], lo, n,
                                            dtype_from_name(info["dtype"]))
@@ -842,6 +900,32 @@ def _read_optimizer(ck: _Checkpoint, optimizer, matched, packed_names: dict[int,
         hyper = _hyperparameters(saved, group, f"{ck.path}: optimizer.param_groups[{i}]")
         new_groups.append({**hyper, "params": ids})
     return {"state": state, "param_groups": new_groups}
+
+
+# Note [streamed load]
+# A disk tier's state is not read into memory when a load checks the checkpoint: its
+# parameter rows and optimizer state are read one tensor at a time once the load applies,
+# each written into its tier's file and its pages released (Note [the disk tier]), so
+# that the state of an offloaded model larger than memory loads as it saved (Note
+# [streamed save]). What is checked before anything changes is unchanged: the files were
+# verified (sizes, SHA-256, pieces) and stay open, so a save replacing the checkpoint
+# meanwhile cannot change what is read.
+def _disk_store(t: ParamTarget) -> GroupStorage | None:
+    """The storage of ``t``'s group when its optimizer tier is the disk."""
+    sp = t.sharded
+    store = sp.group.store if sp is not None and sp.group is not None else None
+    return store if store is not None and store.placement.optimizer == "disk" else None
+
+
+def _adopt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, t: ParamTarget,
+                 key: str, read: Callable[[], torch.Tensor]) -> None:
+    """Read one optimizer state tensor of ``p`` into its tier's file (Note [streamed
+    load])."""
+    sp, store = t.sharded, _disk_store(t)
+    assert sp is not None and store is not None
+    value = sp.as_dtensor(read().view(sp.local.shape))
+    optimizer.state[p][key] = store.adopt_state(sp, key, value)
+    store.release()
 
 
 def _hyperparameters(saved: dict, live: dict, where: str) -> dict:
@@ -925,12 +1009,14 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         raise ShardwiseError(f"{what}: {path} was replaced by another save during each of "
                              f"{_LOAD_ATTEMPTS} attempts to read it; is a job saving into "
                              f"it in a loop?")
-    values, buffer_values, opt_sd, rng, extra = got[1]
+    values, buffer_values, (opt_sd, deferred), rng, extra = got[1]
 
     def apply() -> None:
         apply_values(values, buffer_values)
         if optimizer is not None:
             optimizer.load_state_dict(opt_sd)
+            for adopt in deferred:  # Note [streamed load]
+                adopt()
         if rng is not None:
             torch.set_rng_state(rng[0])
             if rng[1] is not None and torch.cuda.is_available():
