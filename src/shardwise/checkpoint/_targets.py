@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import Comm
+from ..engine.alloc import freed
 from ..engine.packed import PackedParam, packed_param
 from ..engine.sharded_init import init_piece
 from ..engine.state import owning_state
@@ -177,11 +178,14 @@ def apply_values(values: list[tuple[ParamTarget | InnerTarget, Value]],
                  buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write planned parameter rows and buffer values into the model."""
     for t, v in values:
-        t.write_local(v() if callable(v) else v)
+        value = v() if callable(v) else v
+        t.write_local(value)
         store = t.sharded.group.store if isinstance(t, ParamTarget) and t.sharded is not None \
             and t.sharded.group is not None else None
         if store is not None and store.on_disk:
             store.release()
+            if callable(v):  # read one at a time: Note [freed memory]
+                freed(value.numel() * value.element_size())
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)

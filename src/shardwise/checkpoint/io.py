@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
+from ..engine.alloc import freed
 from ..engine.buffers import BufferPolicy
 from ..engine.offload.storage import GroupStorage
 from ..engine.state import model_state
@@ -923,9 +924,11 @@ def _adopt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, t: ParamTarg
     load])."""
     sp, store = t.sharded, _disk_store(t)
     assert sp is not None and store is not None
-    value = sp.as_dtensor(read().view(sp.local.shape))
-    optimizer.state[p][key] = store.adopt_state(sp, key, value)
+    flat = read()
+    optimizer.state[p][key] = store.adopt_state(sp, key, sp.as_dtensor(flat.view(
+        sp.local.shape)))
     store.release()
+    freed(flat.numel() * flat.element_size())  # Note [freed memory]
 
 
 def _hyperparameters(saved: dict, live: dict, where: str) -> dict:
