@@ -536,10 +536,14 @@ class _Checkpoint:
             if problem:
                 raise ShardwiseError(problem)
             try:
-                self._handles[name] = safe_open(full, framework="pt", device="cpu")
+                handle = safe_open(full, framework="pt", device="cpu")
+                # Opened now: a save removing the folder later cannot take it away.
+                self._raw[name] = _RawFile(full)
             except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+                # A concurrent save may have removed it since it was verified: the caller
+                # sees the checkpoint replaced and reads the new one.
                 raise ShardwiseError(f"{full}: not a readable safetensors file ({e})") from e
-            self._raw[name] = _RawFile(full)
+            self._handles[name] = handle
         return self._handles[name]
 
     def assemble(self, key: str, pieces: list[list[int]], lo: int, n: int,
