@@ -51,15 +51,16 @@ def _compiled(rank, world):
     reference = _train(ddp, rank)
     # Measured: bit for bit over 3 steps at 2 ranks (the compiled kernels differ from
     # eager's in the last bits: 9.1226844 against 9.1226854 on the reference workload).
-    # Another CPU's inductor kernels could round the two differently only where their
-    # graphs differ; the units' graphs are the same, so equality is the claim.
-    assert losses == reference, (losses, reference)
+    # DDP's compiled graphs are cut elsewhere (at its own hooks), so on another CPU
+    # inductor may fuse the two differently; the bound is the per-block check's above,
+    # 1e-5 on losses ~4, far below what stale weights or a lost gradient would give.
+    assert losses == pytest.approx(reference, abs=1e-5), (losses, reference)
 
     in_place = sw.shard(copy.deepcopy(base))
     in_place.compile()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert _train(in_place, rank) == reference
+        assert _train(in_place, rank) == pytest.approx(reference, abs=1e-5)
     assert not _ours(caught)
 
 

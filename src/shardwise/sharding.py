@@ -269,15 +269,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
                                [n for n, _ in chosen], topo.shard.world_size, units)
     regather = _regather_group(topo, reshard_after_forward)
-    built = []
-    for i, (name, mod) in enumerate(chosen):
-        plain = [r for r in per_unit[i] if not uses_protocol(r.param)]
-        packed = [r for r in per_unit[i] if uses_protocol(r.param)]
-        built.append((name, mod, [_build_group(spec, topo, device, src_rank,
-                                               regather if i else None, reproducible, placement)
-                                  for spec in group_specs(plain, mp.param_dtype,
-                                                          mp.reduce_dtype)],
-                      [_build_packed(packed, topo, device, src_rank, mp)] if packed else []))
+    built = [_build_unit(name, mod, per_unit[i], topo, device, src_rank,
+                         regather if i else None, reproducible, placement, mp)
+             for i, (name, mod) in enumerate(chosen)]
     trim()  # Note [freed memory]
     _materialise_buffers(module, comm.rank, device, src_rank)
     buffer_sync.broadcast_all()
@@ -532,6 +526,19 @@ def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/alloc.py
     return g
+
+
+def _build_unit(name: str, mod: nn.Module, records: list[ParamRecord], topo: Topology,
+                device: torch.device, src_rank: int, regather: Comm | None, exact: bool,
+                placement: Placement | None, mp: MixedPrecision,
+                ) -> tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]:
+    """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
+    plain = [r for r in records if not uses_protocol(r.param)]
+    packed = [r for r in records if uses_protocol(r.param)]
+    groups = [_build_group(spec, topo, device, src_rank, regather, exact, placement)
+              for spec in group_specs(plain, mp.param_dtype, mp.reduce_dtype)]
+    return (name, mod, groups,
+            [_build_packed(packed, topo, device, src_rank, mp)] if packed else [])
 
 
 def _build_packed(records: list[ParamRecord], topo: Topology, device: torch.device,

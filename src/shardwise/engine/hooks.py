@@ -27,7 +27,8 @@ from .unit import unit_of
 # that calls its units in a loop (``for block in self.blocks``) is not captured: dynamo
 # does not resume after a graph break inside a loop, so it runs that frame eagerly, and
 # the root's own code (embeddings, the head, the loss) with it, while each unit's forward
-# is compiled. Losses matched compiled DDP's bit for bit (tests/test_compile.py).
+# is compiled. Losses matched compiled DDP's bit for bit on the machine of
+# tests/test_compile.py.
 @torch._dynamo.disable
 def pre_forward(module: torch.nn.Module, args: tuple,
                 kwargs: dict) -> tuple[tuple, dict] | None:
