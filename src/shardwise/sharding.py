@@ -481,13 +481,12 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ShardwiseError(refused[0] + more)
-    packed = [r.fqns[0] for r in records if uses_protocol(r.param)]
-    for r in records:
-        if uses_protocol(r.param):
-            split(r.fqns[0], r.param, shards)  # refuses uneven splits before any change
+    packed = [r for r in records if uses_protocol(r.param)]
+    for r in packed:
+        split(r.fqns[0], r.param, shards)  # refuses uneven splits before any change
     if packed and offload is not None:
         raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
-                             f"parameters yet ({packed[0]}, ...): they are already a "
+                             f"parameters yet ({packed[0].fqns[0]}, ...): they are already a "
                              f"quarter of their full-precision size or less; shard without "
                              f"offload=")
     scalars = [r.fqns[0] for r in records if r.param.dim() == 0]

@@ -193,16 +193,10 @@ class PackedParam:
     # with the full buffer.
     allocated: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     metadata: Any = None           # fsdp_pre_all_gather's, until fsdp_post_all_gather
-    requires_grad: bool = False
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of this rank's shard (every inner tensor of the chunk)."""
-        return sum(getattr(self.local, n).nbytes for n in self.inner)
 
     def inner_piece(self, inner: str) -> tuple[int, int]:
         """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
@@ -231,8 +225,6 @@ class PackedGroup:
     the byte buffer of the all-gather outputs, parameter after parameter, whose storage is
     empty while the group is sharded.
     """
-
-    requires_grad = False
 
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
                  originals: list[torch.Tensor], topology: Topology, device: torch.device,
@@ -467,13 +459,6 @@ class PackedGroup:
 
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
-
-    def drop_kept(self) -> None:
-        """Nothing is kept between forward and backward (Note [secondary shards] is for
-        trainable groups' rows)."""
-
-    def is_stale(self) -> bool:
-        return False  # frozen: nothing writes the shards
 
     @property
     def shard_bytes(self) -> int:
