@@ -225,8 +225,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.set_defaults(func=_plan_command)
     from shardwise.demo.main import add_arguments
 
-    d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks "
-                                    "(about 80 s on 2 cores)")
+    d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks")
     add_arguments(d)
     d.set_defaults(func=_demo)
     return parser, {"consolidate": c, "inspect": i, "sign": s, "plan": p, "demo": d}
