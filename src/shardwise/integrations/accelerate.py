@@ -61,12 +61,19 @@ class ShardwiseAccelerator(Accelerator):
 
     def __init__(self, *args: Any, shard_kwargs: dict | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.init_shardwise(shard_kwargs)
+
+    def init_shardwise(self, shard_kwargs: dict | None = None) -> None:
+        """Set this class's own attributes. ``ShardwiseTrainer`` calls it after switching
+        the Trainer's ``Accelerator`` to this class, which runs no ``__init__``."""
         self.shard_kwargs = dict(shard_kwargs or {})
+        # Kept across calls of prepare(): an optimizer may be prepared after its model.
+        self._shardwise_remap: dict[int, nn.Parameter] = {}
+        self._shardwise_watched: set[int] = set()  # ids of the optimizers watch_steps has
 
     # -- prepare -----------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:
-        # Kept across calls: an optimizer may be prepared after its model, separately.
-        remap: dict[int, nn.Parameter] = self.__dict__.setdefault("_shardwise_remap", {})
+        remap = self._shardwise_remap
         for obj in args:
             if isinstance(obj, nn.Module) and not is_sharded(obj):
                 remap.update(self._shard(obj))
@@ -81,7 +88,7 @@ class ShardwiseAccelerator(Accelerator):
     def _watch(self, optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> None:
         """Check every step that all ranks stepped (``watch_steps``), once per optimizer
         of a sharded model."""
-        watched: set[int] = self.__dict__.setdefault("_shardwise_watched", set())
+        watched = self._shardwise_watched
         inner = plain_optimizer(optimizer)
         if id(inner) in watched:
             return

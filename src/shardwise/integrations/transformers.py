@@ -121,10 +121,10 @@ class ShardwiseTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         # The Trainer builds its Accelerator itself, with arguments that change between
-        # transformers releases; ShardwiseAccelerator only overrides methods and adds one
-        # attribute, so the instance is switched to it instead of being rebuilt.
+        # transformers releases; ShardwiseAccelerator only overrides methods and adds a few
+        # attributes, so the instance is switched to it instead of being rebuilt.
         self.accelerator.__class__ = ShardwiseAccelerator
-        self.accelerator.shard_kwargs = {}
+        self.accelerator.init_shardwise()
 
     @property
     def _sharded(self) -> nn.Module:
