@@ -24,9 +24,10 @@ global meaning. ``finish_gather`` swaps in the *full* parameter, a plain leaf
 ``nn.Parameter`` viewing the full buffer with the original shape, because module code
 computes with plain tensors; ``reshard`` swaps the shards back. The swap is a dict
 assignment in ``module._parameters``, and which of the two a sharded model's module holds
-is decided in ``_swap`` only. Four other places write ``module._parameters``, none of
-them choosing between shard and full: ``FlatGroup.install`` registers the shards once,
-in place of the originals (``shard``) or of the copied ones (a deep copy);
+is decided in ``_swap`` only. Five other places write ``module._parameters``, none of
+them choosing between shard and full: ``FlatGroup.install``, and ``PackedGroup.install``
+for tensor-subclass parameters (engine/packed.py), register the shards once, in place of
+the originals (``shard``) or of the copied ones (a deep copy);
 ``sharded_init`` registers its stand-ins before there is a shard; a move or cast that
 changes nothing (engine/guards.py) takes the shards out of torch's reach for the call and
 puts the same objects back; and ``gathered()`` puts the full parameter back into a slot
