@@ -19,13 +19,13 @@ intervals tried. Elsewhere than glibc (musl, macOS) this does nothing.
 Note [a fixed mmap threshold]
 Training keeps the same growth going: glibc raises its mmap threshold to the size of the
 largest block freed (up to 32 MiB), after which a unit's gathered buffers, staged shards
-and reduction buffers come from the heap, and what they free stays resident: at 2 ranks
-a GPT 512 wide peaked 138 MiB higher in forward at 16 layers than at 8, though nothing
-live grew. A model whose state is on disk promises a peak that does not grow with depth,
-so :func:`bound_heap` fixes the threshold at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which
-also stops the adjustment): blocks that large are mapped and unmapped, and the same runs
-peaked at 414 MiB at both depths. It is process-wide, set once, and left alone when
-``MALLOC_MMAP_THRESHOLD_`` is in the environment (the user chose). The threshold only
+and reduction buffers come from the heap, and what they free stays resident: the peak
+grows with the model's depth though nothing live grows. A model whose state is on disk
+promises a peak that does not grow with depth, so :func:`bound_heap` fixes the threshold
+at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``, which also stops the adjustment): blocks that
+large are mapped and unmapped, and the peak no longer depends on depth (BENCHMARKS.md,
+"Offload", has the peaks before and after). It is process-wide, set once, and left alone
+when ``MALLOC_MMAP_THRESHOLD_`` is in the environment (the user chose). The threshold only
 decides how new memory is obtained: free chunks already in the heap (a model built under
 ``sharded_init`` leaves them on ``src_rank``) are still handed out and kept, so such a
 model's full parameters report what they free (:func:`freed`), and the step trims.

@@ -4,7 +4,8 @@ Note [plain step]
 A sharded parameter is a DTensor (Note [DTensor parameters] in engine/unit.py), so every
 operation an optimizer runs on it, on its gradient and on its state goes through DTensor's
 dispatch: sharding propagation and wrapping for each op of each parameter, which made
-AdamW's step 1.45x what its arithmetic on a rank's elements costs (issue 34). For the
+AdamW's step cost well above its arithmetic on a rank's elements (BENCHMARKS.md,
+"Optimizer step", has the times before and after; issue 34). For the
 ``torch.optim`` optimizers that update each element from its own gradient and state
 (``PER_PARAMETER``), that dispatch computes nothing: every op is elementwise on the local
 tensors. So for their step, when nothing else needs the DTensors, a global step pre-hook

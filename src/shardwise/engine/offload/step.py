@@ -126,7 +126,7 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
         for group, params in zip(optimizer.param_groups, saved):
             group["params"] = params
         # The step's temporaries, freed, stay in glibc's heap otherwise (Note [a fixed
-        # mmap threshold]): 441 MiB after the first step of a 32-layer GPT.
+        # mmap threshold]; what they came to: BENCHMARKS.md, "Offload").
         trim()
     stash = {}
     for params in saved:
