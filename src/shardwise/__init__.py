@@ -33,6 +33,11 @@ State and checkpoints
     load_pretrained(module, source, strict=True, rename=None)
     save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
     load_checkpoint(path, module, optimizer=None) -> extra
+    Resumable(folder, model, optimizer=None, *, every, keep=2, scheduler=None,
+              micro_batches=None, steps_per_epoch=None)
+                                               a loop that resumes from its newest
+                                               checkpoint at any world size (torchrun
+                                               restarts, elastic jobs)
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT;
     shardwise sign CHECKPOINT
 Hugging Face (optional: transformers, accelerate)
@@ -60,7 +65,7 @@ Example::
 
 from typing import Any
 
-from .checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from .checkpoint import Resumable, load_checkpoint, load_pretrained, save_checkpoint
 from .checkpoint.state_dict import full_state_dict
 from .comm.process_group import init_distributed
 from .consistency import check_consistency
@@ -99,6 +104,7 @@ __all__ = [
     "ModelView",
     "Offload",
     "ReadOnlyGatherError",
+    "Resumable",
     "ShardwiseError",
     "check_consistency",
     "clip_grad_norm_",

@@ -69,12 +69,14 @@ from ._targets import (
 )
 
 
-def _py_rng() -> list:
+def python_rng_state() -> list:
+    """Python's ``random`` state as JSON values."""
     version, state, gauss = random.getstate()
     return [version, list(state), gauss]
 
 
-def _set_py_rng(saved: list) -> None:
+def set_python_rng_state(saved: list) -> None:
+    """Restore a state from :func:`python_rng_state`."""
     random.setstate((saved[0], tuple(saved[1]), saved[2]))
 
 
@@ -423,7 +425,7 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
         files[BUFFERS_FILE] = write_atomic(
             os.path.join(data_dir, BUFFERS_FILE),
             safetensors.torch.save(buf, metadata={"format": FORMAT}))
-    return {"file": fname, "files": files, "python_rng": _py_rng(), "pieces": pieces}
+    return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
 
 
 def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
@@ -1028,7 +1030,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
             torch.set_rng_state(rng[0])
             if rng[1] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state(rng[1])
-            _set_py_rng(rng[2])
+            set_python_rng_state(rng[2])
 
     # Everything that could fail was checked above; should anything still fail on one
     # rank, every rank says so instead of the others going on to hang.

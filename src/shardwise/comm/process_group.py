@@ -13,6 +13,25 @@ Importing the module while no group exists binds ``None`` instead (which means t
 group in every one of those functions), so the group dies at ``destroy_process_group``.
 A ``DeviceMesh`` holds its group the same way; see ``Comm.mesh``.
 ``tests/test_teardown.py`` checks that no gloo thread survives it.
+
+Note [a store per attempt]
+Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``, its default) the workers meet in a
+TCP store that the rank-0 agent hosts for the whole job: it outlives restarts, and
+torch's ``env://`` path reads and writes the same keys (``default_pg/0/...``) on every
+attempt. A restarted worker can therefore read a key an earlier attempt's worker left:
+gloo then dials that dead worker's address (``connectFullMesh failed ... Connection
+refused``), and a store-based barrier counts arrivals of the earlier attempt. Nothing in
+a worker's environment numbers the attempts the same way on every node (each agent
+counts its own restarts, and a node that joins late starts at 0), so the workers agree
+on a fresh name themselves before the process group uses the store: every rank but 0
+writes a random nonce under its rank; rank 0 draws a random generation, answers each
+nonce it reads with ``nonce:generation``, and waits until every rank has confirmed that
+pair. A rank accepts only an answer carrying its own nonce and rank 0 only a
+confirmation carrying its own generation, so a value left by an earlier attempt is never
+taken for one of this attempt. The process group then lives under
+``shardwise/<run id>/<generation>/`` in the store, where no earlier attempt wrote.
+``tests/test_elastic.py`` restarts workers in a store that holds an earlier attempt's
+keys.
 """
 
 from __future__ import annotations
@@ -22,6 +41,8 @@ import datetime
 import os
 import signal
 import sys
+import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -99,7 +120,79 @@ def init_distributed(backend: str | None = None,
         _die_with_agent()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = attempt_store(kwargs["timeout"], rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kwargs)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, **kwargs)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def attempt_store(timeout: datetime.timedelta, rank: int, world: int) -> dist.Store:
+    """The job's shared store, under a name no earlier attempt used (Note [a store per
+    attempt]).
+
+    Raises:
+        ShardwiseError: some ranks did not arrive within ``timeout`` (naming them).
+    """
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timeout)
+    root = f"shardwise/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/attempt"
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        generation = uuid.uuid4().hex
+        _answer_every_rank(base, root, generation, world, deadline)
+    else:
+        nonce = uuid.uuid4().hex
+        base.set(f"{root}/nonce/{rank}", nonce)
+        answer = _poll(base, f"{root}/answer/{rank}", deadline,
+                       lambda v: v.startswith(nonce + ":"))
+        if answer is None:
+            raise ShardwiseError(f"rank {rank} waited {timeout} for rank 0 to name this "
+                                 f"attempt's store prefix (Note [a store per attempt]); "
+                                 f"did rank 0 start?")
+        generation = answer.split(":", 1)[1]
+        base.set(f"{root}/confirm/{rank}", f"{nonce}:{generation}")
+    return dist.PrefixStore(f"{root}/{generation}/", base)
+
+
+def _answer_every_rank(base: dist.Store, root: str, generation: str, world: int,
+                       deadline: float) -> None:
+    """Rank 0's side: answer each rank's latest nonce until all confirm this generation."""
+    answered: dict[int, str] = {}
+    waiting = set(range(1, world))
+    while waiting:
+        for r in sorted(waiting):
+            nonce = _value(base, f"{root}/nonce/{r}")
+            if nonce is None:
+                continue
+            if answered.get(r) != nonce:  # new, or a rank that wrote after an old value
+                base.set(f"{root}/answer/{r}", f"{nonce}:{generation}")
+                answered[r] = nonce
+            if _value(base, f"{root}/confirm/{r}") == f"{nonce}:{generation}":
+                waiting.discard(r)
+        if waiting and time.monotonic() > deadline:
+            raise ShardwiseError(f"rank 0 waited for ranks {sorted(waiting)} to join this "
+                                 f"attempt's store prefix (Note [a store per attempt]); "
+                                 f"did they start?")
+        if waiting:
+            time.sleep(0.005)
+
+
+def _value(store: dist.Store, key: str) -> str | None:
+    """``key``'s value, or None when it is not set (without blocking)."""
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def _poll(store: dist.Store, key: str, deadline: float, accept) -> str | None:
+    """Wait for ``key`` to hold a value ``accept`` takes; None at the deadline."""
+    while time.monotonic() < deadline:
+        v = _value(store, key)
+        if v is not None and accept(v):
+            return v
+        time.sleep(0.005)
+    return None

@@ -1,0 +1,394 @@
+"""``Resumable``: a training loop that survives restarts, at whatever world size it gets.
+
+Note [resumable runs]
+A run folder holds one checkpoint folder per saved step (``step-00000040``), each written
+by :func:`save_checkpoint` and therefore complete or absent (Note [atomic save]). On start
+every rank takes rank 0's list of the step folders that hold a ``checkpoint.json`` and
+loads the newest that loads; one that fails its checks is skipped with a warning, never
+half-read, because a failed load changes nothing. The world size may differ from the
+one that saved: parameters and optimizer state reshard, and in the reproducible mode the
+next steps give the same bits as an uninterrupted run (docs/long-runs.md).
+
+What a checkpoint cannot reshard is a random stream per rank. ``load_checkpoint`` restores
+each rank's RNG states at the same world size; at another one every rank takes rank 0's
+saved states when every rank had the same states at the save (all ranks seeded alike, the
+common case) and is warned otherwise, since per-rank streams have no meaning at another
+size. Data order is the loop's: the step (and the epoch and the offset in it) say which
+global batch comes next, and ``sw.micro_batches`` cuts it for this world size, so the
+global batch never depends on the number of ranks.
+
+Rank 0 holds the run folder's lock for the life of the object, so a second job pointed at
+the same folder is refused by name before it loads or writes anything (Note [one
+writer]). A failure inside ``with run:`` is written to ``failures/`` in the folder and
+carries a note naming the step reached and the last checkpoint; the next attempt reports
+it, and says so when attempts keep failing without getting past a checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._args import require_module, require_optimizer
+from .._log import logger
+from ..comm.agree import agreed
+from ..errors import ShardwiseError
+from ._format import META, path_argument, read_json, write_json_atomic
+from ._lock import FolderLock
+from ._targets import comm_of
+from .io import load_checkpoint, python_rng_state, save_checkpoint, set_python_rng_state
+
+_STEP = re.compile(r"^step-(\d{8,})$")
+_KEY = "shardwise.resumable"
+_FAILURES = "failures"
+_HISTORY = "failures.json"
+
+
+class Resumable:
+    """A training loop's position, saved every ``every`` steps and found again on restart.
+
+    On construction it loads the newest complete checkpoint in ``folder`` (any world size;
+    Note [resumable runs]), or starts at step 0 when there is none. ``steps(total)`` then
+    yields the step numbers still to run and saves after every ``every``-th step and
+    after the last, keeping the newest ``keep`` checkpoints. Called by every rank.
+
+    Args:
+        folder: the run folder (created if needed); one job at a time may use it.
+        model: the model, sharded or not.
+        optimizer: optional optimizer over ``model.parameters()``.
+        every: save after each step number that is a multiple of it (a positive int).
+        keep: how many checkpoints to keep (at least 1; default 2).
+        scheduler: optional LR scheduler, saved and restored with the step (its
+            ``state_dict()`` must be JSON: plain schedulers' are).
+        micro_batches: the reproducible mode's count M of micro-batches per global batch:
+            a world size that does not divide it is refused before anything loads.
+        steps_per_epoch: global batches per epoch, for :attr:`epoch` and
+            :attr:`step_in_epoch`.
+
+    Attributes:
+        step: the next step to run (0 on a fresh start).
+        state: a JSON dict saved with every checkpoint and restored (a data loader's
+            position, counters): yours to fill.
+        resumed_from: the checkpoint folder loaded, or None.
+
+    Raises:
+        ShardwiseError: on every rank, for a bad argument, a world size that does not
+            divide ``micro_batches`` (naming the sizes that do), a folder another job
+            holds, or a scheduler state that is not JSON.
+
+    Example:
+        >>> with sw.Resumable("runs/gpt", model, opt, every=50) as run:
+        ...     for step in run.steps(1000):
+        ...         x, y = batch(step)            # the global batch of this step
+        ...         loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, folder: str | os.PathLike, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, *, every: int,
+                 keep: int = 2, scheduler: Any = None, micro_batches: int | None = None,
+                 steps_per_epoch: int | None = None) -> None:
+        self.folder = path_argument(folder, "Resumable")
+        require_module(model, "Resumable", "model")
+        if optimizer is not None:
+            require_optimizer(optimizer, "Resumable")
+        for name, value, low in (("every", every, 1), ("keep", keep, 1),
+                                 ("micro_batches", micro_batches, 1),
+                                 ("steps_per_epoch", steps_per_epoch, 1)):
+            if value is None and name in ("micro_batches", "steps_per_epoch"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ShardwiseError(f"Resumable: {name} must be an int of at least {low}, "
+                                     f"not {value!r}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.every, self.keep, self.steps_per_epoch = every, keep, steps_per_epoch
+        self._comm = comm_of(model)
+        self.rank, self.world = ((self._comm.rank, self._comm.world_size)
+                                 if self._comm is not None else (0, 1))
+        if micro_batches is not None and micro_batches % self.world:
+            sizes = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
+            raise ShardwiseError(
+                f"Resumable: the world size {self.world} does not divide micro_batches="
+                f"{micro_batches}, so the reproducible mode cannot give the bits of the "
+                f"saved run at this size; world sizes that do: {sizes}. Nothing was loaded")
+        if scheduler is not None:
+            _json_state(scheduler)
+        self.step = 0
+        self.state: dict[str, Any] = {}
+        self.resumed_from: str | None = None
+        self._lock: FolderLock | None = None
+        self._take_folder()
+        try:
+            self._resume()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step numbers ``self.step, ..., total - 1``, saving after every
+        ``every``-th step and after the last one.
+
+        Raises:
+            ShardwiseError: ``total`` is not a non-negative int.
+        """
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ShardwiseError(f"Resumable.steps: total must be an int >= 0, not {total!r}")
+        while self.step < total:
+            yield self.step
+            self.step += 1
+            if self.step % self.every == 0 or self.step == total:
+                self.save()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step (needs ``steps_per_epoch``)."""
+        return self.step // self._per_epoch()
+
+    @property
+    def step_in_epoch(self) -> int:
+        """The next step's offset in its epoch, in global batches (needs
+        ``steps_per_epoch``)."""
+        return self.step % self._per_epoch()
+
+    def save(self) -> None:
+        """Save now as ``step-<step>`` and remove checkpoints beyond the newest ``keep``.
+
+        Raises:
+            ShardwiseError: as :func:`save_checkpoint`.
+        """
+        extra = {_KEY: {"step": self.step, "world_size": self.world,
+                        "scheduler": (_json_state(self.scheduler)
+                                      if self.scheduler is not None else None),
+                        "rng": self._rng()},
+                 "state": self.state}
+        started = time.monotonic()
+        save_checkpoint(self._path(self.step), self.model, self.optimizer, extra=extra,
+                        keep_previous=False)
+        logger.info("Resumable: saved step %d in %.2f s", self.step,
+                    time.monotonic() - started)
+        agreed(self._comm, "Resumable: removing old checkpoints", self._prune)
+
+    def close(self) -> None:
+        """Release the run folder (also done by ``with``, and by the OS at exit)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> Resumable:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if error is not None and not isinstance(error, GeneratorExit):
+                self._record_failure(error)
+        finally:
+            self.close()
+
+    # -- start --------------------------------------------------------------------------
+
+    def _take_folder(self) -> None:
+        def take() -> None:
+            if self.rank == 0:
+                os.makedirs(os.path.join(self.folder, _FAILURES), exist_ok=True)
+                lock = FolderLock(self.folder)
+                lock.acquire()
+                self._lock = lock
+        agreed(self._comm, f"Resumable({self.folder!r})", take)
+
+    def _resume(self) -> None:
+        found = self._shared(lambda: self._complete_steps() if self.rank == 0 else None)
+        self._report_failures()
+        for step in reversed(found):
+            path = self._path(step)
+            try:
+                extra = load_checkpoint(path, self.model, self.optimizer)
+            except ShardwiseError as e:
+                logger.warning("Resumable: skipping %s, which does not load: %s", path, e)
+                continue
+            self._apply(extra, path)
+            return
+        logger.info("Resumable: no checkpoint in %s; starting at step 0", self.folder)
+
+    def _apply(self, extra: Any, path: str) -> None:
+        mine = extra.get(_KEY) if isinstance(extra, dict) else None
+        if not isinstance(mine, dict) or not isinstance(mine.get("step"), int):
+            raise ShardwiseError(f"Resumable: {path} was not saved by Resumable (its extra "
+                                 f"has no {_KEY!r} record); point Resumable at a folder of "
+                                 f"its own")
+        self.step = mine["step"]
+        self.state = extra.get("state") or {}
+        if self.scheduler is not None and mine.get("scheduler") is not None:
+            self.scheduler.load_state_dict(mine["scheduler"])
+        if mine.get("world_size") != self.world:
+            self._reseed(mine.get("rng") or {})
+        self.resumed_from = path
+        logger.warning("Resumable: resumed at step %d from %s (saved at world size %s, "
+                       "now %d)", self.step, path, mine.get("world_size"), self.world)
+
+    def _rng(self) -> dict[str, Any]:
+        """Rank 0's RNG states, and whether every rank's equal them."""
+        torch_state = torch.get_rng_state()
+        python_state = python_rng_state()
+        digest = hashlib.sha256(torch_state.numpy().tobytes()
+                                + json.dumps(python_state).encode()).hexdigest()
+        digests = self._everyone(digest)
+        return {"torch": base64.b64encode(torch_state.numpy().tobytes()).decode(),
+                "python": python_state, "same": len(set(digests)) == 1}
+
+    def _reseed(self, rng: dict[str, Any]) -> None:
+        if not rng.get("same"):
+            logger.warning(
+                "Resumable: the ranks had different RNG states at the save, and per-rank "
+                "random streams cannot be carried to another world size; random ops "
+                "(dropout, sampling) will not repeat the uninterrupted run's draws")
+            return
+        raw = base64.b64decode(rng["torch"])
+        torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        set_python_rng_state(rng["python"])
+
+    # -- files --------------------------------------------------------------------------
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step:08d}")
+
+    def _steps_on_disk(self) -> list[int]:
+        return sorted(int(m.group(1)) for e in os.listdir(self.folder)
+                      if (m := _STEP.match(e)))
+
+    def _complete_steps(self) -> list[int]:
+        return [s for s in self._steps_on_disk()
+                if os.path.isfile(os.path.join(self._path(s), META))]
+
+    def _prune(self) -> None:
+        """Rank 0: keep the newest ``keep`` complete checkpoints and any newer partial
+        one (none: we hold the folder); remove the rest."""
+        if self.rank != 0:
+            return
+        complete = self._complete_steps()
+        kept = set(complete[-self.keep:])
+        newest = complete[-1] if complete else -1
+        for s in self._steps_on_disk():
+            if s not in kept and s <= newest:
+                shutil.rmtree(self._path(s), ignore_errors=True)
+
+    # -- failures -----------------------------------------------------------------------
+
+    def _record_failure(self, error: BaseException) -> None:
+        """Write this rank's failure and say on the exception where the run stood."""
+        last = self._complete_steps_quietly()
+        record: dict[str, Any] = {"step": self.step, "rank": self.rank, "world_size": self.world,
+                  "restart": _env_int("TORCHELASTIC_RESTART_COUNT"),
+                  "error": f"{type(error).__name__}: {error}"[:2000],
+                  "last_checkpoint": last[-1] if last else None, "time": time.time()}
+        with contextlib.suppress(OSError):
+            write_json_atomic(os.path.join(self.folder, _FAILURES,
+                                           f"rank{self.rank}-{os.getpid()}.json"), record)
+        history = self._history() + [record]
+        note = (f"shardwise.Resumable: failed at step {self.step} on rank {self.rank} "
+                f"(last checkpoint: {_step_name(record['last_checkpoint'])} in "
+                f"{self.folder}).")
+        restarts = _env_int("TORCHELASTIC_MAX_RESTARTS")
+        if restarts is not None:
+            note += (f" This was restart {record['restart']} of the {restarts} torchrun "
+                     f"allows.")
+        stuck = _stuck(history)
+        if stuck is not None:
+            note += (f" {stuck} attempts in a row failed without getting past "
+                     f"{_step_name(record['last_checkpoint'])}: restarting will not help; "
+                     f"fix the cause above (earlier errors in {self.folder}/{_HISTORY}).")
+        error.add_note(note)
+
+    def _report_failures(self) -> None:
+        """Rank 0: fold the previous attempts' failure files into the history and say
+        what they were."""
+        if self.rank != 0:
+            return
+        directory = os.path.join(self.folder, _FAILURES)
+        new = []
+        for name in sorted(os.listdir(directory)):
+            with contextlib.suppress(OSError, ValueError):
+                new.append(read_json(os.path.join(directory, name)))
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(directory, name))
+        if not new:
+            return
+        history = (self._history() + sorted(new, key=lambda r: r.get("time", 0)))[-50:]
+        write_json_atomic(os.path.join(self.folder, _HISTORY), history)
+        first = min(new, key=lambda r: r.get("time", 0))
+        logger.warning("Resumable: the previous attempt failed at step %s on rank %s: %s",
+                       first.get("step"), first.get("rank"), first.get("error"))
+
+    def _history(self) -> list[dict[str, Any]]:
+        try:
+            history = read_json(os.path.join(self.folder, _HISTORY))
+        except (OSError, ValueError):
+            return []
+        return history if isinstance(history, list) else []
+
+    def _complete_steps_quietly(self) -> list[int]:
+        try:
+            return self._complete_steps()
+        except OSError:
+            return []
+
+    # -- collectives --------------------------------------------------------------------
+
+    def _everyone(self, value: Any) -> list[Any]:
+        if self._comm is None or self.world == 1:
+            return [value]
+        return self._comm.all_gather_object(value, what="Resumable")
+
+    def _shared(self, rank0_value) -> Any:
+        """Rank 0's value of ``rank0_value()``, on every rank (errors agreed)."""
+        mine = agreed(self._comm, f"Resumable({self.folder!r})", rank0_value)
+        return self._everyone(mine)[0]
+
+    def _per_epoch(self) -> int:
+        if self.steps_per_epoch is None:
+            raise ShardwiseError("Resumable: epoch and step_in_epoch need steps_per_epoch=")
+        return self.steps_per_epoch
+
+
+def _json_state(scheduler: Any) -> Any:
+    """The scheduler's state as JSON values (raising in words if it has others)."""
+    state = scheduler.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise ShardwiseError(f"Resumable: the scheduler's state_dict() is not JSON ({e}); "
+                             f"save it yourself in run.state, or pass scheduler=None") from e
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def _step_name(step: int | None) -> str:
+    return "none" if step is None else f"step {step}"
+
+
+def _stuck(history: list[dict[str, Any]]) -> int | None:
+    """How many attempts in a row ended with the same last checkpoint as the latest one
+    (None if fewer than two): a loop that restarts without progress."""
+    last = history[-1].get("last_checkpoint") if history else None
+    restarts: set[Any] = set()
+    for record in reversed(history):
+        if record.get("last_checkpoint") != last:
+            break
+        restarts.add(record.get("restart"))
+    return len(restarts) if len(restarts) >= 2 else None
