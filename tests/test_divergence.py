@@ -269,6 +269,12 @@ def test_a_rank_alone_in_an_operation_is_named_within_seconds(tmp_path):
     assert int(warned) >= 3, warned
     assert said in message and "The wait then ended" in message, message
     assert 15 < float(seconds) < 60, seconds
+    # Uneven data looks the same from the waiting rank (its peer ran out of batches and
+    # waits in dist.barrier()): the warning names that likely cause and its fixes, not
+    # only the barrier (issue 30 item 7).
+    for text in (warning, message):
+        assert "the ranks ran different numbers of batches" in text, text
+        assert "give every rank the same number" in text and "DistributedSampler" in text
 
 
 def _busy_alone(rank, world, report):
@@ -302,6 +308,65 @@ def test_a_rank_busy_on_its_own_is_waited_for(tmp_path):
     run_ranks(_busy_alone, 2, report, timeout=90)
     said = open(report).read()
     assert "rank 0 is not in a shardwise operation" in said and "waits for it" in said
+
+
+def _dead_or_elsewhere(rank, world, report):
+    """The two cases Note [peer watch] tells apart and raises on within seconds, not at
+    the process group's timeout, each naming its cause.
+
+    Another operation: rank 1 runs full_state_dict of a model on one group while rank 0
+    runs a forward of a model on another, so neither's order-check header ever meets the
+    other's. Rank 1 raises once rank 0's note has named the forward for its
+    SHARDWISE_PEER_TIMEOUT (2 s); rank 0, watching with 30 s, sees rank 1 leave first and
+    waits for its group's timeout.
+
+    A dead peer: rank 1 exits while a child it forked (as a data loader worker is) keeps
+    its sockets, and so gloo's connections, open; only its note in the store, naming
+    its pid, tells rank 0 that it is gone."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    os.environ["SHARDWISE_PEER_TIMEOUT"] = "30" if rank == 0 else "2"
+    x = torch.ones(2, 4)
+    timeout = datetime.timedelta(seconds=15)
+    forward, operation = (_model(dist.new_group(timeout=timeout)) for _ in range(2))
+    start = time.monotonic()
+    with pytest.raises(sw.CollectiveError) as err:
+        if rank == 0:
+            forward(x)
+        else:
+            sw.full_state_dict(operation)
+    if rank == 1:
+        with open(report, "w") as f:
+            f.write(f"{time.monotonic() - start:.1f}\n{err.value}")
+
+    os.environ["SHARDWISE_PEER_TIMEOUT"] = "2"
+    dist.barrier()
+    model = _model(dist.new_group(timeout=datetime.timedelta(seconds=60)))
+    _step(model, x)  # every rank's note now names its process
+    dist.barrier()
+    if rank == 1:
+        if os.fork() == 0:
+            time.sleep(20)  # holds the sockets past rank 0's error
+            os._exit(0)
+        os._exit(7)
+    start = time.monotonic()
+    with pytest.raises(sw.CollectiveError) as err:
+        _step(model, x)
+    return time.monotonic() - start, str(err.value)
+
+
+def test_a_dead_peer_or_one_in_another_operation_is_named_within_seconds(tmp_path):
+    report = str(tmp_path / "rank1.txt")
+    seconds, message = run_ranks(_dead_or_elsewhere, 2, report, timeout=120,
+                                 deaths_expected=True)[0]
+    assert seconds < 10, message  # not the group's 60 s
+    assert "but rank(s) [1] exited (their processes are gone)" in message, message
+    assert "give every rank the same number of batches" in message, message
+    assert "DistributedSampler" in message and "that rank's own error" in message, message
+    seconds, message = open(report).read().split("\n", 1)
+    assert float(seconds) < 10, message  # not the group's 15 s
+    assert "in the order check before full_state_dict, which its peers are not in: " \
+           "rank 0 is in the forward" in message, message
+    assert "in the same order" in message and "cannot be used after" in message, message
 
 
 class Embedded(Stack):
