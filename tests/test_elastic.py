@@ -19,24 +19,17 @@ import datetime
 import logging
 import os
 import random
-import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 
+import elastic_agents
+import elastic_script as es
 import pytest
 import torch
 from harness import LogCollector, run_ranks
 
 import shardwise as sw
 from shardwise.models import GPT
-
-sys.path.insert(0, os.path.dirname(__file__))
-import elastic_script as es  # noqa: E402
-
-SCRIPT = os.path.join(os.path.dirname(__file__), "elastic_script.py")
 
 
 def _build(world: int):
@@ -176,130 +169,32 @@ def test_a_restart_reads_no_key_of_an_earlier_attempt():
 
 # -- two torchrun agents (slow) ---------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _agent(port: int, host: bool, folder: str, total: int, every: int, log: str,
-           extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
-    # is_host names the agent that hosts the rendezvous store: on one machine both match
-    # the endpoint, and two hosts would each wait for the other (docs/long-runs.md).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
-           "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}",
-           f"--rdzv-conf=is_host={int(host)},last_call_timeout=2",
-           SCRIPT, folder, str(total), str(every), "--sleep", "0.3", *extra]
-    return subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _kill_tree(p: subprocess.Popen) -> None:
-    subprocess.run(["pkill", "-9", "-P", str(p.pid)], check=False)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGKILL)
-
-
-def _losses(text: str) -> dict[int, tuple[str, int]]:
-    """Each step's last logged loss (a restart repeats steps) and the world that ran it."""
-    return {int(s): (v, int(w)) for s, v, w in re.findall(r"loss (\d+) (\S+) world (\d)", text)}
-
-
-def _uninterrupted(tmp_path, total: int, extra: tuple[str, ...] = ()) -> str:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node=4", SCRIPT, str(tmp_path / "alone"), str(total),
-                          str(total), *extra],
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
-
-
-def _wait_for(log: str, pattern: str, deadline: float, procs) -> re.Match:
-    while time.monotonic() < deadline:
-        with open(log) as f:
-            found = re.findall(pattern, f.read())
-        if found:
-            return found[-1]
-        assert all(p.poll() is None for p in procs), open(log).read()[-3000:]
-        time.sleep(0.1)
-    raise AssertionError(f"{pattern!r} not seen in time:\n{open(log).read()[-3000:]}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reproducible", "default"])
 def test_losing_an_agent_the_other_finishes_at_world_2(tmp_path, mode):
     total, every = 14, 3
-    extra = ("--default",) if mode == "default" else ()
-    alone = _uninterrupted(tmp_path, total, extra)
     kill_at = random.randint(every + 1, total - 4)
     print(f"killing agent 1 after step {kill_at}")  # shown when the test fails: replayable
-    port, folder = _free_port(), str(tmp_path / "run")
-    logs = [str(tmp_path / f"agent{n}.log") for n in (0, 1)]
-    agents = [_agent(port, n == 0, folder, total, every, logs[n], extra) for n in (0, 1)]
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # rank 0 sits on either agent
-            text = "".join(open(log).read() for log in logs)
-            if any(s >= kill_at and w == 4 for s, (_, w) in _losses(text).items()):
-                break
-            assert time.monotonic() < deadline and agents[0].poll() is None, text[-3000:]
-            time.sleep(0.05)
-        _kill_tree(agents[1])
-        agents[0].wait(timeout=150)
-    finally:
-        for a in agents:
-            _kill_tree(a)
-    text = open(logs[0]).read()
-    assert agents[0].returncode == 0, f"kill after step {kill_at}\n{text[-4000:]}"
-    start = int(re.findall(r"start (\d+) world 2", text)[-1])
-    assert start % every == 0 and start <= kill_at + 2
-    got, want = _losses(text), _losses(alone)
-    after = range(start, total)
-    assert all(got[s][1] == 2 for s in after)
-    if mode == "reproducible":
-        assert [got[s][0] for s in after] == [want[s][0] for s in after]
-        assert re.findall(r"digest (\w+)", text) == re.findall(r"digest (\w+)", alone)
-    else:
-        # The default mode's sums depend on the world size. Measured here: the losses
-        # after the restart at world 2 differ from the world-4 run's by at most 2.4e-7
-        # relative over these 10 steps; 1e-5 leaves room for other x86 CPUs and the
-        # compounding over AdamW steps, and is far below a wrong resume (a step's loss
-        # moves by more than 1e-3 here).
-        for s in after:
-            assert float.fromhex(got[s][0]) == pytest.approx(float.fromhex(want[s][0]),
-                                                             rel=1e-5)
+    run = elastic_agents.shrink(str(tmp_path), total, every, kill_at,
+                                ("--default",) if mode == "default" else ())
+    # The default mode's sums depend on the world size. Measured here: the losses after
+    # the restart at world 2 differ from the world-4 run's by at most 2.4e-7 relative
+    # over these steps; 1e-5 leaves room for other x86 CPUs and the compounding over
+    # AdamW steps, and is far below a wrong resume (a step's loss moves by more than
+    # 1e-3 here).
+    found = elastic_agents.problems(run, total, every, exact=mode == "reproducible",
+                                    rel=1e-5)
+    assert not found, f"kill after step {kill_at}: {found}\n{run.text[-4000:]}"
 
 
 @pytest.mark.slow
 def test_an_agent_that_joins_late_brings_the_job_back_to_world_4(tmp_path):
     total, every = 16, 3
-    alone = _uninterrupted(tmp_path, total)
-    port, folder = _free_port(), str(tmp_path / "run")
-    logs = [str(tmp_path / f"agent{n}.log") for n in (0, 1)]
-    # torchrun's agents share one worker store across rounds by default, and an agent
-    # that joins a later round then waits forever for the store's address, which the
-    # rank-0 agent publishes only in the first round (DistStoreError: wait timeout ...
-    # MASTER_ADDR). Without sharing, each round publishes a fresh store (docs/long-runs.md).
-    fresh = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    agents = [_agent(port, True, folder, total, every, logs[0], env=fresh)]
-    try:
-        deadline = time.monotonic() + 120
-        join_after = random.randint(every + 1, 8)
-        print(f"agent 1 joins after step {join_after}")
-        _wait_for(logs[0], rf"loss {join_after} \S+ world 2", deadline, agents)
-        agents.append(_agent(port, False, folder, total, every, logs[1], env=fresh))
-        for a in agents:
-            a.wait(timeout=150)
-    finally:
-        for a in agents:
-            _kill_tree(a)
-    text = "".join(open(log).read() for log in logs)
-    assert all(a.returncode == 0 for a in agents), text[-4000:]
-    start = int(re.findall(r"start (\d+) world 4", text)[-1])
-    got, want = _losses(text), _losses(alone)
-    assert start % every == 0 and all(got[s][1] == 4 for s in range(start, total))
+    join_after = random.randint(every + 1, 8)
+    print(f"agent 1 joins after step {join_after}")
+    run = elastic_agents.grow(str(tmp_path), total, every, join_after)
+    found = elastic_agents.problems(run, total, every, exact=True)
+    assert not found, f"join after step {join_after}: {found}\n{run.text[-4000:]}"
+    # Steps before the restart ran at world 2: the same bits there too.
+    got, want = elastic_agents.losses(run.text), elastic_agents.losses(run.alone)
     assert {s: v for s, (v, _) in got.items()} == {s: v for s, (v, _) in want.items()}
-    assert re.findall(r"digest (\w+)", text) == re.findall(r"digest (\w+)", alone)
