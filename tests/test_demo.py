@@ -61,10 +61,10 @@ def test_demo_trains_reports_and_samples_at_three_ranks(tmp_path):
     assert set(sample) <= set(corpus()) | {"\n"}
 
 
-def _demo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _demo(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardwise.cli", "demo", "--no-progress",
                            *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **env))
 
 
 def test_demo_at_one_rank_and_its_usage_errors(tmp_path):
@@ -81,3 +81,27 @@ def test_demo_at_one_rank_and_its_usage_errors(tmp_path):
         assert done.returncode == 1 and said in done.stderr, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_a_run_that_fails_after_creating_its_folder_removes_it(tmp_path):
+    """Issue 31 item 5: each failed demo left its folder behind (/tmp/shardwise-demo-*
+    without --out). Here every rank fails once the folder holds the tokenizer's weights:
+    a sitecustomize, which every process of the run imports at its start (the ranks are
+    spawned), makes training raise."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import shardwise.demo.main as demo\n\n\n"
+        "def _fail(*args, **kwargs):\n"
+        "    raise RuntimeError('a failure injected after the folder was written')\n\n\n"
+        "demo._train = _fail\n")
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    temp = tmp_path / "tmp"  # where the run's own folder goes without --out
+    temp.mkdir()
+    for out in (("--out", str(tmp_path / "new")), ()):
+        done = _demo("--steps", "1", *out, PYTHONPATH=path, TMPDIR=str(temp))
+        said = done.stdout + done.stderr
+        assert done.returncode != 0 and "a failure injected" in said, said
+        assert "loaded the shardwise way" in done.stdout, said  # the folder was written
+        assert not (tmp_path / "new").exists()
+        assert not list(temp.glob("shardwise-demo-*")), list(temp.iterdir())

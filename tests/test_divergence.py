@@ -509,11 +509,15 @@ def _settings_and_micro_batches(rank, world):
     os.environ.pop("SHARDWISE_CHECK", None)
     start = time.monotonic()
     x = torch.ones(2, 4)
+    bf16 = sw.MixedPrecision(param_dtype=torch.bfloat16)
     for setting, mine in (("prefetch", {"prefetch": 1 + rank}),
                           ("reproducible", {"reproducible": rank == 1}),
-                          ("reshard_after_forward", {"reshard_after_forward": rank == 0})):
+                          ("reshard_after_forward", {"reshard_after_forward": rank == 0}),
+                          ("buffers", {"buffers": ("broadcast", "average")[rank]}),
+                          ("mixed_precision", {"mixed_precision": (None, bf16)[rank]}),
+                          ("src_rank", {"src_rank": rank})):
         with pytest.raises(sw.ShardwiseError, match=rf"different settings.*\n  {setting}: "
-                                                    rf"rank 0 .*, rank 1 "):
+                                                    rf"rank 0 .*, rank 1 [^\n]*$"):
             sw.shard(Stack(), **mine)
     if rank == 1:
         os.environ["SHARDWISE_CHECK"] = "0"  # the check off on one rank only

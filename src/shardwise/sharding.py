@@ -237,8 +237,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         budget = memory_budget if memory_budget is not None else _default_budget(module, topo,
                                                                                    mp)
 
-    def plan() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
-                        list[list[ParamRecord]], AutoChoice | None, Placement | None]:
+    def choose_and_check() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
+                                    list[list[ParamRecord]], AutoChoice | None, Placement | None]:
         auto = None
         if budget is not None:
             auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
@@ -260,7 +260,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
     # meta tensors, fails every rank here, before the first collective.
     buffer_sync, device, chosen, per_unit, auto, placement = agreed(
-        comm, f"sw.shard({type(module).__name__}) failed", plan)
+        comm, f"sw.shard({type(module).__name__}) failed", choose_and_check)
     settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype, src_rank,
                         offload)
     _agree_structure(comm, chosen, per_unit, _compared(settings, buffer_sync, mp))
@@ -281,7 +281,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     install_state_dict_hooks(module)
     state = build(module, topo, built, buffer_sync, settings)
     guard_model_copies(module)
-    _log_plan(state.units, topo)
+    _log_units(state.units, topo)
     maybe_check(module)
     return module
 
@@ -414,7 +414,7 @@ def _report_auto(auto: AutoChoice, given: bool) -> None:
             stacklevel=3)
 
 
-def _log_plan(units: list[Unit], topo: Topology) -> None:
+def _log_units(units: list[Unit], topo: Topology) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     total = sum(p.numel for u in units for p in u.params)
