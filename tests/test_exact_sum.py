@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from harness import run_ranks
 
 from shardwise.errors import ShardwiseError
 from shardwise.exact import sums as es
@@ -406,6 +407,12 @@ def test_the_fused_kernels_give_the_eager_codes_bits():
     # Note [fused kernels]: above FUSE_MIN elements encode, add, add_, align and decode run
     # compiled; on every kind of value, and on sums whose tops differ, they must give the
     # bits of the eager code (SHARDWISE_FUSED=0), non-finite elements and errors included.
+    # In a child process: pytest's own process forks every later test's ranks, and should
+    # not hold inductor's state when it does.
+    run_ranks(_fused_kernels, 1)
+
+
+def _fused_kernels(rank, world):
     import warnings
 
     from shardwise.exact import fused

@@ -17,9 +17,9 @@ and an elementwise optimizer step keeps parameters and optimizer state identical
 
 Costs: the accumulator holds 17 bytes per parameter element (index + two int64 bins)
 from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
-reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding and
-decoding take tens of milliseconds per million elements on a CPU (BENCHMARKS.md, "Exact
-sums").
+reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding,
+adding and decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
+time per element is in BENCHMARKS.md, "Exact sums").
 """
 
 from __future__ import annotations

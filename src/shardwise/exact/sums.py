@@ -71,8 +71,9 @@ Defaults and costs. ``K = 2, W = 40``: each term keeps 40 bits below the top bin
 fp32's 24, so the dropped part is at most ``M * 2**-41`` of the largest term (against fp32's
 ``2**-25`` of the result for one rounding); up to ``2**22`` (4M) terms between decodes. On the
 wire: 16 bytes of bins + 1 byte of index per element (4.25x an fp32 reduce-scatter), or
-16 + 1/B with a block of B elements sharing an index. The time each step takes is in
-BENCHMARKS.md ("Exact sums").
+16 + 1/B with a block of B elements sharing an index. Above ``fused.FUSE_MIN`` elements
+the K=2 operations run as compiled kernels with the same bits (Note [fused kernels]); the
+time each takes is in BENCHMARKS.md ("Exact sums").
 """
 
 from __future__ import annotations
