@@ -17,13 +17,15 @@ sum is formed by:
 
 Each is compared with the fp64 sum of the same fp32 terms (exact for 8 terms unless they span
 more than 29 binades; the table gives how many elements differ from the fp64 sum rounded to
-fp32). Cost: encode/align/add/decode time per million elements on this CPU (one thread) and
-bytes per element on the wire.
+fp32). Cost: encode/align/add/decode time per element on this CPU (one thread), with the eager
+ops and with the fused kernels (``--timings-only`` prints just that table), and bytes per
+element on the wire.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
@@ -153,8 +155,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1 << 22)
     ap.add_argument("--time-elems", type=int, default=1 << 22)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--timings-only", action="store_true",
+                    help="skip the accuracy table (it computes M gradients of the GPT)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.timings_only:
+        print_timings(args)
+        return
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -191,10 +198,22 @@ def main() -> None:
         f"({8 * spec.K} of int64 bins + 1 of int8 index), {8 * spec.K + 1 / args.block:.3f} "
         f"with an index per {args.block} elements.\n"
     )
-    print(f"| operation ({args.time_elems:,} elements, median of {args.repeat}) | ms per 1M |")
-    print("|---|---|")
-    for name, ms in timings(args.time_elems, args.repeat).items():
-        print(f"| {name} | {ms:.1f} |")
+    print_timings(args)
+
+
+def print_timings(args: argparse.Namespace) -> None:
+    """ns per element of each operation, with the eager ops (``SHARDWISE_FUSED=0``) and
+    with the fused kernels (Note [fused kernels]); both give the same bits."""
+    columns = {}
+    for fused in ("0", "1"):
+        os.environ["SHARDWISE_FUSED"] = fused
+        timings(args.time_elems, 1)  # the fused kernels compile at first use
+        columns[fused] = timings(args.time_elems, args.repeat)
+    print(f"| operation ({args.time_elems:,} elements, median of {args.repeat}) | "
+          f"eager ops, ns per element | fused kernels, ns per element |")
+    print("|---|---|---|")
+    for name, eager in columns["0"].items():
+        print(f"| {name} | {eager:.1f} | {columns['1'][name]:.1f} |")
 
 
 if __name__ == "__main__":

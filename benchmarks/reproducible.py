@@ -38,8 +38,9 @@ def accumulator_bytes(model) -> int:
             r = g.reduction
             if r._buf is not None:
                 total += r._buf.numel() * r._buf.element_size()
-            if r._acc is not None:
-                total += r._acc.index.numel() + r._acc.bins.numel() * 8
+            acc = getattr(r, "_acc", None)  # the reproducible mode's ExactReduction
+            if acc is not None:
+                total += acc.index.numel() + acc.bins.numel() * 8
     return total
 
 

@@ -467,7 +467,7 @@ def _recoveries(rank, world):
         micro_steps(skip_synced=rank == 1)
         if rank == 1:
             micro_steps()
-    micro_steps()  # before: "ranks accumulated between 2 and 3 micro-batches"
+    micro_steps()  # before: "ranks accumulated different numbers of micro-batches"
     micro_steps()
 
     torch.manual_seed(0)

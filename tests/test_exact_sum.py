@@ -16,6 +16,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from harness import run_ranks
 
 from shardwise.errors import ShardwiseError
 from shardwise.exact import sums as es
@@ -400,3 +401,53 @@ def test_the_fast_decode_path_equals_the_integer_one():
     unit = Fraction(2) ** (spec.base + 2 * spec.W)
     expected = [_round_f32((hi * 2**spec.W + lo) * unit) for hi, lo in bins[:4].tolist()]
     assert es.decode(few).tolist() == expected
+
+
+def test_the_fused_kernels_give_the_eager_codes_bits():
+    # Note [fused kernels]: above FUSE_MIN elements encode, add, add_, align and decode run
+    # compiled; on every kind of value, and on sums whose tops differ, they must give the
+    # bits of the eager code (SHARDWISE_FUSED=0), non-finite elements and errors included.
+    # In a child process: pytest's own process forks every later test's ranks, and should
+    # not hold inductor's state when it does.
+    run_ranks(_fused_kernels, 1)
+
+
+def _fused_kernels(rank, world):
+    import warnings
+
+    from shardwise.exact import fused
+
+    n = 3 * fused.FUSE_MIN + 11  # uneven: the vectorized loops' tails run too
+    probe = fused.probe(n_random=n)
+    g = torch.Generator().manual_seed(8)
+    terms = [probe, probe.roll(5) * 2.0**-30, torch.randn(probe.numel(), generator=g) * 1e-3,
+             probe.flip(0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a failed compile or mismatch warns
+        for name in ("encode", "merge", "align", "decode"):
+            assert es._fused(name, n, es.DEFAULT) is not None, name
+    encoded = [es.encode(t) for t in terms]
+    eager = [es._encode_eager(t.reshape(-1), es.DEFAULT) for t in terms]
+    for got, want in zip(encoded, eager):
+        assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins)
+    total = es.add(encoded[0], encoded[1])
+    want = es._add_eager(eager[0], eager[1])
+    assert torch.equal(total.index, want.index) and torch.equal(total.bins, want.bins)
+    acc = es.Binned(total.index.clone(), total.bins.clone(), total.terms)
+    for b, e in zip(encoded[2:], eager[2:]):
+        es.add_(acc, b)
+        want = es._add_eager(want, e)
+    assert torch.equal(acc.index, want.index) and torch.equal(acc.bins, want.bins)
+    to = torch.maximum(encoded[2].index, encoded[3].index)
+    assert torch.equal(es.align(encoded[2], to).bins, es._align_eager(eager[2], to).bins)
+    with pytest.raises(ShardwiseError, match="below the binned index"):
+        es.align(encoded[0], torch.zeros_like(encoded[0].index))
+    decoded, reference = es.decode(acc), es._decode_eager(want, "propagate")
+    assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
+    with pytest.raises(ShardwiseError, match="NaN"):
+        es.decode(acc, nonfinite="raise")
+    # Tops beyond 53 bits: the fused decode hands over to the integer path.
+    big = es.Binned(acc.index.clone(), acc.bins.clone(), acc.terms)
+    big.bins[::3, 0] = 2**60
+    assert torch.equal(es.decode(big).view(torch.int32),
+                       es._decode_eager(big, "propagate").view(torch.int32))

@@ -48,7 +48,8 @@ Lightning (optional)
     shardwise.integrations.lightning.ShardwiseStrategy   Trainer(strategy="shardwise")
 Environment
     SHARDWISE_CHECK (order and consistency checks), SHARDWISE_PEER_TIMEOUT (seconds a
-    rank waits for peers that are elsewhere, default 30), SHARDWISE_LOG
+    rank waits for peers that are elsewhere, default 30), SHARDWISE_LOG,
+    SHARDWISE_FUSED (0: the reproducible mode's sums without compiled kernels)
 Errors
     ShardwiseError, DivergenceError, ReadOnlyGatherError, CollectiveError
 Reference models

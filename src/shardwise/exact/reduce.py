@@ -17,9 +17,9 @@ and an elementwise optimizer step keeps parameters and optimizer state identical
 
 Costs: the accumulator holds 17 bytes per parameter element (index + two int64 bins)
 from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
-reduction sends 4 bytes of top bin and 16 of bins per element instead of 4; encoding and
-decoding take tens of milliseconds per million elements on a CPU (BENCHMARKS.md, "Exact
-sums").
+reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding,
+adding and decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
+time per element is in BENCHMARKS.md, "Exact sums").
 """
 
 from __future__ import annotations
@@ -81,19 +81,22 @@ def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
     n, world = acc.numel, comm.world_size
     if world == 1:
         return ExactExchange(None, acc.index, acc.bins, acc.terms)
-    # The count travels with the tops, with its negation: equal on every rank exactly
-    # when the maximum of c and of -c give back c (same_everywhere's rule).
-    seen = torch.cat([acc.index.to(torch.int32),
-                      torch.tensor([acc.terms, -acc.terms], dtype=torch.int32,
-                                   device=acc.index.device)])
+    # The tops travel as int8, one byte an element, and the count with them as base-128
+    # digits, each with its negation: equal on every rank exactly when the maximum of d
+    # and of -d give back d for every digit (same_everywhere's rule, digit by digit).
+    digits = torch.tensor([(acc.terms >> (7 * i)) & 127 for i in range(_COUNT_DIGITS)],
+                          dtype=INDEX_DTYPE, device=acc.index.device)
+    seen = torch.cat([acc.index, digits, -digits])
     comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=f"the exchange of top bins of {what}")
-    most, least = int(seen[-2]), -int(seen[-1])
-    if most != least:
+    high = seen[n:n + _COUNT_DIGITS].to(torch.int64)
+    low = -seen[n + _COUNT_DIGITS:].to(torch.int64)
+    if not torch.equal(high, low):
         raise ShardwiseError(
-            f"reproducible mode: ranks accumulated between {least} and {most} micro-batches "
-            f"before reducing {what}: every rank must run as many backward passes per step "
+            f"reproducible mode: ranks accumulated different numbers of micro-batches "
+            f"({acc.terms} on rank {comm.rank}) before reducing "
+            f"{what}: every rank must run as many backward passes per step "
             f"(sw.micro_batches gives each rank the same number)")
-    index = seen[:n].to(INDEX_DTYPE)
+    index = seen[:n]
     aligned = align(acc, index)
     rows = n // world
     mine = slice(comm.rank * rows, (comm.rank + 1) * rows)
@@ -102,6 +105,9 @@ def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
     work = comm.reduce_scatter(out.view(-1), sending, async_op=True,
                                what=f"the reduce-scatter of {what}'s bins")
     return ExactExchange(work, index[mine].clone(), out, acc.terms * world, sending)
+
+
+_COUNT_DIGITS = 4  # base-128 digits of a micro-batch count: up to 2**28, above max_terms
 
 
 def exact_total(comm: Comm, tensors: list[torch.Tensor]) -> float:

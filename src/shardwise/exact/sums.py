@@ -71,18 +71,21 @@ Defaults and costs. ``K = 2, W = 40``: each term keeps 40 bits below the top bin
 fp32's 24, so the dropped part is at most ``M * 2**-41`` of the largest term (against fp32's
 ``2**-25`` of the result for one rounding); up to ``2**22`` (4M) terms between decodes. On the
 wire: 16 bytes of bins + 1 byte of index per element (4.25x an fp32 reduce-scatter), or
-16 + 1/B with a block of B elements sharing an index. The time each step takes is in
-BENCHMARKS.md ("Exact sums").
+16 + 1/B with a block of B elements sharing an index. Above ``fused.FUSE_MIN`` elements
+the K=2 operations run as compiled kernels with the same bits (Note [fused kernels]); the
+time each takes is in BENCHMARKS.md ("Exact sums").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ..errors import ShardwiseError
+from . import fused
 
 __all__ = [
     "NONFINITE",
@@ -100,7 +103,7 @@ __all__ = [
     "zeros",
 ]
 
-NONFINITE = 127  # index of an element that has an inf or NaN term; above every finite index
+NONFINITE = fused.NONFINITE  # an element with an inf or NaN term; above every finite index
 INDEX_DTYPE = torch.int8
 
 
@@ -186,11 +189,6 @@ def zeros(n: int, spec: Spec = DEFAULT, device: torch.device | str = "cpu") -> B
     )
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """Exact float64 ``2**e`` for integer ``e`` in [-1022, 1023], built from the bits."""
-    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
 def encode(x: torch.Tensor, spec: Spec = DEFAULT) -> Binned:
     """Encode a tensor (fp32, or bf16/fp16 widened exactly to fp32) as one exact term.
 
@@ -202,6 +200,14 @@ def encode(x: torch.Tensor, spec: Spec = DEFAULT) -> Binned:
     if x.dtype != torch.float32:
         raise ShardwiseError(f"exact sums take fp32, bf16 or fp16 tensors, got {x.dtype}")
     x = x.reshape(-1)
+    run = _fused("encode", x.numel(), spec)
+    if run is not None:
+        index, bins = run(x.contiguous(), spec.W)
+        return Binned(index, bins, terms=1, spec=spec)
+    return _encode_eager(x, spec)
+
+
+def _encode_eager(x: torch.Tensor, spec: Spec) -> Binned:
     K, W = spec.K, spec.W
     biased = (x.view(torch.int32) >> 23) & 0xFF  # exponent field
     finite = biased != 0xFF
@@ -213,7 +219,7 @@ def encode(x: torch.Tensor, spec: Spec = DEFAULT) -> Binned:
     # Scaled so that bin t's unit is 1. Scaling by powers of two and subtracting the rounded
     # part are exact in float64 (<= 53 bits), and round-half-even gives the balanced digit,
     # so the kept digits of any cut are a round-to-nearest of x (Note [exact sums]).
-    r = r * _pow2(-(spec.base + top * W))
+    r = r * fused.pow2(-(spec.base + top * W))
     bins = torch.empty(x.shape[0], K, dtype=torch.int64, device=x.device)
     for k in range(K):
         d = torch.round(r) if k < K - 1 else r  # the last slot is an integer: encoding is exact
@@ -253,6 +259,19 @@ def align(b: Binned, index: torch.Tensor) -> Binned:
     index = index.to(INDEX_DTYPE)
     if index.shape != b.index.shape:
         raise ShardwiseError(f"align: index of shape {tuple(index.shape)} for {b.numel} elements")
+    if torch.equal(index, b.index):  # the usual case: nothing moves
+        return Binned(index, b.bins, b.terms, b.spec)
+    run = _fused("align", b.numel, b.spec)
+    if run is not None:
+        bins, below = run(b.index, b.bins, index)
+        if bool(below):
+            raise ShardwiseError("align: target index below the binned index (it must be a "
+                                 "MAX)")
+        return Binned(index, bins, b.terms, b.spec)
+    return _align_eager(b, index)
+
+
+def _align_eager(b: Binned, index: torch.Tensor) -> Binned:
     shift = index.to(torch.int64) - b.index.to(torch.int64)
     if bool((shift < 0).any()):
         raise ShardwiseError("align: target index below the binned index (it must be a MAX)")
@@ -265,6 +284,17 @@ def add(a: Binned, b: Binned) -> Binned:
     """Exact sum of two binned forms: associative and commutative, bit for bit."""
     if a.spec != b.spec:
         raise ShardwiseError(f"add: bin specs differ ({a.spec} and {b.spec})")
+    check_terms(a.terms + b.terms, a.spec)
+    if torch.equal(a.index, b.index):  # the usual case: the same tops, an integer add
+        return Binned(a.index.clone(), a.bins + b.bins, a.terms + b.terms, a.spec)
+    run = _fused("merge", a.numel, a.spec)
+    if run is not None:
+        index, bins = run(a.index, a.bins, b.index, b.bins)
+        return Binned(index, bins, a.terms + b.terms, a.spec)
+    return _add_eager(a, b)
+
+
+def _add_eager(a: Binned, b: Binned) -> Binned:
     index = torch.maximum(a.index, b.index)
     aa, bb = align(a, index), align(b, index)
     return Binned(index, aa.bins + bb.bins, a.terms + b.terms, a.spec)
@@ -275,6 +305,15 @@ def add_(acc: Binned, b: Binned) -> Binned:
     if acc.spec != b.spec:
         raise ShardwiseError(f"add_: bin specs differ ({acc.spec} and {b.spec})")
     check_terms(acc.terms + b.terms, acc.spec)
+    if torch.equal(acc.index, b.index):  # the usual case: the same tops, an integer add
+        acc.bins += b.bins
+        acc.terms += b.terms
+        return acc
+    run = _fused("merge", acc.numel, acc.spec)
+    if run is not None:  # a new pair of tensors: one fused pass instead of in-place ones
+        acc.index, acc.bins = run(acc.index, acc.bins, b.index, b.bins)
+        acc.terms += b.terms
+        return acc
     index = torch.maximum(acc.index, b.index)
     shift_acc = index.to(torch.int64) - acc.index.to(torch.int64)
     if bool(shift_acc.any()):
@@ -327,7 +366,7 @@ def _round_to_odd_fast(bins: torch.Tensor, bottom: torch.Tensor, W: int) -> torc
     hi_i = bins[:, 0] + c
     if bool((hi_i.abs() >= 2**53).any()):
         return None
-    unit = _pow2(bottom)
+    unit = fused.pow2(bottom)
     hi = hi_i.to(torch.float64) * (unit * float(2**W))
     lo = lo_i.to(torch.float64) * unit
     s = hi + lo
@@ -367,7 +406,7 @@ def _round_to_odd(bins: torch.Tensor, bottom: torch.Tensor, W: int) -> torch.Ten
         window = window | torch.where(sh >= 0, left, right)
         sticky = sticky | ((sh < 0) & (lost != 0))
     window = window | sticky.to(torch.int64)
-    mag = window.to(torch.float64) * _pow2(start + bottom)  # exact: <= 53 bits, in range
+    mag = window.to(torch.float64) * fused.pow2(start + bottom)  # exact: <= 53 bits, in range
     return torch.where(neg, -mag, mag)
 
 
@@ -380,10 +419,20 @@ def decode(b: Binned, *, nonfinite: Literal["propagate", "raise"] = "propagate")
     ``nonfinite="propagate"`` gives NaN/inf for elements with NaN/inf terms and +-inf for
     sums beyond fp32's range; ``"raise"`` raises ``ShardwiseError`` naming them instead.
     """
-    K, W = b.spec.K, b.spec.W
     check_terms(b.terms, b.spec)
+    run = _fused("decode", b.numel, b.spec)
+    if run is not None:
+        out, big, any_bad, any_over = run(b.index, b.bins, b.spec.W, b.spec.base,
+                                          _F32_OVERFLOW)
+        if not bool(big) and not (nonfinite == "raise" and bool(any_bad | any_over)):
+            return out
+    return _decode_eager(b, nonfinite)
+
+
+def _decode_eager(b: Binned, nonfinite: Literal["propagate", "raise"]) -> torch.Tensor:
+    K, W = b.spec.K, b.spec.W
     bad = b.index == NONFINITE
-    top = torch.where(bad, 0, b.index.to(torch.int64))  # keep _pow2 in range; bad is replaced
+    top = torch.where(bad, 0, b.index.to(torch.int64))  # keep pow2 in range; bad is replaced
     bottom = b.spec.base + (top - (K - 1)) * W  # P of slot K-1
     ro = _round_to_odd_fast(b.bins, bottom, W) if K == 2 else None
     if ro is None:
@@ -428,3 +477,38 @@ def _nonfinite_message(b: Binned, bad: torch.Tensor, over: torch.Tensor) -> str:
             f"{int(over.sum())} elements whose sum overflows fp32 (first at element {first})"
         )
     return f"exact sum of {b.terms} terms over {b.numel} elements: " + "; ".join(parts)
+
+
+# -- fused kernels (Note [fused kernels] in fused.py) ----------------------------------------
+
+_KERNELS: dict[str, Callable[..., Any]] = {
+    "encode": fused.encode2, "merge": fused.merge2, "align": fused.align2,
+    "decode": fused.decode2}
+
+
+def _fused(name: str, n: int, spec: Spec):
+    """The compiled kernel ``name`` for ``n`` elements, or None (eager code runs)."""
+    if spec != DEFAULT or n < fused.FUSE_MIN or not fused.enabled():
+        return None
+    return fused.kernel(name, _KERNELS[name], lambda compiled: _matches(name, compiled))
+
+
+def _matches(name: str, compiled) -> bool:
+    """Whether ``compiled`` gives the eager code's bits on the probe."""
+    x = fused.probe()
+    a, b = _encode_eager(x, DEFAULT), _encode_eager(x.roll(1), DEFAULT)
+    if name == "encode":
+        index, bins = compiled(x, DEFAULT.W)
+        return torch.equal(index, a.index) and torch.equal(bins, a.bins)
+    if name == "merge":
+        index, bins = compiled(a.index, a.bins, b.index, b.bins)
+        want = _add_eager(a, b)
+        return torch.equal(index, want.index) and torch.equal(bins, want.bins)
+    if name == "align":
+        to = torch.maximum(a.index, b.index)
+        bins, below = compiled(a.index, a.bins, to)
+        return torch.equal(bins, _align_eager(a, to).bins) and not bool(below)
+    total = _add_eager(_add_eager(a, b), _encode_eager(x.roll(7), DEFAULT))
+    out, big, _, _ = compiled(total.index, total.bins, DEFAULT.W, DEFAULT.base, _F32_OVERFLOW)
+    decoded = _decode_eager(total, "propagate")
+    return not bool(big) and torch.equal(out.view(torch.int32), decoded.view(torch.int32))
