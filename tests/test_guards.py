@@ -233,7 +233,14 @@ class PartlySharded(nn.Module):
 
 
 def _partly_sharded(rank, world):
+    import weakref
+
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank's data
+    # A dead weak proxy among the process's objects (torch.compile leaves some): the walk
+    # for DDP models must not ask it for its class (it raised ReferenceError).
+    gone = type("Gone", (), {})()
+    dead = weakref.proxy(gone)
+    del gone
     # The head in DDP, built after sharding or before: synchronised, so the step runs
     # and the heads stay identical.
     for ddp_first in (True, False):  # first: DDP built before any sw.shard of the process
@@ -250,6 +257,7 @@ def _partly_sharded(rank, world):
             model(x).sum().backward()
             opt.step()
         sw.check_consistency(model.head)
+    del dead
 
     # The head alone: each rank's gradients would train it apart (0.07 after a few steps).
     torch.manual_seed(0)

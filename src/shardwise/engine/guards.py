@@ -370,7 +370,9 @@ def _mark_ddp_parameters() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     for obj in gc.get_objects():
-        if isinstance(obj, DistributedDataParallel):
+        # type(), not isinstance(): isinstance asks a weakref proxy for its referent's
+        # class, and a dead proxy (torch.compile leaves some) raises ReferenceError.
+        if issubclass(type(obj), DistributedDataParallel):
             for p in obj.module.parameters():
                 mark_synchronised(p, "DistributedDataParallel")
 
