@@ -1,7 +1,7 @@
 """Where a training step's time goes, for DDP and for shardwise, on one workload.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/step_profile.py \\
-        [--workload cnn] [--steps 20]
+        [--workload cnn] [--steps 20] [--reproducible]
 
 Both systems train the same model (a workload of ``workloads.py``) on the same batch,
 alternating step by step after a warm-up; ``torch.profiler`` records every timed step
@@ -50,6 +50,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", default="cnn", choices=sorted(WORKLOADS))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reproducible", action="store_true",
+                        help="also profile shardwise with reproducible=True (one micro-batch "
+                             "per rank)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -59,6 +62,9 @@ def main() -> None:
     systems["ddp"] = DDP(base)
     model = w.build()
     systems["shardwise"] = sw.shard(model, units=w.units(model))
+    if args.reproducible:
+        model = w.build()
+        systems["reproducible"] = sw.shard(model, units=w.units(model), reproducible=True)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in systems.items()}
     g = torch.Generator().manual_seed(1 + rank)
     batch = w.batch(g)

@@ -23,10 +23,11 @@ rotating). Systems: ``ddp``, ``fsdp2`` (``fully_shard`` on each block, then the 
 ``shardwise`` and ``shardwise_unchecked`` (shardwise with ``SHARDWISE_CHECK=0`` around its
 steps: the cost of the collective-order check), and, when asked for with ``--systems``,
 ``shardwise_auto`` (``units="auto"``, with ``--budget BYTES`` as its ``memory_budget``, else
-the default budget); rank 0 prints the units each shardwise system chose. Printed per
-workload: each round's medians, then a Markdown table of the median step time over all
-timed steps, the ratio to DDP per round and the median of those ratios, and the largest
-loss difference from DDP.
+the default budget) and ``shardwise_reproducible`` (``reproducible=True``: one micro-batch
+per rank, the mean over ranks as DDP's); rank 0 prints the units each shardwise system
+chose. Printed per workload: each round's medians, then a Markdown table of the median
+step time over all timed steps, the ratio to DDP per round and the median of those
+ratios, and the largest loss difference from DDP.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import shardwise as sw
 from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
-SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked", "shardwise_auto")
+SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked", "shardwise_auto",
+           "shardwise_reproducible")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 VOCAB = 8192
 
@@ -132,6 +134,8 @@ def make(name: str, w: Workload, device: torch.device, budget: int | None = None
         model = wrap_fsdp2(model.to(device), blocks(model, units))
     elif name == "shardwise_auto":
         model = sw.shard(model, units="auto", memory_budget=budget)
+    elif name == "shardwise_reproducible":
+        model = sw.shard(model, units=units, reproducible=True)
     else:
         model = sw.shard(model, units=units)
     return System(name, model, device, w.loss_fn, unchecked=name == "shardwise_unchecked")
