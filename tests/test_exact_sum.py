@@ -11,12 +11,14 @@ on the same data must not (so the test shows something).
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 from fractions import Fraction
 
 import pytest
 import torch
-from harness import run_ranks
 
 from shardwise.errors import ShardwiseError
 from shardwise.exact import sums as es
@@ -407,12 +409,17 @@ def test_the_fused_kernels_give_the_eager_codes_bits():
     # Note [fused kernels]: above FUSE_MIN elements encode, add, add_, align and decode run
     # compiled; on every kind of value, and on sums whose tops differ, they must give the
     # bits of the eager code (SHARDWISE_FUSED=0), non-finite elements and errors included.
-    # In a child process: pytest's own process forks every later test's ranks, and should
-    # not hold inductor's state when it does.
-    run_ranks(_fused_kernels, 1)
+    # In a fresh interpreter: inductor's compile workers do not survive a fork, and
+    # pytest's process forks every test's ranks (conftest.py turns the kernels off there).
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_sum; "
+            "test_exact_sum._fused_kernels()")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
+                         env=dict(os.environ, SHARDWISE_FUSED="1"), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
 
 
-def _fused_kernels(rank, world):
+def _fused_kernels() -> None:
     import warnings
 
     from shardwise.exact import fused

@@ -236,11 +236,13 @@ def _partly_sharded(rank, world):
     import weakref
 
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))  # each rank's data
-    # A dead weak proxy among the process's objects (torch.compile leaves some): the walk
-    # for DDP models must not ask it for its class (it raised ReferenceError).
+    # A dead weak proxy among the process's objects (torch.compile leaves some): the walks
+    # for DDP models and for parameter names must not ask it for its class (it raised
+    # ReferenceError). It lives to the end of this function.
     gone = type("Gone", (), {})()
     dead = weakref.proxy(gone)
     del gone
+    assert type(dead) is weakref.ProxyType
     # The head in DDP, built after sharding or before: synchronised, so the step runs
     # and the heads stay identical.
     for ddp_first in (True, False):  # first: DDP built before any sw.shard of the process
@@ -257,7 +259,6 @@ def _partly_sharded(rank, world):
             model(x).sum().backward()
             opt.step()
         sw.check_consistency(model.head)
-    del dead
 
     # The head alone: each rank's gradients would train it apart (0.07 after a few steps).
     torch.manual_seed(0)

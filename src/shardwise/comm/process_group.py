@@ -163,6 +163,7 @@ def _answer_every_rank(base: dist.Store, root: str, generation: str, world: int,
     """Rank 0's side: answer each rank's latest nonce until all confirm this generation."""
     answered: dict[int, str] = {}
     waiting = set(range(1, world))
+    pause = _Backoff()
     while waiting:
         for r in sorted(waiting):
             nonce = _value(base, f"{root}/nonce/{r}")
@@ -178,7 +179,7 @@ def _answer_every_rank(base: dist.Store, root: str, generation: str, world: int,
                                  f"attempt's store prefix (Note [a store per attempt]); "
                                  f"did they start?")
         if waiting:
-            time.sleep(0.005)
+            pause()
 
 
 def _value(store: dist.Store, key: str) -> str | None:
@@ -190,9 +191,22 @@ def _value(store: dist.Store, key: str) -> str | None:
 
 def _poll(store: dist.Store, key: str, deadline: float, accept) -> str | None:
     """Wait for ``key`` to hold a value ``accept`` takes; None at the deadline."""
+    pause = _Backoff()
     while time.monotonic() < deadline:
         v = _value(store, key)
         if v is not None and accept(v):
             return v
-        time.sleep(0.005)
+        pause()
     return None
+
+
+class _Backoff:
+    """Sleeps from 5 ms growing to 100 ms: quick when peers are ready, and light on the
+    store when a thousand ranks poll it while one of them starts late."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.005
+
+    def __call__(self) -> None:
+        time.sleep(self.seconds)
+        self.seconds = min(0.1, self.seconds * 1.5)

@@ -407,7 +407,7 @@ def _names(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     if len(ids - named.keys()):
         import gc
 
-        holders = [o for o in gc.get_objects() if isinstance(o, nn.Module)
+        holders = [o for o in gc.get_objects() if issubclass(type(o), nn.Module)
                    and any(m is root for m in o.modules()) and o is not root]
         for top in holders:
             for n, p in top.named_parameters():
