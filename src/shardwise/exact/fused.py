@@ -133,16 +133,19 @@ def decode2(index: torch.Tensor, bins: torch.Tensor, W: int, base: int,
     c = bins[:, 1] >> W
     lo_i = bins[:, 1] - (c << W)
     hi_i = bins[:, 0] + c
-    big = (hi_i.abs() >= 2**53).any()
+    big = hi_i.abs() >= 2**53
     unit = pow2(bottom)
     hi = hi_i.to(torch.float64) * (unit * float(2**W))
     lo = lo_i.to(torch.float64) * unit
     s = hi + lo
     back = s - hi
     err = (hi - (s - back)) + (lo - back)
-    even = (s.view(torch.int64) & 1) == 0
-    toward = torch.copysign(torch.full_like(s, float("inf")), err)
-    ro = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    # Round to odd: an inexact sum whose last bit is even moves one ulp towards the error.
+    # As integers (float64 bit patterns are monotonic in magnitude), not nextafter, which
+    # inductor does not vectorize; s is never 0 here when err is not (TwoSum).
+    bits = s.view(torch.int64)
+    outward = torch.where((err > 0) == (s > 0), 1, -1)
+    ro = (bits + torch.where((err != 0) & ((bits & 1) == 0), outward, 0)).view(torch.float64)
     over = ro.abs() >= overflow
     out = ro.to(torch.float32)
     out = torch.where(over, torch.copysign(torch.full_like(out, float("inf")), out), out)
@@ -151,7 +154,10 @@ def decode2(index: torch.Tensor, bins: torch.Tensor, W: int, base: int,
     special = torch.where(pos == negc, torch.full_like(out, float("nan")),
                           torch.where(pos, float("inf"), float("-inf")).to(out.dtype))
     out = torch.where(bad, special, out)
-    return out, big, bad.any(), (over & ~bad).any()
+    # One reduction for the three flags: each is another pass over the input otherwise.
+    flags = (big.to(torch.int8) | (bad.to(torch.int8) << 1)
+             | ((over & ~bad).to(torch.int8) << 2)).amax()
+    return out, (flags & 1) != 0, (flags & 2) != 0, (flags & 4) != 0
 
 
 def probe(n_random: int = 1 << 16, seed: int = 0) -> torch.Tensor:
