@@ -33,6 +33,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A hash of the full state: parameters, buffers, optimizer state (a collective)."""
     h = hashlib.sha256()
     sd = sw.full_state_dict(model, rank0_only=False)
     for k in sorted(sd):

@@ -11,16 +11,15 @@ there was something to fix.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+from elastic_script import digest as _digest  # parameters, buffers, optimizer state
 from harness import run_ranks
 from parity import GPT_CFG
-from torch.distributed.tensor import DTensor
 
 import shardwise as sw
 from shardwise.models import GPT, SmallCNN
@@ -73,19 +72,6 @@ def _train(name: str, model, opt, steps: range, reproducible: bool) -> list[floa
         opt.zero_grad()
         losses.append(sw.global_mean(per_micro_batch))
     return losses
-
-
-def _digest(model, opt) -> str:
-    """A hash of the full state: parameters, buffers, optimizer state (a collective)."""
-    h = hashlib.sha256()
-    sd = sw.full_state_dict(model, rank0_only=False)
-    for k in sorted(sd):
-        h.update(k.encode() + sd[k].numpy().tobytes())
-    for name, p in model.named_parameters():
-        for k, v in sorted(opt.state[p].items()):
-            full = v.full_tensor() if isinstance(v, DTensor) else v
-            h.update(f"{name}/{k}".encode() + full.numpy().tobytes())
-    return h.hexdigest()
 
 
 def _run(rank, world, name, reproducible, root):
