@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -106,6 +107,13 @@ def _resumes_at_world_2(rank: int, world: int, folder: str, fresh: str):
         resumed = _train(run, model, opt, sched, 10)
     kept = sorted(e for e in os.listdir(folder) if e.startswith("step-"))
     after = es.digest(model, opt)
+    # A model the checkpoints do not fit (here: one layer fewer) is refused, naming each
+    # checkpoint; starting over would silently train from scratch and prune them.
+    other = sw.shard(GPT(dataclasses.replace(es.CFG, n_layer=1)), reproducible=True)
+    with pytest.raises(sw.ShardwiseError, match=r"no checkpoint in .* loads(.|\n)*"
+                                                r"step-00000010(.|\n)*step-00000009"):
+        sw.Resumable(folder, other, every=3)
+    assert sorted(e for e in os.listdir(folder) if e.startswith("step-")) == kept
     model, opt, sched = _build(world)
     with sw.Resumable(fresh, model, opt, every=5, scheduler=sched) as run:
         uninterrupted = _train(run, model, opt, sched, 10)

@@ -128,6 +128,7 @@ class Resumable:
         self.state: dict[str, Any] = {}
         self.resumed_from: str | None = None
         self._lock: FolderLock | None = None
+        self._unloadable: set[int] = set()  # steps skipped at start: removed at a save
         self._take_folder()
         try:
             self._resume()
@@ -212,15 +213,26 @@ class Resumable:
     def _resume(self) -> None:
         found = self._shared(lambda: self._complete_steps() if self.rank == 0 else None)
         self._report_failures()
+        failed: list[str] = []
         for step in reversed(found):
             path = self._path(step)
             try:
                 extra = load_checkpoint(path, self.model, self.optimizer)
             except ShardwiseError as e:
                 logger.warning("Resumable: skipping %s, which does not load: %s", path, e)
+                failed.append(f"{path}: {e}")
+                self._unloadable.add(step)
                 continue
             self._apply(extra, path)
             return
+        if failed:
+            # Starting over would train from scratch and then prune the checkpoints that
+            # did not load: never silently. Say why each one failed instead.
+            raise ShardwiseError(
+                "Resumable: no checkpoint in " + self.folder + " loads into this model and "
+                "optimizer, so nothing was loaded (a changed model, or damaged files?). "
+                "Point Resumable at a new folder to start over, or fix what is named:\n"
+                + "\n".join(failed))
         logger.info("Resumable: no checkpoint in %s; starting at step 0", self.folder)
 
     def _apply(self, extra: Any, path: str) -> None:
@@ -274,15 +286,16 @@ class Resumable:
                 if os.path.isfile(os.path.join(self._path(s), META))]
 
     def _prune(self) -> None:
-        """Rank 0: keep the newest ``keep`` complete checkpoints and any newer partial
-        one (none: we hold the folder); remove the rest."""
+        """Rank 0, after saving ``self.step``: keep the newest ``keep`` complete
+        checkpoints up to it; remove the rest, and every folder of a later step (left by
+        a timeline that was lost: it did not load, or was never completed)."""
         if self.rank != 0:
             return
-        complete = self._complete_steps()
+        complete = [s for s in self._complete_steps()
+                    if s <= self.step and s not in self._unloadable]
         kept = set(complete[-self.keep:])
-        newest = complete[-1] if complete else -1
         for s in self._steps_on_disk():
-            if s not in kept and s <= newest:
+            if s not in kept:
                 shutil.rmtree(self._path(s), ignore_errors=True)
 
     # -- failures -----------------------------------------------------------------------
