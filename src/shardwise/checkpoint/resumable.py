@@ -103,13 +103,13 @@ class Resumable:
         require_module(model, "Resumable", "model")
         if optimizer is not None:
             require_optimizer(optimizer, "Resumable")
-        for name, value, low in (("every", every, 1), ("keep", keep, 1),
-                                 ("micro_batches", micro_batches, 1),
-                                 ("steps_per_epoch", steps_per_epoch, 1)):
-            if value is None and name in ("micro_batches", "steps_per_epoch"):
+        for name, value, optional in (("every", every, False), ("keep", keep, False),
+                                      ("micro_batches", micro_batches, True),
+                                      ("steps_per_epoch", steps_per_epoch, True)):
+            if value is None and optional:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ShardwiseError(f"Resumable: {name} must be an int of at least {low}, "
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ShardwiseError(f"Resumable: {name} must be an int of at least 1, "
                                      f"not {value!r}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.every, self.keep, self.steps_per_epoch = every, keep, steps_per_epoch

@@ -301,25 +301,16 @@ def _add_eager(a: Binned, b: Binned) -> Binned:
 
 
 def add_(acc: Binned, b: Binned) -> Binned:
-    """``acc = add(acc, b)`` reusing ``acc``'s tensors (the no_sync accumulator)."""
+    """``acc = add(acc, b)`` in ``acc`` (the no_sync accumulator): in place when the tops
+    agree (the usual case, an integer add), else ``acc`` takes the sum's tensors."""
     if acc.spec != b.spec:
         raise ShardwiseError(f"add_: bin specs differ ({acc.spec} and {b.spec})")
     check_terms(acc.terms + b.terms, acc.spec)
-    if torch.equal(acc.index, b.index):  # the usual case: the same tops, an integer add
+    if torch.equal(acc.index, b.index):
         acc.bins += b.bins
-        acc.terms += b.terms
-        return acc
-    run = _fused("merge", acc.numel, acc.spec)
-    if run is not None:  # a new pair of tensors: one fused pass instead of in-place ones
-        acc.index, acc.bins = run(acc.index, acc.bins, b.index, b.bins)
-        acc.terms += b.terms
-        return acc
-    index = torch.maximum(acc.index, b.index)
-    shift_acc = index.to(torch.int64) - acc.index.to(torch.int64)
-    if bool(shift_acc.any()):
-        acc.bins.copy_(_shift_slots(acc.bins, shift_acc))
-    acc.bins += align(b, index).bins
-    acc.index.copy_(index)
+    else:
+        total = add(acc, b)
+        acc.index, acc.bins = total.index, total.bins
     acc.terms += b.terms
     return acc
 
