@@ -30,6 +30,9 @@ Consistency
                                                (others beside shards make a step raise)
 State and checkpoints
     full_state_dict(module, rank0_only=True)
+    full_optimizer_state_dict(module, optimizer, rank0_only=True)
+                                               the optimizer's state as over the unsharded
+                                               model: one file, loaded on every rank
     load_pretrained(module, source, strict=True, rename=None)
     save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
     load_checkpoint(path, module, optimizer=None) -> extra
@@ -67,7 +70,7 @@ Example::
 from typing import Any
 
 from .checkpoint import Resumable, load_checkpoint, load_pretrained, save_checkpoint
-from .checkpoint.state_dict import full_state_dict
+from .checkpoint.state_dict import full_optimizer_state_dict, full_state_dict
 from .comm.process_group import init_distributed
 from .consistency import check_consistency
 from .engine.buffers import BufferPolicy, sync_buffers
@@ -110,6 +113,7 @@ __all__ = [
     "check_consistency",
     "clip_grad_norm_",
     "from_pretrained",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "gathered",
     "global_mean",

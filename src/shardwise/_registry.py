@@ -79,6 +79,7 @@ WARNED_CLIP = "_shardwise_warned_clip"
 OFFLOAD_GRADS = "_shardwise_offload_grads"
 PLAIN_STEP = "_shardwise_plain_step"
 PLAIN_STEP_HOOKED = "_shardwise_plain_step_hooked"
+OPTIMIZER_HOOKED = "_shardwise_state_dict_hooked"  # Note [optimizers meet shards]
 _PREFIX = "_shardwise"
 
 

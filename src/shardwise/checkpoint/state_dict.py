@@ -1,7 +1,8 @@
-"""Consolidated (full) state dicts of sharded models."""
+"""Consolidated (full) state dicts of sharded models and of their optimizers."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..comm.agree import agreed
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
 from ..engine.packed import PackedParam, packed_param
@@ -117,3 +119,145 @@ def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:
         raise ShardwiseError(
             f"internal: full_state_dict's value for {key} is a {type(got).__name__} of shape "
             f"{tuple(got.shape)}, not the full {tuple(shape)}; please report this")
+
+
+def _announced_optimizer(module: nn.Module, **_: Any) -> tuple[Comm, str, int] | None:
+    state = owning_state(module)
+    return (None if state is None
+            else (state.comm, "full_optimizer_state_dict", state.number))
+
+
+@operation("full_optimizer_state_dict", _announced_optimizer)
+def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer,
+                              rank0_only: bool = True) -> dict[str, Any]:
+    """The optimizer's ``state_dict()`` as over the unsharded module, consolidated on CPU.
+
+    The layout of ``torch.optim.Optimizer.state_dict()`` (``state`` numbered as torch
+    numbers the parameters, ``param_groups`` with their hyperparameters), where each state
+    tensor shaped like a sharded parameter (AdamW's moments, ...) is the full tensor, plain
+    and on CPU, as an unsharded model's optimizer would hold it. Every rank passing it to
+    ``optimizer.load_state_dict`` takes its own rows (Note [optimizers meet shards]), at
+    any world size, and an optimizer over the unsharded model loads it as it is: save it
+    on rank 0 beside :func:`full_state_dict`, load that file on every rank (the DDP
+    habit). One tensor is gathered at a time. Every rank must call it.
+
+    Args:
+        module: the sharded model the optimizer was built over (an unsharded module: the
+            optimizer's state is simply copied to CPU).
+        optimizer: a ``torch.optim.Optimizer`` over ``module.parameters()``.
+        rank0_only: return an empty dict on ranks other than 0 of the model's group.
+
+    Returns:
+        ``{"state": {index: {name: value}}, "param_groups": [...]}``, or ``{}`` on other
+        ranks when ``rank0_only``.
+
+    Raises:
+        ShardwiseError: on every rank, when the optimizer holds a shard of another model,
+            state that is a DTensor not shaped like its parameter, or state that differs
+            in keys or shapes across ranks.
+
+    Example:
+        >>> sd = sw.full_state_dict(model)
+        >>> osd = sw.full_optimizer_state_dict(model, optimizer)
+        >>> if dist.get_rank() == 0:
+        ...     torch.save({"model": sd, "optimizer": osd}, "ckpt.pt")
+        >>> ck = torch.load("ckpt.pt")        # on resume, every rank
+        >>> model.load_state_dict(ck["model"])
+        >>> optimizer.load_state_dict(ck["optimizer"])
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ShardwiseError(f"full_optimizer_state_dict: optimizer must be a "
+                             f"torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if type(rank0_only) is not bool:
+        raise ShardwiseError(f"full_optimizer_state_dict: rank0_only={rank0_only!r}: "
+                             f"expected True or False")
+    state = owning_state(module)
+    sd = optimizer.state_dict()
+    if state is None:
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        return _to_cpu(sd) if keep else {}
+    keep = not rank0_only or state.comm.rank == 0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    order = list({id(p): p for p in params}.values())  # as state_dict() numbers them
+    # Everything that could differ between ranks is agreed before the first gather, so
+    # that every rank gathers the same tensors in the same order (or every rank raises).
+    agreed(state.comm, "full_optimizer_state_dict",
+           lambda: _same_layout(state.comm, sd, order, state))
+    out: dict[Any, Any] = {}
+    for idx, st in sd["state"].items():  # the same order on every rank: _same_layout
+        sp = sharded_param(order[idx]) if isinstance(idx, int) else None
+        entry: dict[str, Any] = {}
+        for k, v in st.items():
+            if sp is not None and isinstance(v, DTensor):
+                full = _gather_rows(sp, v, f"{sp.fqns[0]}[{k!r}]")
+                if keep:
+                    entry[k] = full
+            elif isinstance(v, torch.Tensor):
+                entry[k] = v.detach().to("cpu", copy=True)
+            else:
+                entry[k] = copy.deepcopy(v)
+        out[idx] = entry
+    if not keep:
+        return {}
+    return {"state": out, "param_groups": copy.deepcopy(sd["param_groups"])}
+
+
+def _same_layout(comm: Comm, sd: dict[str, Any], order: list[torch.Tensor],
+                 state: Any) -> None:
+    """Raise unless the state can be gathered: shards of this model only, DTensor state
+    shaped like its parameter, and the same state names and shapes on every rank."""
+    others = [sp.fqns[0] for p in order if (sp := sharded_param(p)) is not None
+              and (sp.unit is None or sp.unit.model is not state)]
+    if others:
+        raise ShardwiseError(f"full_optimizer_state_dict: the optimizer holds {len(others)} "
+                             f"parameter(s) of another sharded model (e.g. {others[0]}); "
+                             f"pass the model the optimizer was built over")
+    if state.mid_step():
+        raise ShardwiseError("full_optimizer_state_dict: the reproducible model is between "
+                             "the micro-batches of a step; call it after the step's last "
+                             "(synced) backward")
+    layout = []
+    for idx, st in sd["state"].items():
+        sp = sharded_param(order[idx]) if isinstance(idx, int) else None
+        for k, v in st.items():
+            if isinstance(v, DTensor) and (sp is None or tuple(v.shape) != tuple(sp.shape)):
+                name = sp.fqns[0] if sp is not None else f"parameter {idx}"
+                raise ShardwiseError(
+                    f"full_optimizer_state_dict: the state {k!r} of {name} is a DTensor of "
+                    f"shape {tuple(v.shape)}, not shaped like its parameter: this "
+                    f"optimizer's state cannot be consolidated row by row. Save it with "
+                    f"sw.save_checkpoint or torch.distributed.checkpoint")
+            if isinstance(v, torch.Tensor):
+                layout.append((str(idx), str(k), tuple(v.shape), str(v.dtype)))
+    everyone = comm.all_gather_object(layout, what="full_optimizer_state_dict's layout")
+    differ = [r for r, theirs in enumerate(everyone) if theirs != layout]
+    if differ:
+        raise ShardwiseError(f"full_optimizer_state_dict: the optimizer's state differs "
+                             f"between ranks (rank {comm.rank} and rank(s) {differ} hold "
+                             f"other state names, shapes or dtypes): did every rank step "
+                             f"the same parameters?")
+
+
+def _gather_rows(sp: ShardedParam, value: DTensor, key: str) -> torch.Tensor:
+    """The full tensor whose rows each rank of ``sp``'s shard group holds in ``value``
+    (shaped like ``sp``), on CPU: one all-gather of the rows padded as the shards are."""
+    assert sp.unit is not None
+    comm = sp.unit.model.topology.shard
+    local = value.to_local().detach()
+    chunk = sp.slot.chunk_rows * sp.slot.row_numel
+    send = torch.zeros(chunk, dtype=local.dtype, device=comm.device)
+    send[:local.numel()].copy_(local.reshape(-1))
+    out = torch.empty(chunk * comm.world_size, dtype=local.dtype, device=comm.device)
+    comm.all_gather(out, send, what=f"full_optimizer_state_dict ({key})")
+    return out[:sp.numel].view(sp.shape).to("cpu", copy=True)
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor copied to CPU (an unsharded optimizer's state dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return copy.deepcopy(value)

@@ -15,6 +15,26 @@ shard's local tensor views its unit's flat buffer at an offset. ``torch.save`` a
 tensor and read the wrapper's storage, which it does not have ("invalid python storage").
 So each value is wrapped again at offset 0 around the same local tensor (the way DTensor
 wrapped before 2.10): still a view of the shard, and saved with its flat buffer.
+
+Note [rows of one rank]
+``torch.save(model.state_dict())`` and ``torch.save(optimizer.state_dict())`` on one rank
+write that rank's rows: DTensors, whose ``shape`` is the full shape, so torch's own checks
+pass when another rank loads them. The DDP habit, rank 0 saving and every rank loading
+its file, would leave every rank with rank 0's rows of every parameter and every moment,
+silently. So each such value ``state_dict()`` hands out carries a tag, :data:`ROWS`
+``= (rank, ranks)`` of the model's shard group, in its Python ``__dict__``, which
+``torch.save`` pickles and ``torch.load`` restores (two ints: ``weights_only`` loads accept
+them). A load compares every tag with the loading rank's place before anything changes,
+and the ranks agree on the verdict (one all-gather), so a mismatch on any rank raises on
+every rank, naming the tensors and the three ways that work. Untagged DTensors (a
+``dcp.load`` into the model's own state dict, files from before the tag, values rebuilt
+by the user) are taken as before. Such a file cannot be made right on another rank: it
+holds no other rank's rows, and a DTensor's rows are whatever its saver held. Full state
+dicts (plain tensors of full shape) are the DDP habit's format: each rank takes its rows
+of them, for the model (:func:`_rows`) and for the optimizer (:func:`_optimizer_rows`).
+The model's check runs in a pre-hook of the module ``load_state_dict`` was called on (or
+of the sharded root, when a module holding it was), which torch runs before those of its
+children; the optimizer's in Note [optimizers meet shards].
 """
 
 from __future__ import annotations
@@ -25,17 +45,31 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._registry import OPTIMIZER_HOOKED, attach_to, attached
+from ..comm.agree import agreed
 from ..comm.order_check import announce
 from ..errors import ShardwiseError
 from .buffers import BufferPolicy
 from .packed import packed_param
-from .state import model_state
+from .state import model_state, owning_state
 from .unit import ShardedParam, sharded_param
+
+ROWS = "_shardwise_rows"
+"""The attribute tagging a value of ``state_dict()`` with the ``(rank, ranks)`` of the shard
+group whose rows it holds (Note [rows of one rank])."""
 
 
 def install_state_dict_hooks(root: nn.Module) -> None:
     """Hook ``state_dict`` and ``load_state_dict`` of every module holding a shard, and
     the end of ``load_state_dict`` of the sharded root."""
+    holders: set[str] = set()  # modules with shards below them: Note [rows of one rank]
+    for name, m in root.named_modules():
+        if _sharded(m):
+            parts = name.split(".") if name else []
+            holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    for name, m in root.named_modules():
+        if name in holders:
+            m.register_load_state_dict_pre_hook(_check_rows)
     for m in root.modules():
         if any(sharded_param(t) is not None for t in m._parameters.values()
                if t is not None):
@@ -58,11 +92,95 @@ def _sharded(module: nn.Module) -> list[tuple[str, torch.Tensor, ShardedParam]]:
 
 def _saveable_values(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                      local_metadata: dict) -> None:
-    """Note [DTensor storage offset]."""
-    for name, t, _ in _sharded(module):
+    """Note [DTensor storage offset]; each value tagged with its rows (Note [rows of one
+    rank]; not the parameters themselves, which ``keep_vars=True`` hands out)."""
+    for name, t, sp in _sharded(module):
         value = state_dict.get(prefix + name)
-        if isinstance(value, DTensor) and value is not t and value.storage_offset() != 0:
-            state_dict[prefix + name] = _at_offset_zero(value)
+        if isinstance(value, DTensor) and value is not t:
+            state_dict[prefix + name] = tagged(sp, value)
+
+
+def tagged(sp: ShardedParam, value: DTensor) -> DTensor:
+    """``value`` (this rank's rows of ``sp``, a fresh wrapper) ready for ``torch.save``:
+    at storage offset 0 (Note [DTensor storage offset]) and tagged with its rows (Note
+    [rows of one rank])."""
+    if value.storage_offset() != 0:
+        value = _at_offset_zero(value)
+    setattr(value, ROWS, _place(sp))
+    return value
+
+
+def _place(sp: ShardedParam) -> tuple[int, int]:
+    assert sp.unit is not None
+    comm = sp.unit.model.topology.shard  # the rows follow the shard group's ranks
+    return comm.rank, comm.world_size
+
+
+def foreign_rows(sp: ShardedParam, value: DTensor) -> tuple[int, int] | None:
+    """The ``(rank, ranks)`` whose rows ``value`` holds when they are not this rank's
+    rows of ``sp`` (Note [rows of one rank]); None for this rank's or an untagged
+    value."""
+    tag = getattr(value, ROWS, None)
+    if (isinstance(tag, tuple) and len(tag) == 2 and all(type(x) is int for x in tag)
+            and tag != _place(sp)):
+        return tag
+    return None
+
+
+def rows_refusal(what: str, found: dict[tuple[int, int], list[str]]) -> str:
+    """The message refusing a state dict that holds other ranks' rows: ``found`` maps
+    each saving ``(rank, ranks)`` to the tensors it saved (Note [rows of one rank])."""
+    names = [n for ns in found.values() for n in ns]
+    sources = ", ".join(f"rank {r} of {w}" for r, w in found)
+    return (f"the state dict holds the rows of {sources} for {len(names)} tensor(s) "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): a sharded "
+            f"{what} state dict, as {what}.state_dict() returns on one rank, holds that "
+            f"rank's rows only, and each rank needs its own. {RESUME_ADVICE}")
+
+
+RESUME_ADVICE = (
+    "To save once and load on every rank (the DDP habit), save full state dicts: on every "
+    "rank, sd = sw.full_state_dict(model) and osd = sw.full_optimizer_state_dict(model, "
+    "optimizer); on rank 0, torch.save({'model': sd, 'optimizer': osd}, path); to resume, "
+    "on every rank, ck = torch.load(path); model.load_state_dict(ck['model']); "
+    "optimizer.load_state_dict(ck['optimizer']) (each rank takes its rows). Or use "
+    "sw.save_checkpoint / sw.load_checkpoint (sharded, any world size), or "
+    "torch.distributed.checkpoint (dcp.save / dcp.load of model.state_dict()). "
+    "torch.save(model.state_dict()) alone loads only on the rank that saved it (a file "
+    "per rank)")
+
+
+def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                local_metadata: dict, strict: bool, missing_keys: list[str],
+                unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    """Refuse, on every rank and before anything changes, a state dict holding other
+    ranks' rows (Note [rows of one rank]). Runs for the module ``load_state_dict`` was
+    called on (``prefix`` empty) and for the sharded root (a module holding it may have
+    been called); once per load, before the hooks of the modules below."""
+    state = model_state(module)
+    if prefix and state is None:
+        return  # below the module the load started from, which checked everything
+    state = state or owning_state(module)
+    if state is None:
+        return
+
+    def check() -> None:
+        found: dict[tuple[int, int], list[str]] = {}
+        for name, m in module.named_modules(prefix=prefix.rstrip(".")):
+            for pname, t, sp in _sharded(m):
+                key = f"{name}.{pname}" if name else pname
+                value = state_dict.get(key)
+                if t is sp.shard and isinstance(value, DTensor):
+                    source = foreign_rows(sp, value)
+                    if source is not None:
+                        found.setdefault(source, []).append(key)
+                    else:
+                        _rows(sp, value, key)  # its layout refusal, agreed here
+        if found:
+            raise ShardwiseError(rows_refusal("model", found))
+
+    announce(state.comm, "load_state_dict", state.number)
+    agreed(state.comm, f"load_state_dict into {type(module).__name__}", check)
 
 
 def _at_offset_zero(t: DTensor) -> DTensor:
@@ -144,3 +262,118 @@ def _sync_buffers(module: nn.Module, incompatible_keys: Any) -> None:
         return
     announce(state.comm, "load_state_dict", state.number)
     state.buffers.broadcast_all()
+
+
+# Note [optimizers meet shards]
+# shardwise never sees an optimizer being built, and torch has no process-wide hook on
+# optimizers' state_dict or load_state_dict. So the first sw.shard of a process wraps
+# torch.optim.Optimizer.add_param_group (guards.py, Note [torch classes that meet
+# shards]), which every optimizer's __init__ calls for each of its groups, as does adding
+# a group later: once a group holding shards joins an optimizer, that optimizer gets its
+# own state_dict post-hook (:func:`_tag_optimizer_rows`) and load_state_dict pre-hook
+# (:func:`_optimizer_rows`), through torch's per-optimizer hooks, which torch's
+# state_dict and load_state_dict run whatever the optimizer's class. Optimizers without
+# shards are not touched. The pre-hook is the first to see a loaded dict, before torch
+# changes anything, and returns the dict torch then loads: each tensor shaped like a
+# sharded parameter, in full (a full optimizer state dict), cut to this rank's rows as
+# a DTensor; this rank's own rows as they were; another rank's refused on every rank.
+def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Note [optimizers meet shards]: called after each ``add_param_group``."""
+    if attached(optimizer, OPTIMIZER_HOOKED) or not any(
+            sharded_param(p) is not None for g in optimizer.param_groups
+            for p in g["params"]):
+        return
+    attach_to(optimizer, OPTIMIZER_HOOKED, True)
+    optimizer.register_state_dict_post_hook(_tag_optimizer_rows)
+    optimizer.register_load_state_dict_pre_hook(_optimizer_rows)
+
+
+def _ordered(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in the order its state dict numbers them."""
+    seen: dict[int, torch.Tensor] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _tag_optimizer_rows(optimizer: torch.optim.Optimizer,
+                        state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Tag the state shaped like a sharded parameter with its rows (Note [rows of one
+    rank]). The per-parameter dicts are torch's own (``optimizer.state[p]``): each is
+    replaced by a copy, so the optimizer's state keeps no tag."""
+    params = _ordered(optimizer)
+    state = dict(state_dict["state"])
+    for idx, st in state.items():
+        sp = (sharded_param(params[idx]) if isinstance(idx, int) and 0 <= idx < len(params)
+              else None)
+        if sp is None or not isinstance(st, dict):
+            continue
+        state[idx] = {k: (tagged(sp, _rewrapped(v)) if _shaped_like(v, sp)
+                          and isinstance(v, DTensor) else v) for k, v in st.items()}
+    return {**state_dict, "state": state}
+
+
+def _rewrapped(t: DTensor) -> DTensor:
+    """A new wrapper around ``t``'s local tensor (the tag must not land on the state the
+    optimizer holds)."""
+    return _at_offset_zero(t)
+
+
+def _shaped_like(v: Any, sp: ShardedParam) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(sp.shape)
+
+
+def _optimizer_rows(optimizer: torch.optim.Optimizer,
+                    state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """Note [optimizers meet shards]: this rank's rows of a full optimizer state dict;
+    refuse, on every rank, one holding another rank's rows."""
+    params = _ordered(optimizer)
+    model = next((sp.unit.model for p in params
+                  if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
+    if model is None:
+        return None
+    groups = state_dict.get("param_groups")
+    saved = ([i for g in groups for i in g.get("params", ())]
+             if isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+             else None)
+    if saved is None or len(saved) != len(params):
+        return None  # torch says what is wrong, on every rank alike
+    id_map = dict(zip(saved, params))
+
+    def take() -> dict[str, Any]:
+        state: dict[Any, Any] = {}
+        found: dict[tuple[int, int], list[str]] = {}
+        for idx, st in state_dict.get("state", {}).items():
+            p = id_map.get(idx)
+            sp = sharded_param(p) if p is not None else None
+            if sp is None or not isinstance(st, dict):
+                state[idx] = st
+                continue
+            mine = {}
+            for k, v in st.items():
+                mine[k] = v
+                if not _shaped_like(v, sp):
+                    continue
+                if isinstance(v, DTensor):
+                    source = foreign_rows(sp, v)
+                    if source is not None:
+                        found.setdefault(source, []).append(f"{sp.fqns[0]}[{k!r}]")
+                    else:
+                        _rows(sp, v, f"{sp.fqns[0]}[{k!r}]")  # its layout refusal
+                else:
+                    mine[k] = _own_rows(sp, v)
+            state[idx] = mine
+        if found:
+            raise ShardwiseError(rows_refusal("optimizer", found))
+        return {**state_dict, "state": state}
+
+    announce(model.comm, "optimizer.load_state_dict", model.number)
+    return agreed(model.comm, f"{type(optimizer).__name__}.load_state_dict", take)
+
+
+def _own_rows(sp: ShardedParam, value: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a full tensor shaped like ``sp``, copied (the loaded state must
+    not keep the caller's full tensor alive, nor write into it)."""
+    rows = cast(DTensor, _rows(sp, value, ""))
+    return sp.as_dtensor(rows.to_local().clone())
