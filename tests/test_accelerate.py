@@ -89,6 +89,22 @@ def _train(rank, world, root):
 
     acc.save_state(f"{root}/state")  # every rank's shards, not rank 0's alone
     full = sw.full_state_dict(model, rank0_only=False)
+    # accelerate's get_state_dict, as under FSDP: the full weights on the main process
+    # (for save_pretrained(..., state_dict=...)), nothing elsewhere; before: this rank's
+    # rows, DTensors, which save_pretrained refuses.
+    sd = acc.get_state_dict(model)
+    if acc.is_main_process:
+        assert list(sd) == list(full) and all(
+            type(v) is torch.Tensor and torch.equal(v, full[k]) for k, v in sd.items())
+    else:
+        assert sd == {}
+    # The optimizer built before prepare (repointed at the shards) takes its rows of a
+    # full optimizer state dict, and refuses rank 0's rows (Note [rows of one rank]).
+    box = [opt.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    with pytest.raises(sw.ShardwiseError, match="rows of rank 0 of 2"):
+        opt.load_state_dict(box[0])
+    opt.load_state_dict(sw.full_optimizer_state_dict(model, opt, rank0_only=False))
     if rank == 0:
         torch.save(full, f"{root}/full.pt")
     return acc.step

@@ -127,13 +127,17 @@ def foreign_rows(sp: ShardedParam, value: DTensor) -> tuple[int, int] | None:
     return None
 
 
-def rows_refusal(what: str, found: dict[tuple[int, int], list[str]]) -> str:
+def rows_refusal(what: str, found: dict[tuple[int, int], list[str]], ranks: int) -> str:
     """The message refusing a state dict that holds other ranks' rows: ``found`` maps
-    each saving ``(rank, ranks)`` to the tensors it saved (Note [rows of one rank])."""
+    each saving ``(rank, ranks)`` to the tensors it saved; ``ranks``: the loading model's
+    shard group size (Note [rows of one rank])."""
     names = [n for ns in found.values() for n in ns]
     sources = ", ".join(f"rank {r} of {w}" for r, w in found)
+    saved_at = sorted({w for _, w in found if w != ranks})
+    where = (f", saved at a world size of {', '.join(map(str, saved_at))} while this model "
+             f"is sharded over {ranks} rank(s)" if saved_at else "")
     return (f"the state dict holds the rows of {sources} for {len(names)} tensor(s) "
-            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): a sharded "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}){where}: a sharded "
             f"{what} state dict, as {what}.state_dict() returns on one rank, holds that "
             f"rank's rows only, and each rank needs its own. {RESUME_ADVICE}")
 
@@ -177,7 +181,7 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                     else:
                         _rows(sp, value, key)  # its layout refusal, agreed here
         if found:
-            raise ShardwiseError(rows_refusal("model", found))
+            raise ShardwiseError(rows_refusal("model", found, state.topology.shard.world_size))
 
     announce(state.comm, "load_state_dict", state.number)
     agreed(state.comm, f"load_state_dict into {type(module).__name__}", check)
@@ -365,7 +369,8 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
                     mine[k] = _own_rows(sp, v)
             state[idx] = mine
         if found:
-            raise ShardwiseError(rows_refusal("optimizer", found))
+            raise ShardwiseError(rows_refusal("optimizer", found,
+                                              model.topology.shard.world_size))
         return {**state_dict, "state": state}
 
     announce(model.comm, "optimizer.load_state_dict", model.number)

@@ -12,7 +12,10 @@ those points and nothing else:
   every rank;
 - ``no_sync`` (used by ``accumulate``) is ``sw.no_sync``;
 - ``save_state``/``load_state`` write and read a shardwise checkpoint (loadable at any
-  world size) plus the schedulers' and the step's state.
+  world size) plus the schedulers' and the step's state;
+- ``get_state_dict`` returns the full state dict on the main process and an empty one
+  elsewhere, as accelerate's does for FSDP and DeepSpeed ZeRO-3 (so
+  ``save_pretrained(..., state_dict=accelerator.get_state_dict(model))`` works).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.state_dict import full_state_dict
 from ..comm.order_check import watch_steps
-from ..engine.state import model_state
+from ..engine.state import model_state, owning_state
+from ..engine.state_dict_hooks import install_optimizer_hooks
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync
 from ..sharding import is_sharded, shard
@@ -142,6 +147,23 @@ class ShardwiseAccelerator(Accelerator):
         return None
 
     # -- state -------------------------------------------------------------------------
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """The full state dict of a sharded model on the main process, ``{}`` on the
+        others (every rank calls it), as accelerate returns under FSDP and DeepSpeed
+        ZeRO-3: plain CPU tensors with the unsharded model's names, ready for
+        ``save_pretrained(path, state_dict=...)`` or ``torch.save`` on the main process.
+        An unsharded model's is accelerate's own.
+
+        Example:
+            >>> sd = accelerator.get_state_dict(model)
+            >>> if accelerator.is_main_process:
+            ...     model.save_pretrained(path, state_dict=sd)
+        """
+        target = self.unwrap_model(model) if unwrap else model
+        if owning_state(target) is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return full_state_dict(target, rank0_only=True)
+
     def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
         """Save the sharded model, its optimizer, the schedulers and the step.
 
@@ -200,3 +222,4 @@ def _repoint(optimizer: torch.optim.Optimizer, remap: dict[int, nn.Parameter]) -
             "sharding (or before any step)")
     for group in optimizer.param_groups:
         group["params"] = [remap.get(id(p), p) for p in group["params"]]
+    install_optimizer_hooks(optimizer)  # its groups changed without add_param_group
