@@ -222,3 +222,49 @@ def test_reproducible_trainer_is_bit_identical_at_1_2_and_4_ranks(tmp_path):
     default = {n: run_ranks(_reproducible, n, str(tmp_path), False, timeout=300)[0]
                for n in (1, 2)}
     assert default[1][0] != default[2][0] and default[1][1] != default[2][1]
+
+
+def _tied_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**_config().to_dict(), "tie_word_embeddings": True}))
+
+
+def _tensors(folder: str) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                for k in f.keys()}
+
+
+def _save_tied(rank, world, root):
+    _env(rank, world)
+    trainer = ShardwiseTrainer(model=_tied_model(), args=_args(f"{root}/sw", max_steps=1),
+                               train_dataset=_dataset(8))
+    trainer.train()
+    trainer.save_model(f"{root}/final")
+    # accelerate's habit: save_pretrained(..., state_dict=accelerator.get_state_dict(model))
+    sd = trainer.accelerator.get_state_dict(trainer.model)
+    if rank == 0:
+        trainer.model.save_pretrained(f"{root}/accelerate", state_dict=sd)
+    trained = sw.full_state_dict(trainer.model, rank0_only=False)
+    torch.distributed.barrier()
+    return trained
+
+
+def test_save_model_writes_a_tied_head_once_as_the_plain_trainer_does(tmp_path):
+    """Before: lm_head.weight was written beside the embedding it is tied to (one tensor
+    more, and its bytes, than DDP's Trainer writes)."""
+    root = str(tmp_path)
+    trained = run_ranks(_save_tied, 2, root, timeout=300)[0]
+    _tied_model().save_pretrained(f"{root}/plain")  # what the plain (DDP) Trainer writes
+    plain = _tensors(f"{root}/plain")
+    assert "lm_head.weight" not in plain
+    for folder in ("final", "accelerate"):
+        assert _tensors(f"{root}/{folder}") == plain, folder
+        size = os.path.getsize(f"{root}/{folder}/model.safetensors")
+        assert size == os.path.getsize(f"{root}/plain/model.safetensors"), folder
+        reloaded = LlamaForCausalLM.from_pretrained(f"{root}/{folder}")
+        assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+        for k, v in reloaded.state_dict().items():
+            assert torch.equal(v, trained[k]), (folder, k)

@@ -108,6 +108,26 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
     return out
 
 
+def share_tied(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (:func:`full_state_dict` of ``module``) with each tied weight's names
+    holding one tensor, as an unsharded module's ``state_dict()`` hands them out. Hugging
+    Face's ``save_pretrained`` finds ties by shared storage and writes a tied head once,
+    as for the unsharded model; ``full_state_dict`` gives separate copies instead, for
+    ``safetensors.torch.save_file``, which refuses shared tensors."""
+    if not state:
+        return state
+    out, first = dict(state), {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        p = _param_of(value) if isinstance(value, torch.Tensor) else None
+        if p is None or key not in out:
+            continue
+        if id(p) in first:
+            out[key] = out[first[id(p)]]
+        else:
+            first[id(p)] = key
+    return out
+
+
 def _param_of(t: torch.Tensor) -> ShardedParam | PackedParam | None:
     return sharded_param(t) or packed_param(t)
 

@@ -29,7 +29,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..checkpoint.state_dict import full_state_dict
+from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.order_check import watch_steps
 from ..engine.state import model_state, owning_state
 from ..engine.state_dict_hooks import install_optimizer_hooks
@@ -150,9 +150,10 @@ class ShardwiseAccelerator(Accelerator):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """The full state dict of a sharded model on the main process, ``{}`` on the
         others (every rank calls it), as accelerate returns under FSDP and DeepSpeed
-        ZeRO-3: plain CPU tensors with the unsharded model's names, ready for
-        ``save_pretrained(path, state_dict=...)`` or ``torch.save`` on the main process.
-        An unsharded model's is accelerate's own.
+        ZeRO-3: plain CPU tensors with the unsharded model's names, a tied weight's
+        names sharing one tensor as in ``model.state_dict()``, ready for
+        ``save_pretrained(path, state_dict=...)`` (which writes a tied weight once) or
+        ``torch.save`` on the main process. An unsharded model's is accelerate's own.
 
         Example:
             >>> sd = accelerator.get_state_dict(model)
@@ -162,7 +163,7 @@ class ShardwiseAccelerator(Accelerator):
         target = self.unwrap_model(model) if unwrap else model
         if owning_state(target) is None:
             return super().get_state_dict(model, unwrap=unwrap)
-        return full_state_dict(target, rank0_only=True)
+        return share_tied(target, full_state_dict(target, rank0_only=True))
 
     def save_state(self, output_dir: str | None = None, **kwargs: Any) -> str:
         """Save the sharded model, its optimizer, the schedulers and the step.

@@ -33,7 +33,7 @@ import torch.nn as nn
 from transformers import Trainer
 
 from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
-from ..checkpoint.state_dict import full_state_dict
+from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.process_group import init_distributed
 from ..engine.sharded_init import sharded_init
 from ..engine.state import model_state
@@ -141,9 +141,11 @@ class ShardwiseTrainer(Trainer):
 
     # -- weights out -------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write a Hugging Face folder of the full model (every rank must call it)."""
+        """Write a Hugging Face folder of the full model (every rank must call it): the
+        files the plain Trainer writes, a tied head once."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = full_state_dict(self._sharded)  # collective; the full tensors on rank 0
+        state = share_tied(self._sharded, state)  # save_pretrained finds ties by storage
         self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
