@@ -116,7 +116,7 @@ def share_tied(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     ``safetensors.torch.save_file``, which refuses shared tensors."""
     if not state:
         return state
-    out, first = dict(state), {}
+    out, first = dict(state), dict[int, str]()
     for key, value in module.state_dict(keep_vars=True).items():
         p = _param_of(value) if isinstance(value, torch.Tensor) else None
         if p is None or key not in out:

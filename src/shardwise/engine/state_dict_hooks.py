@@ -26,7 +26,9 @@ silently. So each such value ``state_dict()`` hands out carries a tag, :data:`RO
 ``torch.save`` pickles and ``torch.load`` restores (two ints: ``weights_only`` loads accept
 them). A load compares every tag with the loading rank's place before anything changes,
 and the ranks agree on the verdict (one all-gather), so a mismatch on any rank raises on
-every rank, naming the tensors and the three ways that work. Untagged DTensors (a
+every rank, naming the tensors and the three ways that work. The agreement runs only when
+the loaded dict holds DTensors for shards: a full state dict of plain tensors holds no
+rank's rows, and its load communicates no more than before. Untagged DTensors (a
 ``dcp.load`` into the model's own state dict, files from before the tag, values rebuilt
 by the user) are taken as before. Such a file cannot be made right on another rank: it
 holds no other rank's rows, and a DTensor's rows are whatever its saver held. Full state
@@ -46,7 +48,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._registry import OPTIMIZER_HOOKED, attach_to, attached
-from ..comm.agree import agreed
+from ..comm.agree import agree
 from ..comm.order_check import announce
 from ..errors import ShardwiseError
 from .buffers import BufferPolicy
@@ -168,23 +170,27 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     if state is None:
         return
 
-    def check() -> None:
-        found: dict[tuple[int, int], list[str]] = {}
+    found: dict[tuple[int, int], list[str]] = {}
+    error, pieces = None, False
+    try:
         for name, m in module.named_modules(prefix=prefix.rstrip(".")):
             for pname, t, sp in _sharded(m):
                 key = f"{name}.{pname}" if name else pname
                 value = state_dict.get(key)
                 if t is sp.shard and isinstance(value, DTensor):
+                    pieces = True
                     source = foreign_rows(sp, value)
                     if source is not None:
                         found.setdefault(source, []).append(key)
                     else:
-                        _rows(sp, value, key)  # its layout refusal, agreed here
+                        _rows(sp, value, key)  # its layout refusal, agreed below
         if found:
-            raise ShardwiseError(rows_refusal("model", found, state.topology.shard.world_size))
-
-    announce(state.comm, "load_state_dict", state.number)
-    agreed(state.comm, f"load_state_dict into {type(module).__name__}", check)
+            error = rows_refusal("model", found, state.topology.shard.world_size)
+    except ShardwiseError as e:
+        error = str(e)
+    if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
+        announce(state.comm, "load_state_dict", state.number)
+        agree(state.comm, error, f"load_state_dict into {type(module).__name__}")
 
 
 def _at_offset_zero(t: DTensor) -> DTensor:
@@ -345,9 +351,10 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
         return None  # torch says what is wrong, on every rank alike
     id_map = dict(zip(saved, params))
 
-    def take() -> dict[str, Any]:
-        state: dict[Any, Any] = {}
-        found: dict[tuple[int, int], list[str]] = {}
+    state: dict[Any, Any] = {}
+    found: dict[tuple[int, int], list[str]] = {}
+    error, pieces = None, False
+    try:
         for idx, st in state_dict.get("state", {}).items():
             p = id_map.get(idx)
             sp = sharded_param(p) if p is not None else None
@@ -360,6 +367,7 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
                 if not _shaped_like(v, sp):
                     continue
                 if isinstance(v, DTensor):
+                    pieces = True
                     source = foreign_rows(sp, v)
                     if source is not None:
                         found.setdefault(source, []).append(f"{sp.fqns[0]}[{k!r}]")
@@ -369,12 +377,13 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
                     mine[k] = _own_rows(sp, v)
             state[idx] = mine
         if found:
-            raise ShardwiseError(rows_refusal("optimizer", found,
-                                              model.topology.shard.world_size))
-        return {**state_dict, "state": state}
-
-    announce(model.comm, "optimizer.load_state_dict", model.number)
-    return agreed(model.comm, f"{type(optimizer).__name__}.load_state_dict", take)
+            error = rows_refusal("optimizer", found, model.topology.shard.world_size)
+    except ShardwiseError as e:
+        error = str(e)
+    if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
+        announce(model.comm, "optimizer.load_state_dict", model.number)
+        agree(model.comm, error, f"{type(optimizer).__name__}.load_state_dict")
+    return {**state_dict, "state": state}
 
 
 def _own_rows(sp: ShardedParam, value: torch.Tensor) -> torch.Tensor:
