@@ -114,6 +114,10 @@ def _rank0_files(rank, world, folder, load_from):
         assert names in text and "nothing was changed" in text, text
         assert "sw.full_optimizer_state_dict" in text and "sw.save_checkpoint" in text, text
         assert f"rank(s) {list(range(1, world))}" in text, text  # the ranks it concerns
+    # Into a submodule too (the load's own module checks what lies below it).
+    block = {k[len("blocks.0."):]: v for k, v in ck["model"].items() if k.startswith("blocks.0.")}
+    with pytest.raises(sw.ShardwiseError, match=f"rows of rank 0 of {world}"):
+        model.blocks[0].load_state_dict(block)
     after = _local_state(model, opt)
     _same(before[0], after[0])
     _same(before[1], after[1])
@@ -255,3 +259,33 @@ def _configs(rank, world, folder):
 
 def test_mixed_precision_offload_reproducible(tmp_path):
     run_ranks(_configs, 2, str(tmp_path))
+
+
+def test_a_plain_process_cannot_use_rank_0s_rows(runs):
+    """The documented answer for a file of rank 0's rows in a plain process: torch.load
+    asks for torch.distributed.tensor, and then the values are rank 0's rows (tagged so),
+    which a plain model refuses."""
+    folder, _ = runs
+    code = f"""
+import torch
+path = {os.path.join(folder, 'raw2.pt')!r}
+try:
+    torch.load(path)
+    raise SystemExit("loaded without torch.distributed.tensor")
+except Exception as e:
+    assert "torch.distributed.tensor" in str(e), e
+import torch.distributed.tensor
+ck = torch.load(path)
+assert ck["model"]["tok_emb.weight"]._shardwise_rows == (0, 2)
+from shardwise.models import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=40, seq_len=8, n_layer=2, n_head=2, d_model=16))
+try:
+    model.load_state_dict(ck["model"])
+    raise SystemExit("a plain model took rank 0's rows")
+except RuntimeError as e:
+    assert "DTensor" in str(e), e
+print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr
