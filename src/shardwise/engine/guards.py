@@ -173,8 +173,6 @@ def guard_ddp(module: nn.Module) -> None:
 #   are not supported") after some parameters were already updated.
 # So the first sw.shard of a process adds a check to DDP's constructor and one optimizer
 # step pre-hook; each only looks for shardwise's parameters and otherwise does nothing.
-# It also wraps Optimizer.add_param_group, which gives an optimizer over shards its state
-# dict hooks (Note [optimizers meet shards] in engine/state_dict_hooks.py).
 _torch_guarded = False
 
 
@@ -202,16 +200,6 @@ def _guard_torch_classes() -> None:
 
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
-    from .state_dict_hooks import install_optimizer_hooks  # imports state.py, which imports us
-
-    add_group = torch.optim.Optimizer.add_param_group
-
-    @functools.wraps(add_group)
-    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
-        add_group(self, param_group)
-        install_optimizer_hooks(self)  # Note [optimizers meet shards]
-
-    torch.optim.Optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any

@@ -41,6 +41,7 @@ children; the optimizer's in Note [optimizers meet shards].
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -81,6 +82,7 @@ def install_state_dict_hooks(root: nn.Module) -> None:
                if t is not None):
             m.register_load_state_dict_pre_hook(_refuse_packed)
     root.register_load_state_dict_post_hook(_sync_buffers)
+    _hook_optimizers()
 
 
 def _sharded(module: nn.Module) -> list[tuple[str, torch.Tensor, ShardedParam]]:
@@ -277,9 +279,11 @@ def _sync_buffers(module: nn.Module, incompatible_keys: Any) -> None:
 # Note [optimizers meet shards]
 # shardwise never sees an optimizer being built, and torch has no process-wide hook on
 # optimizers' state_dict or load_state_dict. So the first sw.shard of a process wraps
-# torch.optim.Optimizer.add_param_group (guards.py, Note [torch classes that meet
-# shards]), which every optimizer's __init__ calls for each of its groups, as does adding
-# a group later: once a group holding shards joins an optimizer, that optimizer gets its
+# torch.optim.Optimizer.add_param_group (as it wraps DDP's constructor: Note [torch
+# classes that meet shards] in guards.py), which every optimizer's __init__ calls for
+# each of its groups, as does adding a group later (an optimizer whose groups are
+# reassigned by hand, as accelerate's prepare does, is given them by whoever reassigns:
+# integrations/accelerate.py): once a group holding shards joins an optimizer, it gets its
 # own state_dict post-hook (:func:`_tag_optimizer_rows`) and load_state_dict pre-hook
 # (:func:`_optimizer_rows`), through torch's per-optimizer hooks, which torch's
 # state_dict and load_state_dict run whatever the optimizer's class. Optimizers without
@@ -287,6 +291,25 @@ def _sync_buffers(module: nn.Module, incompatible_keys: Any) -> None:
 # changes anything, and returns the dict torch then loads: each tensor shaped like a
 # sharded parameter, in full (a full optimizer state dict), cut to this rank's rows as
 # a DTensor; this rank's own rows as they were; another rank's refused on every rank.
+_optimizers_hooked = False
+
+
+def _hook_optimizers() -> None:
+    """Note [optimizers meet shards]: wrap ``Optimizer.add_param_group``, once."""
+    global _optimizers_hooked
+    if _optimizers_hooked:
+        return
+    _optimizers_hooked = True
+    add_group = torch.optim.Optimizer.add_param_group
+
+    @functools.wraps(add_group)
+    def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+        add_group(self, param_group)
+        install_optimizer_hooks(self)
+
+    torch.optim.Optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+
 def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Note [optimizers meet shards]: called after each ``add_param_group``."""
     if attached(optimizer, OPTIMIZER_HOOKED) or not any(
