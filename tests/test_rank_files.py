@@ -289,3 +289,27 @@ print("refused")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "refused" in out.stdout, out.stderr
+
+
+def _hybrid(rank, world):
+    """Under hybrid sharding a rank's rows are its shard rank's: rank 0's file is refused
+    on the ranks of shard rank 1 (every rank raises), and the full optimizer state dict
+    of the (2, 2) mesh loads into a flat model at 4 ranks and gathers back equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = sw.shard(_gpt(0), mesh=init_device_mesh("cpu", (2, 2)))
+    opt = _opt(model)
+    _steps(model, opt, range(2))
+    box = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # rank 0's rows, as a file would bring them
+    with pytest.raises(sw.ShardwiseError, match=r"rank\(s\) \[1, 3\]: .*rows of rank 0 of 2"):
+        opt.load_state_dict(box[0])
+    full = sw.full_optimizer_state_dict(model, opt, rank0_only=False)
+    flat = sw.shard(_gpt(3))
+    flat_opt = _opt(flat)
+    flat_opt.load_state_dict(full)
+    _full_optimizer_equal(full, sw.full_optimizer_state_dict(flat, flat_opt, rank0_only=False))
+
+
+def test_hybrid_sharding_rows_follow_the_shard_rank():
+    run_ranks(_hybrid, 4)

@@ -219,7 +219,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         out[idx] = entry
     if not keep:
         return {}
-    return {"state": out, "param_groups": copy.deepcopy(sd["param_groups"])}
+    return {"state": out, "param_groups": _to_cpu(sd["param_groups"])}
 
 
 def _same_layout(comm: Comm, sd: dict[str, Any], order: list[torch.Tensor],
