@@ -190,9 +190,12 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
             error = rows_refusal("model", found, state.topology.shard.world_size)
     except ShardwiseError as e:
         error = str(e)
+    what = f"load_state_dict into {type(module).__name__}"
     if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
         announce(state.comm, "load_state_dict", state.number)
-        agree(state.comm, error, f"load_state_dict into {type(module).__name__}")
+        agree(state.comm, error, what)
+    elif error is not None:
+        raise ShardwiseError(f"{what}: {error}")
 
 
 def _at_offset_zero(t: DTensor) -> DTensor:
@@ -342,15 +345,10 @@ def _tag_optimizer_rows(optimizer: torch.optim.Optimizer,
               else None)
         if sp is None or not isinstance(st, dict):
             continue
-        state[idx] = {k: (tagged(sp, _rewrapped(v)) if _shaped_like(v, sp)
+        # A new wrapper around the same rows: the tag must not land on the optimizer's own.
+        state[idx] = {k: (tagged(sp, _at_offset_zero(v)) if _shaped_like(v, sp)
                           and isinstance(v, DTensor) else v) for k, v in st.items()}
     return {**state_dict, "state": state}
-
-
-def _rewrapped(t: DTensor) -> DTensor:
-    """A new wrapper around ``t``'s local tensor (the tag must not land on the state the
-    optimizer holds)."""
-    return _at_offset_zero(t)
 
 
 def _shaped_like(v: Any, sp: ShardedParam) -> bool:
@@ -403,9 +401,12 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
             error = rows_refusal("optimizer", found, model.topology.shard.world_size)
     except ShardwiseError as e:
         error = str(e)
+    what = f"{type(optimizer).__name__}.load_state_dict"
     if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
         announce(model.comm, "optimizer.load_state_dict", model.number)
-        agree(model.comm, error, f"{type(optimizer).__name__}.load_state_dict")
+        agree(model.comm, error, what)
+    elif error is not None:
+        raise ShardwiseError(f"{what}: {error}")
     return {**state_dict, "state": state}
 
 
