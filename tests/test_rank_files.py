@@ -249,6 +249,8 @@ def _configs(rank, world, folder):
         _steps(other, oopt, range(2, 3))
         _full_optimizer_equal(sw.full_optimizer_state_dict(model, opt, rank0_only=False),
                               sw.full_optimizer_state_dict(other, oopt, rank0_only=False))
+        with pytest.raises(sw.ShardwiseError, match="another sharded model"):
+            sw.full_optimizer_state_dict(other, opt)  # every rank raises, nothing gathered
         raw = opt.state_dict() if rank == 0 else None
         box = [raw]
         dist.broadcast_object_list(box, src=0)  # rank 0's rows, as a file would bring

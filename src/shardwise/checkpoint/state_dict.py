@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..comm.agree import agreed
+from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
 from ..engine.packed import PackedParam, packed_param
@@ -201,8 +201,19 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     order = list({id(p): p for p in params}.values())  # as state_dict() numbers them
     # Everything that could differ between ranks is agreed before the first gather, so
     # that every rank gathers the same tensors in the same order (or every rank raises).
-    agreed(state.comm, "full_optimizer_state_dict",
-           lambda: _same_layout(state.comm, sd, order, state))
+    error, layout = None, []
+    try:
+        layout = _layout(sd, order, state)
+    except ShardwiseError as e:
+        error = str(e)
+    agree(state.comm, error, "full_optimizer_state_dict")
+    everyone = state.comm.all_gather_object(layout, what="full_optimizer_state_dict's layout")
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise ShardwiseError(f"full_optimizer_state_dict: the optimizer's state on rank(s) "
+                             f"{differ} differs from rank 0's (other state names, shapes or "
+                             f"dtypes): did every rank step the same parameters? Nothing "
+                             f"was gathered")
     out: dict[Any, Any] = {}
     for idx, st in sd["state"].items():  # the same order on every rank: _same_layout
         sp = sharded_param(order[idx]) if isinstance(idx, int) else None
@@ -222,20 +233,19 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     return {"state": out, "param_groups": _to_cpu(sd["param_groups"])}
 
 
-def _same_layout(comm: Comm, sd: dict[str, Any], order: list[torch.Tensor],
-                 state: Any) -> None:
-    """Raise unless the state can be gathered: shards of this model only, DTensor state
-    shaped like its parameter, and the same state names and shapes on every rank."""
+def _layout(sd: dict[str, Any], order: list[torch.Tensor], state: Any) -> list[tuple]:
+    """Each state tensor's index, name, shape and dtype, for the ranks to compare; raise
+    if the state cannot be gathered: a shard of another model, DTensor state not shaped
+    like its parameter, a reproducible model between the micro-batches of a step."""
     others = [sp.fqns[0] for p in order if (sp := sharded_param(p)) is not None
               and (sp.unit is None or sp.unit.model is not state)]
     if others:
-        raise ShardwiseError(f"full_optimizer_state_dict: the optimizer holds {len(others)} "
-                             f"parameter(s) of another sharded model (e.g. {others[0]}); "
-                             f"pass the model the optimizer was built over")
+        raise ShardwiseError(f"the optimizer holds {len(others)} parameter(s) of another "
+                             f"sharded model (e.g. {others[0]}); pass the model the "
+                             f"optimizer was built over")
     if state.mid_step():
-        raise ShardwiseError("full_optimizer_state_dict: the reproducible model is between "
-                             "the micro-batches of a step; call it after the step's last "
-                             "(synced) backward")
+        raise ShardwiseError("the reproducible model is between the micro-batches of a "
+                             "step; call it after the step's last (synced) backward")
     layout = []
     for idx, st in sd["state"].items():
         sp = sharded_param(order[idx]) if isinstance(idx, int) else None
@@ -243,19 +253,13 @@ def _same_layout(comm: Comm, sd: dict[str, Any], order: list[torch.Tensor],
             if isinstance(v, DTensor) and (sp is None or tuple(v.shape) != tuple(sp.shape)):
                 name = sp.fqns[0] if sp is not None else f"parameter {idx}"
                 raise ShardwiseError(
-                    f"full_optimizer_state_dict: the state {k!r} of {name} is a DTensor of "
-                    f"shape {tuple(v.shape)}, not shaped like its parameter: this "
-                    f"optimizer's state cannot be consolidated row by row. Save it with "
-                    f"sw.save_checkpoint or torch.distributed.checkpoint")
+                    f"the state {k!r} of {name} is a DTensor of shape {tuple(v.shape)}, not "
+                    f"shaped like its parameter: this optimizer's state cannot be "
+                    f"consolidated row by row. Save it with sw.save_checkpoint or "
+                    f"torch.distributed.checkpoint")
             if isinstance(v, torch.Tensor):
                 layout.append((str(idx), str(k), tuple(v.shape), str(v.dtype)))
-    everyone = comm.all_gather_object(layout, what="full_optimizer_state_dict's layout")
-    differ = [r for r, theirs in enumerate(everyone) if theirs != layout]
-    if differ:
-        raise ShardwiseError(f"full_optimizer_state_dict: the optimizer's state differs "
-                             f"between ranks (rank {comm.rank} and rank(s) {differ} hold "
-                             f"other state names, shapes or dtypes): did every rank step "
-                             f"the same parameters?")
+    return layout
 
 
 def _gather_rows(sp: ShardedParam, value: DTensor, key: str) -> torch.Tensor:
