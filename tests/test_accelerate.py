@@ -98,6 +98,16 @@ def _train(rank, world, root):
             type(v) is torch.Tensor and torch.equal(v, full[k]) for k, v in sd.items())
     else:
         assert sd == {}
+    # accelerate's save_model, on every rank: the unsharded model's file (a tied weight once).
+    acc.save_model(model, f"{root}/saved")
+    if acc.is_main_process:
+        from accelerate.utils import clean_state_dict_for_safetensors
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{root}/saved/model.safetensors")
+        plain = clean_state_dict_for_safetensors(copy.deepcopy(base).state_dict())
+        assert sorted(saved) == sorted(plain)
+        assert all(torch.equal(v, full[k]) for k, v in saved.items())
     # The optimizer built before prepare (repointed at the shards) takes its rows of a
     # full optimizer state dict, and refuses rank 0's rows (Note [rows of one rank]).
     box = [opt.state_dict() if rank == 0 else None]
