@@ -249,6 +249,8 @@ def _configs(rank, world, folder):
         _steps(other, oopt, range(2, 3))
         _full_optimizer_equal(sw.full_optimizer_state_dict(model, opt, rank0_only=False),
                               sw.full_optimizer_state_dict(other, oopt, rank0_only=False))
+        _same(sw.full_state_dict(model, rank0_only=False),
+              sw.full_state_dict(other, rank0_only=False))  # resumed equals went on
         with pytest.raises(sw.ShardwiseError, match="another sharded model"):
             sw.full_optimizer_state_dict(other, opt)  # every rank raises, nothing gathered
         raw = opt.state_dict() if rank == 0 else None
