@@ -8,9 +8,8 @@
 - moves and casts of a sharded model (``model.to(...)``, ``.half()``...) that would change
   a shard raise before anything changes; those that change nothing are no-ops
   (:func:`guard_apply`);
-- at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
-  changed on part of a group (Note [freezing after shard]), or parameters added after
-  ``shard``;
+- at every root forward (:func:`check_model`): parameters cast or moved, or added after
+  ``shard``; ``requires_grad`` changes are taken up there (Note [freezing after shard]);
 - before every optimizer step (:func:`_before_step`): Adafactor over shards, trainable
   plain parameters beside shards that nothing synchronises (Note [parameters nothing
   synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
@@ -419,31 +418,41 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
-    of modules are refused at once by :func:`guard_apply`) detaches it from shardwise's
-    storage; ``requires_grad_`` on a shard would change
-    which gradients exist without changing which are reduced; a parameter added later
-    would be neither sharded nor kept identical across ranks. Each would train silently
-    wrong.
+    of modules are handled by :func:`guard_apply`) detaches it from shardwise's storage;
+    a parameter added later would be neither sharded nor kept identical across ranks.
+    Each would train silently wrong. ``requires_grad`` changes are taken up here, except
+    while ``no_sync`` gradients wait and, in part, for offloaded units (Note [freezing
+    after shard]).
     """
-    moved, flipped = [], []
-    for u in units:
-        for g in u.groups:
-            moved += g.detached()
-            flipped += g.follow_freezing()  # Note [freezing after shard]
+    moved = [n for u in units for g in u.groups for n in g.detached()]
+    # Note [freezing after shard]: every change is checked before any is taken up.
+    changes = [(g, *g.freezing_changes()) for u in units for g in u.groups]
+    refused = [(p.fqns[0], why) for _, ch, why in changes if why for p, _ in ch]
+    flipped = [n for n, _ in refused]
+    why = refused[0][1] if refused else ""
     if moved:
         raise ShardwiseError(
             f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
             f"(p.data = ..., or a cast of the parameter itself), so their shards left "
             f"shardwise's storage and training would silently use the old values. "
             + _CAST_ADVICE)
+    if flipped and why == "no_sync":
+        raise ShardwiseError(
+            f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed while "
+            f"gradients accumulated under sw.no_sync (or require_backward_grad_sync=False) "
+            f"wait for their reduction, which sums them for the parameters that were "
+            f"trainable then. Change requires_grad between steps, after the synced "
+            f"backward (Note [freezing after shard])")
     if flipped:
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
-            f"sw.shard; shardwise groups frozen and trainable parameters when it shards, "
-            f"so it follows a change only when it covers whole units or the whole model "
-            f"(and unfreezes only what was trainable at sw.shard, outside sw.no_sync). "
-            f"Freeze or unfreeze these parameters before sw.shard(model), or freeze whole "
-            f"units (Note [freezing after shard])")
+            f"sw.shard in an offloaded unit: its tiers were laid out for the frozen and "
+            f"trainable parameters at sw.shard, so only freezing or unfreezing all of a "
+            f"unit's parameters that were trainable then is followed. Set requires_grad "
+            f"before sw.shard(model, offload=...) (Note [freezing after shard])")
+    for g, ch, _ in changes:
+        if ch:
+            g.follow_freezing(ch)
     added = [n for n, p in root.named_parameters()
              if sharded_param(p) is None and packed_param(p) is None]
     if added:

@@ -35,15 +35,21 @@ that code inside the block replaced. Optimizers hold the shards, so they never s
 swap.
 
 Note [freezing after shard]
-A unit's parameters are grouped by ``requires_grad`` when ``shard`` runs, and each group is
-reduced as a whole, so a parameter frozen or unfrozen alone afterwards cannot be honoured
-(its group would reduce gradients that no longer exist, or miss new ones): the next root
-forward raises. A change that covers every parameter of a group changes no grouping:
-freezing a whole unit or the whole model (``ref = copy.deepcopy(model);
-ref.requires_grad_(False)``, the reference model of DPO) makes the group frozen, and
-unfreezing it again makes it trainable again. Not taken up: unfreezing a group frozen
-when it was built (its full parameters carry no end-of-backward trigger), and any change
-while ``no_sync`` gradients wait in the group's reduction.
+A unit's parameters are grouped by ``requires_grad`` when ``shard`` runs, so that a frozen
+base is never reduced. A change afterwards is taken up at the next root forward, per
+parameter, as FSDP2 takes it: BitFit (only biases trainable), DPO's frozen reference copy
+(``ref = copy.deepcopy(model); ref.requires_grad_(False)``) and trainable sets toggled
+between iterations. A group's reduction already handles a parameter without a gradient
+(one unused in this step, Note [collective order] in engine/state.py): it adds zeros for
+it and hands it no gradient unless some rank computed one. So a group that holds frozen
+and trainable parameters is reduced as a whole, zeros included (freezing after ``shard``
+saves no communication; freezing before does), and a frozen one is not reduced at all.
+A parameter unfrozen for the first time gets its full parameter's end-of-backward
+trigger then (``ensure_backward_callback``). What is taken up is the shard's flag, or a
+full parameter's where code changed that one while the unit was gathered. Not taken up:
+a change while ``no_sync`` gradients wait in the group's reduction (they were summed for
+the old set), and, for an offloaded group, anything but freezing and unfreezing all of
+a group that was trainable at ``shard`` (its tiers were planned for that).
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
@@ -115,6 +121,8 @@ class Model(Protocol):
 
     def on_post_backward(self, unit: Unit) -> None: ...
 
+    def ensure_backward_callback(self) -> None: ...
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
@@ -138,6 +146,7 @@ class ShardedParam:
     full: nn.Parameter
     unit: Unit | None = None
     group: FlatGroup | None = None
+    hooked: bool = False  # ``full`` carries the end-of-backward trigger (engine/build.py)
 
     @property
     def numel(self) -> int:
@@ -198,10 +207,9 @@ class FlatGroup:
         # rows, across which the reduced gradient shard is summed.
         self.replicate = topology.replicate
         self.dtype = originals[0].dtype
-        self.requires_grad = originals[0].requires_grad
-        # Trainable when built: its full parameters carry the end-of-backward trigger
-        # (engine/build.py), so it may be frozen and unfrozen later (follow_freezing).
-        self.hooked = self.requires_grad
+        # Reduced when any parameter is trainable (Note [freezing after shard]).
+        self.requires_grad = any(o.requires_grad for o in originals)
+        self.trainable_at_build = all(o.requires_grad for o in originals)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.layout: ShardLayout = build_layout([tuple(p.shape) for p in originals],
@@ -239,21 +247,37 @@ class FlatGroup:
         self.reduction: GradReduction = (ExactReduction if exact else GradReduction)(self)
         self.unit_name = "?"  # set by its Unit; names the group's collectives
 
-    def follow_freezing(self) -> list[str]:
-        """Note [freezing after shard]: take up a ``requires_grad`` changed on every shard
-        of the group alike; the names of shards changed in a way that cannot be."""
-        flipped = [p for p in self.params if p.shard.requires_grad != self.requires_grad]
-        if not flipped:
-            return []
-        wanted = not self.requires_grad
-        if len(flipped) < len(self.params) or (wanted and not self.hooked) \
-                or self.reduction.has_accumulated():
-            return [p.fqns[0] for p in flipped]
-        self.requires_grad = wanted
+    def freezing_changes(self) -> tuple[list[tuple[ShardedParam, bool]], str]:
+        """Note [freezing after shard]: the ``requires_grad`` changes made since the last
+        root forward, as (parameter, new value), and why they cannot be followed ("" when
+        they can: :meth:`follow_freezing`)."""
+        changed = []
         for p in self.params:
+            wanted = p.shard.requires_grad
+            if wanted == p.requires_grad:
+                wanted = p.full.requires_grad  # set while the unit was gathered
+            if wanted != p.requires_grad:
+                changed.append((p, wanted))
+        if changed and self.reduction.has_accumulated():
+            return changed, "no_sync"
+        if changed and self.store is not None and (len(changed) < len(self.params)
+                                                   or not self.trainable_at_build):
+            return changed, "offload"
+        return changed, ""
+
+    def follow_freezing(self, changes: list[tuple[ShardedParam, bool]]) -> None:
+        """Take up ``changes`` (from :meth:`freezing_changes`, which allowed them)."""
+        for p, wanted in changes:
             p.requires_grad = wanted
+            p.shard.requires_grad_(wanted)
             p.full.requires_grad_(wanted)
-        return []
+            if wanted and not p.hooked:
+                assert p.unit is not None
+                model = p.unit.model
+                p.full.register_post_accumulate_grad_hook(
+                    lambda _p: model.ensure_backward_callback())
+                p.hooked = True
+        self.requires_grad = any(p.requires_grad for p in self.params)
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
                     slots: list[tuple[nn.Module, str]]) -> ShardedParam:
