@@ -85,7 +85,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._registry import PARAM, UNIT, attach_to, attached, copy_user_attributes
+from .._registry import (
+    PARAM,
+    UNIT,
+    attach_to,
+    attached,
+    copy_all_attributes,
+    copy_user_attributes,
+)
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
@@ -297,6 +304,57 @@ class FlatGroup:
         return ShardedParam(names, slots, orig.shape, orig.dtype, orig.requires_grad, slot,
                             self.layout.piece(i, self.comm.rank), local, shard, full,
                             group=self)
+
+    def recast(self, dtype: torch.dtype) -> None:
+        """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The
+        group must be at rest (sharded, nothing reducing, not offloaded): the caller,
+        ``guards._apply``, checked."""
+        old = self.dtype
+        self.local = self.local.to(dtype)  # padding included: still zeros
+        self.dtype = dtype
+        if self.compute_dtype == old:  # else mixed precision's param_dtype stays
+            self.compute_dtype = dtype
+        if self.reduce_dtype == old:
+            self.reduce_dtype = dtype
+        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
+                                device=self.device)
+        self._gather_in = (None if self.compute_dtype == dtype else
+                           torch.empty(self.layout.shard_numel, dtype=self.compute_dtype,
+                                       device=self.device))
+        for i, p in enumerate(self.params):
+            slot = self.layout.slots[i]
+            rows = slot.local_rows(self.comm.rank)
+            p.local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
+                rows, *slot.shape[1:])
+            p.dtype = dtype
+            # The shard keeps its identity (an optimizer built before holds it): its
+            # contents are swapped for a DTensor over the new buffer, as torch's own
+            # Module._apply swaps a DTensor parameter's, its attributes and our record
+            # carried over. Its gradient is cast, as torch casts it.
+            grad = p.shard.grad
+            with torch.no_grad():
+                dt = DTensor.from_local(p.local, self.topology.mesh, self.topology.placements,
+                                        run_check=False, shape=p.shape,
+                                        stride=contiguous_stride(p.shape))
+            shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
+            shard.__dict__.update(p.shard.__dict__)
+            torch.utils.swap_tensors(p.shard, shard)
+            if grad is not None:
+                p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))
+            # A new full parameter over the new full buffer: nothing holds the old one
+            # while the unit is sharded. Its end-of-backward trigger is registered again.
+            old_full = p.full
+            p.full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
+                                  .view(p.shape), requires_grad=p.requires_grad)
+            copy_all_attributes(old_full, p.full)
+            p.hooked = False
+            if p.requires_grad:
+                assert p.unit is not None
+                model = p.unit.model
+                p.full.register_post_accumulate_grad_hook(
+                    lambda _p: model.ensure_backward_callback())
+                p.hooked = True
+        self._free_full()
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:
