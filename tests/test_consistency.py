@@ -49,6 +49,11 @@ def _gathered_checks(rank, world):
     assert_at_rest(model)
     with sw.gathered([model.head.weight]) as (full,):
         assert full.shape == (10, 32)
+    # One parameter, as DeepSpeed's GatheredParameters takes it. Before: DTensor's
+    # "Attempted to unbind along the sharded dimension 0" (the shard was iterated).
+    with sw.gathered(model.head.weight) as full:
+        torch.testing.assert_close(full, before["head.weight"], rtol=0, atol=0)
+    assert_at_rest(model)
 
     # Read-only: a write on one rank, to a parameter or a buffer, raises on every rank.
     for target, writer in (("head.weight", 1), ("blocks.0.bn.running_mean", 0)):
@@ -61,6 +66,16 @@ def _gathered_checks(rank, world):
                         tensor.add_(1.0)
         assert_at_rest(model)
         sw.check_consistency(model)  # the written buffer was restored on the writing rank
+    # A write that changes no value is refused too; before, the message named nothing
+    # ("written inside a read-only sw.gathered() block: . Pass ..."). The head's weight
+    # and bias share one buffer, whose version counter cannot tell them apart.
+    with pytest.raises(sw.ReadOnlyGatherError, match=r"block: one of the parameters "
+                                                     r"head\.weight, head\.bias \(by an "
+                                                     r"in-place operation that changed no"):
+        with sw.gathered(model):
+            if rank == 1:
+                with torch.no_grad():
+                    model.head.weight.add_(0.0)
     after = sw.full_state_dict(model, rank0_only=False)
     for k in before:
         assert torch.equal(before[k], after[k]), f"{k} changed by a read-only block"

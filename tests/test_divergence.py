@@ -146,6 +146,30 @@ def _diverged(rank, world):
     _step(model, x)
     # Ranks that built different widths: test_guards.test_shard_failures_on_one_rank_...
 
+    # Rank r runs linears[r % 2] after a root that exchanges nothing (it holds no
+    # parameters). Before: "ranks diverged (rank 0: unit <root>, rank 1: unit <root>)",
+    # the same unit for both ranks, and no fix (Note [what diverged]).
+    picky = sw.shard(Pick())
+    with pytest.raises(sw.ShardwiseError, match=r"ranks diverged after unit <root> \(rank 0: "
+                                                r"unit linears\.0, rank 1: unit linears\.1\)\. "
+                                                r"Each forward must run the same units.*"
+                                                r"in the root unit"):
+        picky(x, rank).sum().backward()
+    picky(x, 0).sum().backward()  # ranks that agree train on
+    # The fix the error names: the modules the branch chooses among in the root unit.
+    fixed = sw.shard(Pick(), units=())
+    fixed(x, rank).sum().backward()
+    assert all(p.grad is not None for p in fixed.parameters())  # used on some rank
+
+
+class Pick(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x, i):
+        return self.linears[i % 2](x)
+
 
 def test_divergent_ranks_raise_instead_of_aborting():
     run_ranks(_diverged, 2, timeout=60)

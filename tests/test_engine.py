@@ -6,6 +6,7 @@ a unit called twice in one forward, a unit under non-reentrant activation checkp
 a parameter that is never used and one used on some ranks only.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -149,7 +150,7 @@ def _gpt_ddp_and_ours(cfg: GPTConfig, lr: float):
     return ddp, ours, [torch.optim.AdamW(m.parameters(), lr=lr) for m in (ddp, ours)]
 
 
-def _accumulation(rank, world):
+def _accumulation(rank, world, idiom):
     ddp, ours, opts = _gpt_ddp_and_ours(
         GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
@@ -158,12 +159,18 @@ def _accumulation(rank, world):
         for model, opt, quiet in ((ddp, opts[0], ddp.no_sync), (ours, opts[1],
                                                                lambda: sw.no_sync(ours))):
             before = sw.inspect(ours).comm
-            for x in micro[:-1]:
-                with quiet():
+            for i, x in enumerate(micro):
+                last = i == len(micro) - 1
+                ctx = contextlib.nullcontext() if last else quiet()
+                if idiom == "attribute":
+                    # nanoGPT's: DDP's attribute set before each micro-step's forward.
+                    # Before, shardwise ignored it and reduced every micro-step.
+                    model.require_backward_grad_sync = last
+                    ctx = contextlib.nullcontext()
+                with ctx:
                     model(x, x).backward()
-            # Nothing reduced inside.
-            assert sw.inspect(ours).comm.since(before).calls["reduce_scatter"] == 0
-            model(micro[-1], micro[-1]).backward()
+                if i == len(micro) - 2:  # nothing reduced before the last micro-step
+                    assert sw.inspect(ours).comm.since(before).calls["reduce_scatter"] == 0
             opt.step()
             opt.zero_grad()
     sd = sw.full_state_dict(ours, rank0_only=False)
@@ -171,8 +178,9 @@ def _accumulation(rank, world):
         assert torch.equal(sd[k], v), k
 
 
-def test_no_sync_accumulation_bit_identical_to_ddp():
-    run_ranks(_accumulation, 2)
+@pytest.mark.parametrize("idiom", ["no_sync", "attribute"])
+def test_no_sync_accumulation_bit_identical_to_ddp(idiom):
+    run_ranks(_accumulation, 2, idiom)
 
 
 def _memory_and_clip(rank, world):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 from harness import run_ranks
+from loops import assert_at_rest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
@@ -99,13 +100,102 @@ def test_factored_optimizers_and_late_backwards_of_gathered_parameters_are_refus
     run_ranks(_factored_and_gathered, 2)
 
 
-def _requires_grad_after_shard(rank, world):
-    model = sw.shard(GPT(CFG))
-    model.blocks[0].qkv.weight.requires_grad_(False)  # freezing after shard
-    with pytest.raises(sw.ShardwiseError, match=r"requires_grad .*blocks\.0\.qkv"):
-        model(*_x())
-    model.blocks[0].qkv.weight.requires_grad_(True)
-    model(*_x()).backward()  # undone: trains again
+class Residual(nn.Module):
+    """Blocks of 8 rows: uneven over 3 ranks. The embedding is frozen before sw.shard."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.embed.requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8))
+                                    for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return self.head(h).square().mean()
+
+
+def _reference_step(ref, opt, x, world):
+    """DDP's arithmetic on an unsharded copy: each gradient divided by N, then summed.
+    (DDP itself fixes its trainable set at construction, so it cannot follow the
+    per-iteration toggling below.)"""
+    import torch.distributed as dist
+
+    ref(x).backward()
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad.div_(world)
+            dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+
+
+def _freezing_after_shard(rank, world):
+    """Issue 41 item 7: freezing part of a unit after sw.shard raised at the next forward
+    ("requires_grad of 1 parameter(s) ... changed after sw.shard"), where FSDP2 follows
+    it. BitFit (only biases trainable), then trainable sets toggled every iteration (a
+    DeepSpeed test), including parameters frozen at sw.shard: each equal to the
+    reference. At 2 ranks bit for bit; at 3 the reduce-scatter adds three ranks'
+    gradients in another order and scales by a rounded 1/3 where the reference divides,
+    which AdamW turns into differences of a few 1e-7 relative over these steps."""
+    tol = {} if world == 3 else {"rtol": 0, "atol": 0}
+    torch.manual_seed(0)
+    ref = Residual()
+    model = sw.shard(copy.deepcopy(ref))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(rank)
+
+    def trainable(rule):
+        for m in (ref, model):
+            for n, p in m.named_parameters():
+                p.requires_grad_(rule(n))
+
+    def step():
+        x = torch.randn(4, 6, generator=g)
+        _reference_step(ref, opts[0], x, world)
+        model(x).backward()
+        opts[1].step()
+        opts[1].zero_grad()
+        got = sw.full_state_dict(model, rank0_only=False)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(got[k], v, **tol, msg=k)
+
+    # BitFit: only biases train.
+    trainable(lambda n: n.endswith("bias"))
+    before = sw.full_state_dict(model, rank0_only=False)
+    for _ in range(2):
+        step()
+    after = sw.full_state_dict(model, rank0_only=False)
+    for k in before:
+        assert torch.equal(before[k], after[k]) != k.endswith("bias"), k
+    # Toggled between iterations: the blocks' weights, then the head and the embedding
+    # (frozen at sw.shard), then everything.
+    rules = [lambda n: n.startswith("blocks") and n.endswith("weight"),
+             lambda n: n.startswith(("head", "embed")),
+             lambda n: True,
+             lambda n: n.endswith("bias")]
+    for rule in rules:
+        trainable(rule)
+        step()
+        assert all((p.grad is None) for p in model.parameters())  # zero_grad ran
+    assert_at_rest(model)
+    # A change while sw.no_sync gradients wait is still refused: they were summed for
+    # the old trainable set.
+    x = torch.randn(4, 6, generator=g)
+    with sw.no_sync(model):
+        model(x).backward()
+    model.head.bias.requires_grad_(False)
+    with pytest.raises(sw.ShardwiseError, match=r"requires_grad .*head\.bias.*changed while "
+                                                r"gradients accumulated under sw\.no_sync"):
+        model(x)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_freezing_part_of_a_unit_or_toggling_after_shard_matches_the_reference(world):
+    run_ranks(_freezing_after_shard, world)
 
 
 def _freeze_whole_after_shard(rank, world):
@@ -149,10 +239,6 @@ def _freeze_whole_after_shard(rank, world):
 
 def test_freezing_whole_units_or_a_whole_copy_after_shard_is_followed():
     run_ranks(_freeze_whole_after_shard, 2)
-
-
-def test_changing_requires_grad_after_shard_raises_at_next_forward():
-    run_ranks(_requires_grad_after_shard, 2)
 
 
 def _module_added_after_shard(rank, world):

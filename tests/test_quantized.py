@@ -251,6 +251,16 @@ def _refusals(rank, world, folder):
         partitioned = nn.Sequential(nn.Linear(64, 64))
     with pytest.raises(sw.ShardwiseError, match="sharded_init"):
         quantize_nf4(partitioned, block_size=32, scaler_block_size=2)
+    # quantize_nf4 after sw.shard. Before: torchao's "got mixed torch.Tensor and DTensor".
+    late = sw.shard(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)))
+    kept = [p for p in late.parameters()]
+    with pytest.raises(sw.ShardwiseError, match=r"quantize_nf4 was called on a model "
+                                                r"already sharded .*0\.weight, 1\.weight "
+                                                r"are shards.*Nothing was changed. Quantize "
+                                                r"before sharding"):
+        quantize_nf4(late, block_size=32, scaler_block_size=2)
+    assert all(a is b for a, b in zip(late.parameters(), kept, strict=True))
+    late(torch.randn(2, 64)).sum().backward()
     # After every refusal the model still trains, the same on every rank.
     model(torch.randn(2, 12)).sum().backward()
     sw.check_consistency(model)

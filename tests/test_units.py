@@ -107,9 +107,15 @@ def _cast_after_shard(rank, world):
     x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
     model = sw.shard(GPT(CFG))
     model(x, x).backward()
-    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.double()):
-        with pytest.raises(sw.ShardwiseError, match="cannot be cast or moved after sw.shard"):
-            cast(model)  # at once, with nothing changed
+    # Casts are applied to the shards (test_module_habits trains after one), the
+    # gradients waiting in them included; moves raise at once, with nothing changed.
+    model.double()
+    assert all(p.dtype == p.grad.dtype == torch.float64 for p in model.parameters())
+    model(x, x).backward()
+    model.to(torch.float32)
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+    with pytest.raises(sw.ShardwiseError, match="cannot be moved after sw.shard"):
+        model.to("meta")
     model(x, x).backward()
     w = model.blocks[0].fc.weight
     w.data = w.data.double()  # a shard's data replaced: caught at the next forward
@@ -117,7 +123,7 @@ def _cast_after_shard(rank, world):
         model(x, x)
 
 
-def test_cast_after_shard_raises():
+def test_cast_after_shard_is_applied_and_a_replaced_shard_raises():
     run_ranks(_cast_after_shard, 2)
 
 

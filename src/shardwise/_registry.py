@@ -23,6 +23,10 @@ On modules:
 - ``__deepcopy__`` and ``__reduce_ex__``: on every module of a sharded model, the deep
   copy of the whole model and the refusal to pickle (``engine/clone.py``).
 
+Read, never written: ``require_backward_grad_sync`` set on a sharded root by the user
+(DDP's attribute for gradient accumulation; Note [DDP's sync attribute] in
+``engine/state.py``).
+
 Besides these keys, shardwise registers forward hooks on unit modules (``engine/hooks.py``) and
 ``state_dict`` / ``load_state_dict`` hooks on the modules holding shards
 (``engine/state_dict_hooks.py``).

@@ -43,16 +43,32 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -> list[str]:
-    """Names of parameters whose full values no longer match the shards (error path)."""
+    """What was written among the gathered parameters (error path): the parameters whose
+    full values no longer match the shards, or, for a group written without any value
+    changing (``add_(0.0)``), every parameter of the group, for its version counter is
+    all there is to tell which (Note [read-only detection])."""
     anywhere = comm.all_gather_object([i for i, s in enumerate(suspects) if s])
     union = sorted(set().union(*map(set, anywhere)))
     names = []
     for i in union:
         g = groups[i]
         fresh = g.gather_full().to(g.compute_dtype)
-        for p in g.params:
-            if not torch.equal(g.full_value(p, fresh), p.full):
-                names.append(p.fqns[0])
+        changed = [p.fqns[0] for p in g.params
+                   if not _same_bytes(g.full_value(p, fresh), p.full)]
+        if changed:
+            names += [f"parameter {n}" for n in changed]
+        else:
+            some = [p.fqns[0] for p in g.params]
+            if len(some) == 1:
+                names.append(f"parameter {some[0]} (by an in-place operation that changed "
+                             f"no value: in a read-only block any in-place operation "
+                             f"counts)")
+            else:
+                names.append(f"one of the parameters {', '.join(some[:4])}"
+                             f"{', ...' if len(some) > 4 else ''} (by an in-place operation "
+                             f"that changed no value: in a read-only block any in-place "
+                             f"operation counts, and these share one version counter, "
+                             f"which tells only that one of them was written)")
         with torch.no_grad():
             g.full.copy_(fresh)  # an enclosing gathered() block sees the original values
     return names
@@ -94,8 +110,12 @@ class _Slot(NamedTuple):
 
 
 def _tensors(target: object) -> list[torch.Tensor]:
-    """The parameters ``gathered()`` was given as an iterable; a ShardwiseError for
-    anything else (a string iterates into characters)."""
+    """The parameters ``gathered()`` was given: one tensor, or an iterable of them; a
+    ShardwiseError for anything else (a string iterates into characters)."""
+    if isinstance(target, torch.Tensor):
+        # One parameter, as DeepSpeed's GatheredParameters takes it. Never iterated: a
+        # shard is a DTensor, whose iteration unbinds the sharded dimension 0 (an error).
+        return [target]
     items = None
     if not isinstance(target, (str, bytes)):
         try:
@@ -111,7 +131,7 @@ def _tensors(target: object) -> list[torch.Tensor]:
 class _GatherSession:
     """One ``gathered()`` block: what it gathers, what it snapshots, how it ends."""
 
-    def __init__(self, target: nn.Module | Iterable[torch.Tensor],
+    def __init__(self, target: nn.Module | torch.Tensor | Iterable[torch.Tensor],
                  modifier_rank: int | None) -> None:
         self.module = target if isinstance(target, nn.Module) else None
         self.modifier_rank = modifier_rank
@@ -121,7 +141,9 @@ class _GatherSession:
             names = {id(p): n for n, p in self.module.named_parameters()}
         else:
             self.params = _tensors(target)
-            names = {id(p): f"tensor {i}" for i, p in enumerate(self.params)}
+            names = {id(p): sp.fqns[0] if (sp := sharded_param(p)) is not None else
+                     f"tensor {i}" for i, p in enumerate(self.params)}
+        self.single = isinstance(target, torch.Tensor)
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:
@@ -148,10 +170,12 @@ class _GatherSession:
         return not self.units and not dist.is_initialized()
 
     def value(self) -> object:
-        """What the block yields: the module, or the full tensors in argument order."""
+        """What the block yields: the module, the full tensors in argument order, or for
+        one tensor its full tensor."""
         if self.module is not None:
             return self.module
-        return [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
+        full = [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
+        return full[0] if self.single else full
 
     def enter(self) -> None:
         """Check the arguments, gather and pin the units, snapshot what may be written."""
@@ -235,7 +259,7 @@ class _GatherSession:
             for n, b, old in self.buffer_snapshot:
                 if now.get(n) is b and not _same_bytes(b, old):
                     b.copy_(old)
-        local += [f"parameter {n}" for n in _written_params(self.comm, self.groups, suspects)]
+        local += _written_params(self.comm, self.groups, suspects)
         everyone = self.comm.all_gather_object(local)
         msgs = sorted(set().union(*map(set, everyone)))
         raise ReadOnlyGatherError(
@@ -245,7 +269,7 @@ class _GatherSession:
 
 
 @contextlib.contextmanager
-def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
+def gathered(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor],
              modifier_rank: int | None = None) -> Iterator[object]:
     """Make full parameters available inside the block.
 
@@ -264,11 +288,12 @@ def gathered(module_or_params: nn.Module | Iterable[torch.Tensor],
     communication and the exception propagates.
 
     Args:
-        module_or_params: a module, or an iterable of parameters.
+        module_or_params: a module, a parameter, or an iterable of parameters.
         modifier_rank: the rank whose edits are kept, or ``None`` for read-only.
 
     Yields:
-        The module, or for an iterable the list of full tensors in the same order.
+        The module; for one parameter its full tensor; for an iterable the list of full
+        tensors in the same order.
 
     Raises:
         ReadOnlyGatherError: a read-only block was written to.

@@ -156,7 +156,9 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     Backward passes inside keep each unit's *full* gradient (so a rank holds the whole
     model's gradients until the next synchronised backward); the first backward outside
     the block adds its gradients and reduce-scatters the sum. Parameters are still
-    gathered for every forward and backward.
+    gathered for every forward and backward. DDP's attribute form works the same way:
+    while ``model.require_backward_grad_sync`` is False (nanoGPT sets it per
+    micro-step), backward passes accumulate as inside this block.
 
     Args:
         module: the root returned by :func:`shardwise.shard`.
@@ -172,9 +174,9 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         >>> opt.step()
     """
     state = _require_state(module, "no_sync")
-    previous = state.requires_grad_sync
-    state.requires_grad_sync = False
+    previous = state.in_no_sync
+    state.in_no_sync = True
     try:
         yield
     finally:
-        state.requires_grad_sync = previous
+        state.in_no_sync = previous

@@ -125,6 +125,10 @@ class Channel:
         self._first: tuple[int, str] | None = None
         self._first_between = False
         self._latest: tuple[int, str] = (0, "nothing yet")
+        # Everything noted since the last header, the first one's text first: a header
+        # carries them all, for a divergence is often noticed one step after it happened
+        # (Note [what diverged]).
+        self._noted: list[str] = []
         # In a backward, exchanges carry no header (``set_doing``).
         self.exchange_headers = True
         self._gen = 0
@@ -154,6 +158,9 @@ class Channel:
         if self._first is None:
             self._first = (key, text)
             self._first_between = between_steps
+            self._noted = [text]
+        else:
+            self._noted.append(text)
         self._latest = (key, text)
         self.exchange_headers = exchange_headers
 
@@ -161,6 +168,7 @@ class Channel:
         """A root forward starts: forget what an unfinished one noted."""
         if self._first is not None and not self._first_between:
             self._first = None
+            self._noted = []
 
     # -- tags ------------------------------------------------------------------------
     def data_tag(self, group: Any, kind: str, nbytes: int) -> int:
@@ -189,7 +197,8 @@ class Channel:
         self._gen += 1
         self.headers += 1
         if self._first is not None:
-            (doing, text), self._first = self._first, None
+            doing, self._first = self._first[0], None
+            text, self._noted = _joined(self._noted), []
         else:
             doing = self._latest[0]
             text = self._latest[1] if text is None else text
@@ -273,6 +282,7 @@ class Channel:
         self._gen = 0
         self._counters.clear()
         self._first = None  # noted before the error, where ranks were not alike
+        self._noted = []
         for posted in self._pending:
             self.abandoned.extend(posted.recvs + posted.sends + [posted.inbox])
         self._pending.clear()
@@ -296,14 +306,53 @@ def _helper_wait(works: list) -> tuple[threading.Event, list[BaseException]]:
     return done, failed
 
 
+# Note [what diverged]
+# A header says what its rank did since the previous header: usually one thing (a unit
+# about to run), but a unit that exchanges nothing (a root without parameters of its
+# own) only notes itself, and the next unit's exchange carries both. Ranks that ran
+# `linears[rank % 2]` after such a root post "unit <root>; then unit linears.0" and
+# "unit <root>; then unit linears.1": their headers differ in the exchange, and the
+# error once named only the first note, "unit <root>" on both ranks. So a header
+# carries every note since the last one (the first and last, when they do not fit), and
+# the error names the first note in which ranks differ, after the notes they share (or,
+# when one rank's notes end first, everything after those). The comparison itself is
+# unchanged: the first note's key and the exchange's own fields.
+_THEN = "; then "
+
+
+def _joined(noted: list[str]) -> str:
+    """The notes a header carries, within its text's bytes (Note [what diverged])."""
+    text = _THEN.join(noted)
+    if len(text.encode()) > _TEXT_BYTES and len(noted) > 2:
+        text = _THEN.join([noted[0], "...", noted[-1]])
+    return text
+
+
 def diverged(names: list[str]) -> ShardwiseError:
     """The error every rank raises when ranks did different things (``names[r]``: what
-    rank r was doing)."""
-    which = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-    return ShardwiseError(
-        f"ranks diverged ({which}). Every rank must run the same units and call "
-        f"shardwise's collective operations (full_state_dict, gathered, "
-        f"save_checkpoint, ...) in the same order")
+    rank r was doing, its notes joined by ``_THEN``; Note [what diverged])."""
+    steps = [n.split(_THEN) for n in names]
+    shared = 0
+    while (all(len(s) > shared + 1 for s in steps)
+           and len({s[shared] for s in steps}) == 1):
+        shared += 1
+    after = f" after {steps[0][shared - 1]}" if shared else ""
+    heads = [s[shared] for s in steps]
+    if len(set(heads)) == 1:  # alike up to where a rank's notes end: show all that follow
+        heads = [_THEN.join(s[shared:]) for s in steps]
+    which = ", ".join(f"rank {r}: {h}" for r, h in enumerate(heads))
+    advice = ("Every rank must call shardwise's collective operations (full_state_dict, "
+              "gathered, save_checkpoint, ...) in the same order")
+    if any(h.startswith("unit ") for h in heads):
+        advice = ("Each forward must run the same units (the sharded modules) in the same "
+                  "order on every rank: a branch that chooses modules by rank or by data "
+                  "(`layers[rank % 2]`) must choose alike everywhere (decide it from a "
+                  "value all ranks share, all_reduce'd or broadcast), or the modules it "
+                  "chooses among must be in the root unit, which every forward gathers "
+                  "whole (sw.shard(model, units=...) naming only the other units). "
+                  + advice + ", and a rank that caught an exception in a forward must "
+                  "not go on alone")
+    return ShardwiseError(f"ranks diverged{after} ({which}). {advice}")
 
 
 _channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

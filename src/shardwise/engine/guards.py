@@ -5,12 +5,12 @@
 - Hugging Face ``save_pretrained`` without the consolidated weights (or with this
   rank's rows) raises, and so does ``resize_token_embeddings``;
 - wrapping a sharded model in ``DistributedDataParallel`` raises in DDP's constructor;
-- moves and casts of a sharded model (``model.to(...)``, ``.half()``...) that would change
-  a shard raise before anything changes; those that change nothing are no-ops
-  (:func:`guard_apply`);
-- at every root forward (:func:`check_model`): parameters cast or moved, ``requires_grad``
-  changed on part of a group (Note [freezing after shard]), or parameters added after
-  ``shard``;
+- moves of a sharded model (``model.to(device)``, ``.to_empty()``...) that would change
+  a shard raise before anything changes; those that change nothing are no-ops; casts to
+  another floating dtype (``.to(torch.float64)``, ``.half()``) are applied to the shards
+  in shardwise's storage (:func:`guard_apply`, Note [casting after shard]);
+- at every root forward (:func:`check_model`): parameters cast or moved, or added after
+  ``shard``; ``requires_grad`` changes are taken up there (Note [freezing after shard]);
 - before every optimizer step (:func:`_before_step`): Adafactor over shards, trainable
   plain parameters beside shards that nothing synchronises (Note [parameters nothing
   synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
@@ -419,31 +419,41 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
-    of modules are refused at once by :func:`guard_apply`) detaches it from shardwise's
-    storage; ``requires_grad_`` on a shard would change
-    which gradients exist without changing which are reduced; a parameter added later
-    would be neither sharded nor kept identical across ranks. Each would train silently
-    wrong.
+    of modules are handled by :func:`guard_apply`) detaches it from shardwise's storage;
+    a parameter added later would be neither sharded nor kept identical across ranks.
+    Each would train silently wrong. ``requires_grad`` changes are taken up here, except
+    while ``no_sync`` gradients wait and, in part, for offloaded units (Note [freezing
+    after shard]).
     """
-    moved, flipped = [], []
-    for u in units:
-        for g in u.groups:
-            moved += g.detached()
-            flipped += g.follow_freezing()  # Note [freezing after shard]
+    moved = [n for u in units for g in u.groups for n in g.detached()]
+    # Note [freezing after shard]: every change is checked before any is taken up.
+    changes = [(g, *g.freezing_changes()) for u in units for g in u.groups]
+    refused = [(p.fqns[0], why) for _, ch, why in changes if why for p, _ in ch]
+    flipped = [n for n, _ in refused]
+    why = refused[0][1] if refused else ""
     if moved:
         raise ShardwiseError(
             f"{len(moved)} parameter(s) ({_some(moved)}) were cast or moved after sw.shard "
             f"(p.data = ..., or a cast of the parameter itself), so their shards left "
             f"shardwise's storage and training would silently use the old values. "
             + _CAST_ADVICE)
+    if flipped and why == "no_sync":
+        raise ShardwiseError(
+            f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed while "
+            f"gradients accumulated under sw.no_sync (or require_backward_grad_sync=False) "
+            f"wait for their reduction, which sums them for the parameters that were "
+            f"trainable then. Change requires_grad between steps, after the synced "
+            f"backward (Note [freezing after shard])")
     if flipped:
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed after "
-            f"sw.shard; shardwise groups frozen and trainable parameters when it shards, "
-            f"so it follows a change only when it covers whole units or the whole model "
-            f"(and unfreezes only what was trainable at sw.shard, outside sw.no_sync). "
-            f"Freeze or unfreeze these parameters before sw.shard(model), or freeze whole "
-            f"units (Note [freezing after shard])")
+            f"sw.shard in an offloaded unit: its tiers were laid out for the frozen and "
+            f"trainable parameters at sw.shard, so only freezing or unfreezing all of a "
+            f"unit's parameters that were trainable then is followed. Set requires_grad "
+            f"before sw.shard(model, offload=...) (Note [freezing after shard])")
+    for g, ch, _ in changes:
+        if ch:
+            g.follow_freezing(ch)
     added = [n for n, p in root.named_parameters()
              if sharded_param(p) is None and packed_param(p) is None]
     if added:
@@ -465,42 +475,64 @@ def guard_apply(module: nn.Module) -> None:
     set_instance_method(module, "_apply", functools.partial(_apply, module))
 
 
+# Note [casting after shard]
+# A shard must stay a view of its group's flat buffer, and torch's Module._apply would
+# replace it by a DTensor of its own. So ``fn`` is first tried on a small probe of each
+# shard's dtype, device and dimension, before anything changes:
+# - it returns the probe itself (``.to("cpu")`` on CPU, ``.float()`` on fp32): a no-op;
+# - it returns the probe's values in another floating dtype, same device and layout
+#   (``.to(torch.float64)``, ``.half()``, ``.bfloat16()``): a cast, which shardwise
+#   applies to its own storage, as FSDP2 applies it to its shards: each group whose
+#   parameters are all cast gets a new flat buffer in the new dtype, and each shard keeps
+#   its identity (an optimizer built before holds it) with its contents swapped, as
+#   torch swaps a DTensor parameter's (FlatGroup.recast). Under mixed precision the
+#   compute dtype (param_dtype) stays; a reduce dtype equal to the old one follows;
+# - anything else (another device, ``to_empty``, channels-last): refused.
+# A cast is refused, with nothing changed, where the storage is not at rest or cannot
+# follow: part of a group cast (a unit's parameters are cast together), a unit inside
+# gathered(), a model between a forward and its backward or with sw.no_sync gradients
+# waiting, offloaded or quantized parameters, and the reproducible mode (its exact sums
+# are of float32). The optimizer's existing state keeps its dtype, as under FSDP2 and
+# on an unsharded model: cast before the first step.
 def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
            recurse: bool = True) -> nn.Module:
-    """``nn.Module._apply`` for a module of a sharded model.
+    """``nn.Module._apply`` for a module of a sharded model (Note [casting after shard]).
 
-    A shard must stay a view of its unit's flat buffer, and torch would replace it (a
-    DTensor is swapped, never written through ``.data``), even for a move or cast that
-    changes nothing. So ``fn`` is first tried on a small probe of each shard's dtype,
-    device and dimension: if it would change any shard, this raises before anything is
-    changed. Otherwise the shards are held out while torch applies ``fn`` to the rest
-    (buffers, parameters added later), so ``model.to("cpu")``, ``.cpu()`` or ``.float()``
-    on an fp32 model on CPU change nothing, as on an unsharded model.
+    Moves and casts that change nothing are no-ops; casts to another floating dtype are
+    applied to shardwise's storage; any other change raises before anything changes. The
+    shards are then held out while torch applies ``fn`` to the rest (buffers).
     """
-    held = [(m, name, t) for m in (module.modules() if recurse else [module])
-            for name, t in m._parameters.items()
-            if t is not None and sharded_param(t) is not None]
-    probes: dict[tuple, bool] = {}
+    def shards() -> list[tuple[nn.Module, str, Any]]:
+        return [(m, name, t) for m in (module.modules() if recurse else [module])
+                for name, t in m._parameters.items()
+                if t is not None and sharded_param(t) is not None]
+
+    probes: dict[tuple, torch.dtype | bool] = {}
+    casts: dict[int, tuple[Any, torch.dtype]] = {}  # id(ShardedParam) -> (it, dtype)
     changed: dict[str, None] = {}
-    for _, _, t in held:
+    for _, _, t in shards():
         sp = sharded_param(t)
         assert sp is not None
         key = (sp.local.dtype, sp.local.device, len(sp.shape))
         if key not in probes:
-            probe = torch.empty((2,) * len(sp.shape), dtype=sp.local.dtype,
-                                device=sp.local.device)
-            with torch.no_grad():
-                probes[key] = fn(probe) is not probe
-        if probes[key]:
+            probes[key] = _probe(fn, *key)
+        change = probes[key]
+        if isinstance(change, torch.dtype):
+            casts[id(sp)] = (sp, change)
+        elif change:
             changed[sp.fqns[0]] = None
     if changed:
         raise ShardwiseError(
-            f"{len(changed)} parameter(s) ({_some(list(changed))}) cannot be cast or moved "
-            f"after sw.shard (model.to(dtype or device), .half(), .bfloat16(), .double(), "
-            f".cuda(), .to_empty(), ...): their shards would leave shardwise's storage and "
-            f"training would silently use the old values. Nothing was changed; a move or "
-            f"cast that changes nothing (.to('cpu') on CPU, .float() on an fp32 model) is "
-            f"allowed. " + _CAST_ADVICE)
+            f"{len(changed)} parameter(s) ({_some(list(changed))}) cannot be moved after "
+            f"sw.shard (model.to(device), .cuda(), .to_empty(), channels-last, ...): their "
+            f"shards would leave shardwise's storage and training would silently use the "
+            f"old values. Nothing was changed; a move that changes nothing (.to('cpu') on "
+            f"CPU) is allowed, and so is a cast to another floating dtype (.to(torch."
+            f"float64), .half()). Move the model before sw.shard")
+    if casts:
+        for g, dtype in _cast_groups(module, list(casts.values())):
+            g.recast(dtype)
+    held = shards()  # after a cast resharded a unit left gathered: its shards
     for m, name, _ in held:
         m._parameters[name] = None  # skipped by torch, and keeps the parameters' order
     try:
@@ -508,6 +540,66 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
     finally:
         for m, name, t in held:
             m._parameters[name] = t
+
+
+def _probe(fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+           device: torch.device, dim: int) -> torch.dtype | bool:
+    """What ``fn`` does to a parameter of this dtype, device and dimension: ``False``
+    for nothing, a dtype for a plain cast to it, ``True`` for anything else."""
+    probe = torch.arange(2 ** dim, device=device).to(dtype).reshape((2,) * dim)
+    with torch.no_grad():
+        out = fn(probe)
+    if out is probe:
+        return False
+    if (isinstance(out, torch.Tensor) and type(out) is torch.Tensor
+            and out.device == probe.device and out.dtype != dtype
+            and out.dtype.is_floating_point and out.shape == probe.shape
+            and out.is_contiguous() and torch.equal(out, probe.to(out.dtype))):
+        return out.dtype
+    return True
+
+
+def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
+                 ) -> list[tuple[Any, torch.dtype]]:
+    """The groups a cast changes, each with its new dtype; a ShardwiseError, before
+    anything changes, where one cannot be cast (Note [casting after shard])."""
+    by_group: dict[int, tuple[Any, torch.dtype, list[str]]] = {}
+    for sp, dtype in casts:
+        g = sp.group
+        entry = by_group.setdefault(id(g), (g, dtype, []))
+        entry[2].append(sp.fqns[0])
+    problems = []
+    for g, _, names in by_group.values():
+        unit = g.params[0].unit
+        if len(names) < len(g.params):
+            left = [p.fqns[0] for p in g.params if p.fqns[0] not in names]
+            problems.append(f"{_some(names)} would be cast without {_some(left)}, which "
+                            f"unit {unit.name} holds in the same buffer: cast the whole "
+                            f"unit (or model)")
+        elif unit.pins:
+            problems.append(f"unit {unit.name} is held by an open sw.gathered() block")
+        elif unit.model.awaiting_backward:
+            problems.append("the model is between a forward and its backward")
+        elif g.reduction.has_accumulated():
+            problems.append(f"unit {unit.name} holds gradients accumulated under "
+                            f"sw.no_sync")
+        elif g.store is not None:
+            problems.append(f"unit {unit.name} is offloaded (sw.Offload)")
+        elif g.exact:
+            problems.append("the model is reproducible (sw.shard(reproducible=True)), "
+                            "whose exact sums are of float32")
+        if unit.packed:
+            problems.append(f"unit {unit.name} holds quantized parameters")
+    if problems:
+        raise ShardwiseError(
+            f"the parameters of {type(module).__name__} cannot be cast now: "
+            + "; ".join(dict.fromkeys(problems)) + ". Nothing was changed. " + _CAST_ADVICE)
+    out = []
+    for g, dtype, _ in by_group.values():
+        unit = g.params[0].unit
+        unit.reshard()  # a unit left gathered by a forward without backward (no comms)
+        out.append((g, dtype))
+    return out
 
 
 def _some(names: list[Any]) -> str:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from .._log import logger
-from .._registry import STATE, attach_to, attached
+from .._registry import STATE, attach_to, attached, instance_attribute
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology
 from ..comm.order_check import OrderCheck, order_checks_enabled
@@ -87,7 +87,7 @@ class ModelState:
         self.buffers = buffer_sync
         self.settings = settings
         self.src_rank = settings.src_rank
-        self.requires_grad_sync = True  # False inside no_sync
+        self.in_no_sync = False  # inside sw.no_sync
         self.prefetch = settings.prefetch
         self.phase = Phase.IDLE
         self.order_check: OrderCheck | None = None  # set per forward (order_checks_enabled)
@@ -109,6 +109,21 @@ class ModelState:
         for i, u in enumerate(units):
             u.model = self
             u.index = i
+
+    # Note [DDP's sync attribute]
+    # DDP's own switch for gradient accumulation is an attribute, and nanoGPT sets it
+    # before each micro-step's forward: `model.require_backward_grad_sync = (micro_step
+    # == steps - 1)`. On a sharded root it is a plain attribute that nothing read, so
+    # every micro-step reduced its gradients: the same sums, but a reduce-scatter per
+    # micro-step where DDP sends none, and no error. It is read wherever sw.no_sync's flag
+    # is, so False there means exactly what sw.no_sync means.
+    @property
+    def requires_grad_sync(self) -> bool:
+        """Whether a backward reduces its gradients: not inside ``sw.no_sync``, nor while
+        the root's ``require_backward_grad_sync`` is set to False (Note [DDP's sync
+        attribute])."""
+        return not self.in_no_sync and bool(
+            instance_attribute(self.root, "require_backward_grad_sync", True))
 
     @property
     def awaiting_backward(self) -> bool:

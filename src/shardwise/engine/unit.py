@@ -35,15 +35,21 @@ that code inside the block replaced. Optimizers hold the shards, so they never s
 swap.
 
 Note [freezing after shard]
-A unit's parameters are grouped by ``requires_grad`` when ``shard`` runs, and each group is
-reduced as a whole, so a parameter frozen or unfrozen alone afterwards cannot be honoured
-(its group would reduce gradients that no longer exist, or miss new ones): the next root
-forward raises. A change that covers every parameter of a group changes no grouping:
-freezing a whole unit or the whole model (``ref = copy.deepcopy(model);
-ref.requires_grad_(False)``, the reference model of DPO) makes the group frozen, and
-unfreezing it again makes it trainable again. Not taken up: unfreezing a group frozen
-when it was built (its full parameters carry no end-of-backward trigger), and any change
-while ``no_sync`` gradients wait in the group's reduction.
+A unit's parameters are grouped by ``requires_grad`` when ``shard`` runs, so that a frozen
+base is never reduced. A change afterwards is taken up at the next root forward, per
+parameter, as FSDP2 takes it: BitFit (only biases trainable), DPO's frozen reference copy
+(``ref = copy.deepcopy(model); ref.requires_grad_(False)``) and trainable sets toggled
+between iterations. A group's reduction already handles a parameter without a gradient
+(one unused in this step, Note [collective order] in engine/state.py): it adds zeros for
+it and hands it no gradient unless some rank computed one. So a group that holds frozen
+and trainable parameters is reduced as a whole, zeros included (freezing after ``shard``
+saves no communication; freezing before does), and a frozen one is not reduced at all.
+A parameter unfrozen for the first time gets its full parameter's end-of-backward
+trigger then (``ensure_backward_callback``). What is taken up is the shard's flag, or a
+full parameter's where code changed that one while the unit was gathered. Not taken up:
+a change while ``no_sync`` gradients wait in the group's reduction (they were summed for
+the old set), and, for an offloaded group, anything but freezing and unfreezing all of
+a group that was trainable at ``shard`` (its tiers were planned for that).
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
@@ -79,7 +85,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._registry import PARAM, UNIT, attach_to, attached, copy_user_attributes
+from .._registry import (
+    PARAM,
+    UNIT,
+    attach_to,
+    attached,
+    copy_all_attributes,
+    copy_user_attributes,
+)
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
@@ -115,6 +128,8 @@ class Model(Protocol):
 
     def on_post_backward(self, unit: Unit) -> None: ...
 
+    def ensure_backward_callback(self) -> None: ...
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
@@ -138,6 +153,7 @@ class ShardedParam:
     full: nn.Parameter
     unit: Unit | None = None
     group: FlatGroup | None = None
+    hooked: bool = False  # ``full`` carries the end-of-backward trigger (engine/build.py)
 
     @property
     def numel(self) -> int:
@@ -198,10 +214,9 @@ class FlatGroup:
         # rows, across which the reduced gradient shard is summed.
         self.replicate = topology.replicate
         self.dtype = originals[0].dtype
-        self.requires_grad = originals[0].requires_grad
-        # Trainable when built: its full parameters carry the end-of-backward trigger
-        # (engine/build.py), so it may be frozen and unfrozen later (follow_freezing).
-        self.hooked = self.requires_grad
+        # Reduced when any parameter is trainable (Note [freezing after shard]).
+        self.requires_grad = any(o.requires_grad for o in originals)
+        self.trainable_at_build = all(o.requires_grad for o in originals)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.layout: ShardLayout = build_layout([tuple(p.shape) for p in originals],
@@ -239,21 +254,37 @@ class FlatGroup:
         self.reduction: GradReduction = (ExactReduction if exact else GradReduction)(self)
         self.unit_name = "?"  # set by its Unit; names the group's collectives
 
-    def follow_freezing(self) -> list[str]:
-        """Note [freezing after shard]: take up a ``requires_grad`` changed on every shard
-        of the group alike; the names of shards changed in a way that cannot be."""
-        flipped = [p for p in self.params if p.shard.requires_grad != self.requires_grad]
-        if not flipped:
-            return []
-        wanted = not self.requires_grad
-        if len(flipped) < len(self.params) or (wanted and not self.hooked) \
-                or self.reduction.has_accumulated():
-            return [p.fqns[0] for p in flipped]
-        self.requires_grad = wanted
+    def freezing_changes(self) -> tuple[list[tuple[ShardedParam, bool]], str]:
+        """Note [freezing after shard]: the ``requires_grad`` changes made since the last
+        root forward, as (parameter, new value), and why they cannot be followed ("" when
+        they can: :meth:`follow_freezing`)."""
+        changed = []
         for p in self.params:
+            wanted = p.shard.requires_grad
+            if wanted == p.requires_grad:
+                wanted = p.full.requires_grad  # set while the unit was gathered
+            if wanted != p.requires_grad:
+                changed.append((p, wanted))
+        if changed and self.reduction.has_accumulated():
+            return changed, "no_sync"
+        if changed and self.store is not None and (len(changed) < len(self.params)
+                                                   or not self.trainable_at_build):
+            return changed, "offload"
+        return changed, ""
+
+    def follow_freezing(self, changes: list[tuple[ShardedParam, bool]]) -> None:
+        """Take up ``changes`` (from :meth:`freezing_changes`, which allowed them)."""
+        for p, wanted in changes:
             p.requires_grad = wanted
+            p.shard.requires_grad_(wanted)
             p.full.requires_grad_(wanted)
-        return []
+            if wanted and not p.hooked:
+                assert p.unit is not None
+                model = p.unit.model
+                p.full.register_post_accumulate_grad_hook(
+                    lambda _p: model.ensure_backward_callback())
+                p.hooked = True
+        self.requires_grad = any(p.requires_grad for p in self.params)
 
     def _make_param(self, i: int, orig: nn.Parameter, names: list[str],
                     slots: list[tuple[nn.Module, str]]) -> ShardedParam:
@@ -273,6 +304,57 @@ class FlatGroup:
         return ShardedParam(names, slots, orig.shape, orig.dtype, orig.requires_grad, slot,
                             self.layout.piece(i, self.comm.rank), local, shard, full,
                             group=self)
+
+    def recast(self, dtype: torch.dtype) -> None:
+        """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The
+        group must be at rest (sharded, nothing reducing, not offloaded): the caller,
+        ``guards._apply``, checked."""
+        old = self.dtype
+        self.local = self.local.to(dtype)  # padding included: still zeros
+        self.dtype = dtype
+        if self.compute_dtype == old:  # else mixed precision's param_dtype stays
+            self.compute_dtype = dtype
+        if self.reduce_dtype == old:
+            self.reduce_dtype = dtype
+        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
+                                device=self.device)
+        self._gather_in = (None if self.compute_dtype == dtype else
+                           torch.empty(self.layout.shard_numel, dtype=self.compute_dtype,
+                                       device=self.device))
+        for i, p in enumerate(self.params):
+            slot = self.layout.slots[i]
+            rows = slot.local_rows(self.comm.rank)
+            p.local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
+                rows, *slot.shape[1:])
+            p.dtype = dtype
+            # The shard keeps its identity (an optimizer built before holds it): its
+            # contents are swapped for a DTensor over the new buffer, as torch's own
+            # Module._apply swaps a DTensor parameter's, its attributes and our record
+            # carried over. Its gradient is cast, as torch casts it.
+            grad = p.shard.grad
+            with torch.no_grad():
+                dt = DTensor.from_local(p.local, self.topology.mesh, self.topology.placements,
+                                        run_check=False, shape=p.shape,
+                                        stride=contiguous_stride(p.shape))
+            shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
+            shard.__dict__.update(p.shard.__dict__)
+            torch.utils.swap_tensors(p.shard, shard)
+            if grad is not None:
+                p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))
+            # A new full parameter over the new full buffer: nothing holds the old one
+            # while the unit is sharded. Its end-of-backward trigger is registered again.
+            old_full = p.full
+            p.full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
+                                  .view(p.shape), requires_grad=p.requires_grad)
+            copy_all_attributes(old_full, p.full)
+            p.hooked = False
+            if p.requires_grad:
+                assert p.unit is not None
+                model = p.unit.model
+                p.full.register_post_accumulate_grad_hook(
+                    lambda _p: model.ensure_backward_callback())
+                p.hooked = True
+        self._free_full()
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..engine.sharded_init import init_piece
+from ..engine.unit import sharded_param
 from ..errors import ShardwiseError
 
 
@@ -84,9 +85,10 @@ def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: 
         The qualified names of the quantized weights.
 
     Raises:
-        ShardwiseError: torchao is missing, a chosen weight was partitioned by
-            ``sw.sharded_init``, or its size is not a multiple of ``block_size *
-            scaler_block_size`` (the error names the weight).
+        ShardwiseError: torchao is missing, the model is already sharded (nothing is
+            changed), a chosen weight was partitioned by ``sw.sharded_init``, or its size
+            is not a multiple of ``block_size * scaler_block_size`` (the error names the
+            weight).
 
     Example:
         >>> quantize_nf4(model)                      # every linear layer but lm_head
@@ -94,10 +96,21 @@ def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: 
     """
     nf4 = nf4_module()
     chosen = where or _default_choice
+    picked = [(name, mod) for name, mod in module.named_modules()
+              if isinstance(mod, nn.Linear) and chosen(name, mod)]
+    sharded = [f"{name}.weight" for name, mod in picked if sharded_param(mod.weight) is not None]
+    if sharded:
+        # Checked before any layer changes: torchao would fail part-way through, on the
+        # first shard it met ("got mixed torch.Tensor and DTensor"), with the layers
+        # before it already replaced.
+        raise ShardwiseError(
+            f"quantize_nf4 was called on a model already sharded by sw.shard "
+            f"({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''} are shards: "
+            f"each rank holds some rows, and the NF4 blocks and scales are computed over "
+            f"whole weights). Nothing was changed. Quantize before sharding: "
+            f"quantize_nf4(model), then sw.shard(model) (docs/qlora.md)")
     done = []
-    for name, mod in module.named_modules():
-        if not isinstance(mod, nn.Linear) or not chosen(name, mod):
-            continue
+    for name, mod in picked:
         w = mod.weight
         if init_piece(w) is not None:
             raise ShardwiseError(
