@@ -242,3 +242,48 @@ def test_units_called_on_their_own_equal_ddp(tied):
         # The same kernels on the same values as DDP at 2 ranks: equal bit for bit.
         assert all(v == 0.0 for k, v in r.items() if k not in ("loss", "at_rest")), r
         assert all(d == 0.0 for d in r["loss"]) and r["at_rest"], r
+
+
+# -- a parent computing with a child unit's weight -------------------------------------
+class _ReadsChildWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear1, self.linear2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use = "module"
+
+    def forward(self, x):
+        if self.use == "weight":
+            x = F.linear(x, self.linear1.weight)
+        elif self.use == "bias":
+            x = x + self.linear1.bias
+        else:
+            x = self.linear1(x)
+        return self.linear2(x).pow(2).mean()
+
+
+def _child_weight_in_parent(rank, world):
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    base = _ReadsChildWeight()
+    ddp, ours = DDP(copy.deepcopy(base)), sw.shard(copy.deepcopy(base), units=nn.Linear)
+    table = dict(DTensor._op_dispatcher._custom_op_handlers)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    for use, op in (("weight", "mm"), ("bias", "add")):
+        ours.use = use
+        with pytest.raises(sw.ShardwiseError,
+                           match=rf"linear1\.{use} was used directly by an operation "
+                                 rf"\(aten\.{op}\..*outside the forward of its unit "
+                                 rf"'linear1'.*Call the child module"):
+            ours(x)
+    ours.use = "module"  # the model goes on: a step equals DDP's
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ours)]
+    losses = [_step(m, opt, m(x)) for m, opt in zip((ddp, ours), opts)]
+    assert DTensor._op_dispatcher._custom_op_handlers == table  # as torch left it
+    return abs(losses[0] - losses[1]), _max_diff(ours, ddp.module.state_dict())
+
+
+def test_a_parent_using_a_child_units_weight_is_named():
+    # Before: DTensor's "aten.mm.default got mixed torch.Tensor and DTensor".
+    for r in run_ranks(_child_weight_in_parent, 2):
+        assert r == (0.0, 0.0), r  # the same kernels as DDP's at 2 ranks: bit for bit

@@ -84,6 +84,7 @@ from ..comm.mesh import Topology
 from ..comm.order_check import OrderCheck, order_checks_enabled
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
+from . import mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .guards import check_model
 from .running_stats import RunningStats
@@ -308,6 +309,7 @@ class ModelState:
         pinned = self._all_pinned(entry)
         if not pinned:  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
+            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         if self.settings.reproducible and self.root.training and not self._dropout_warned:
             self._warn_dropout()
         # Note [a forward inside gathered]: no collective, so nothing to check.
@@ -360,6 +362,7 @@ class ModelState:
     def _end_forward(self, hooked: bool, opaque: bool) -> None:
         """The forward's entry unit (Note [a unit called on its own]) returned."""
         self._entry = None
+        mixed.forward_ended(self)
         if self.order_check is not None:
             self.order_check.end_forward(len(self._order))
         # Note [buffer sync point]. A forward inside gathered() (every unit pinned) may run
