@@ -55,8 +55,12 @@ caller, who computes with it after the unit returned. Resharding the unit then w
 free the storage under that tensor (Note [freeing full parameters] in engine/unit.py):
 the next read was a segmentation fault. Such a unit stays gathered until its backward
 (as under ``reshard_after_forward=False``) or, without one, the end of the forward. A
-returned parameter is a leaf: no backward hook is put on it, which would stay on the
-parameter for every later backward.
+forward that ends without a backward to come releases every unit, so the tensors of its
+output that view a full parameter (the entry's own return, or one it passed on) are
+replaced by copies (``_copy_lent``, in tensors, lists, tuples and mappings; a forward
+awaiting its backward keeps its units gathered, and the output as it is). A returned
+parameter is a leaf: no backward hook is put on it, which would stay on the parameter
+for every later backward.
 
 Note [buffer sync point]
 BatchNorm saves its running statistics for backward, so overwriting buffers between a
@@ -70,6 +74,7 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -253,10 +258,11 @@ class ModelState:
         pinned whole (then no check runs at all)."""
         return not unit.pins
 
-    def on_post_forward(self, unit: Unit, output: Any) -> None:
-        """A unit's forward ended: hook its outputs for backward, reshard what may go."""
+    def on_post_forward(self, unit: Unit, output: Any) -> Any:
+        """A unit's forward ended: hook its outputs for backward, reshard what may go.
+        Returns what replaces the output, or ``None`` (Note [returned parameters])."""
         if in_backward():  # Note [recompute]
-            return
+            return None
         hooked = opaque = False
         tensors, opaque = output_tensors(output)
         if torch.is_grad_enabled():
@@ -269,8 +275,7 @@ class ModelState:
                     if not t.is_leaf:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
-            self._end_forward(hooked, opaque)
-            return
+            return self._end_forward(hooked, opaque, output, tensors)
         if self._lends(unit, tensors):
             unit.drop_kept()  # Note [returned parameters]: stays gathered
         elif not torch.is_grad_enabled():
@@ -290,7 +295,8 @@ class ModelState:
             else:
                 unit.drop_kept()
         if unit is self._entry:
-            self._end_forward(hooked, opaque)
+            return self._end_forward(hooked, opaque, output, tensors)
+        return None
 
     @staticmethod
     def _lends(unit: Unit, tensors: list[torch.Tensor]) -> bool:
@@ -301,6 +307,31 @@ class ModelState:
         fulls = {g.full.untyped_storage()._cdata for g in unit.groups}
         return any(t.untyped_storage()._cdata in fulls for t in tensors
                    if not isinstance(t, DTensor))
+
+    def _copy_lent(self, output: Any, tensors: list[torch.Tensor]) -> Any:
+        """The output of a forward after which every unit reshards, with each tensor
+        that views a full parameter replaced by a copy (Note [returned parameters]);
+        ``None`` when there is none."""
+        fulls = {g.full.untyped_storage()._cdata for u in self.units for g in u.groups}
+        lent = {id(t) for t in tensors if not isinstance(t, DTensor)
+                and t.untyped_storage()._cdata in fulls}
+        if not lent:
+            return None
+
+        def copy(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone() if id(x) in lent else x
+            if isinstance(x, list):
+                x[:] = [copy(v) for v in x]
+            elif isinstance(x, tuple):
+                items = [copy(v) for v in x]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            elif isinstance(x, MutableMapping):
+                for k in list(x):
+                    x[k] = copy(x[k])
+            return x
+
+        return copy(output)
 
     def _start_forward(self, entry: Unit) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
@@ -359,8 +390,10 @@ class ModelState:
         prev = self._prev_order
         return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
-    def _end_forward(self, hooked: bool, opaque: bool) -> None:
-        """The forward's entry unit (Note [a unit called on its own]) returned."""
+    def _end_forward(self, hooked: bool, opaque: bool, output: Any,
+                     tensors: list[torch.Tensor]) -> Any:
+        """The forward's entry unit (Note [a unit called on its own]) returned; what
+        replaces its output, or ``None``."""
         self._entry = None
         mixed.forward_ended(self)
         if self.order_check is not None:
@@ -375,11 +408,13 @@ class ModelState:
             self.phase = Phase.AWAITING_BACKWARD
             ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
                                     f"backward")
-            return
+            return None
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
+        replaced = None if self._pinned else self._copy_lent(output, tensors)
         self.release_all()
         self._sync_buffers_if_due()
+        return replaced
 
     def _sync_buffers_if_due(self) -> None:
         if self._buffers_due:
