@@ -10,6 +10,7 @@
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -46,7 +47,9 @@ def _step(model, opt, loss) -> float:
 
 
 # -- the documented one-rank evaluation before the first step -------------------------
-def _eval_before_training(rank, world):
+def _eval_before_training(rank, world, check):
+    if check is not None:
+        os.environ["SHARDWISE_CHECK"] = check  # read at each use, in this rank only
     torch.manual_seed(0)
     base = GPT(CFG)
     ddp, ours = DDP(copy.deepcopy(base)), sw.shard(copy.deepcopy(base))
@@ -77,16 +80,16 @@ def _eval_before_training(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_one_rank_evaluation_before_the_first_step_then_training_equals_ddp(world):
+@pytest.mark.parametrize("world,check", [(2, None), (3, None), (2, "0")])
+def test_one_rank_evaluation_before_the_first_step_then_training_equals_ddp(world, check):
     # Before: the next training forward raised "ranks diverged (rank 0: unit <root>,
-    # rank 1: unit blocks.0)"; with SHARDWISE_CHECK=0 it hung.
+    # rank 1: unit blocks.0)"; with the order check off (SHARDWISE_CHECK=0) it hung.
     # Bitwise at 2 ranks (the same sums as DDP's all-reduce); at 3 the reduce-scatter
     # sums in another order: 6e-8 absolute after three AdamW steps of weights ~0.02-1,
     # and 7e-8 in logits, so 1e-6 is ~15x the rounding seen and far below any real
     # difference (one missed or doubled step moves weights by ~1e-2).
     tol = 0.0 if world == 2 else 1e-6
-    for r in run_ranks(_eval_before_training, world):
+    for r in run_ranks(_eval_before_training, world, check, timeout=120):
         assert r["params"] <= tol and r["after"] <= tol, r
         assert len(r["eval"]) == (2 if r["rank"] == 0 else 0), r
         assert all(d <= tol for d in r["eval"]), r
