@@ -228,9 +228,16 @@ def _units_called_on_their_own(rank, world, tied):
         h = x
         for layer in ours.layers:
             h = layer(h)
+        # Between forward and backward, as inside the root's forward: each layer
+        # resharded after its call but the last, whose backward comes first (from the
+        # second step on, once an order was recorded).
+        out.setdefault("kept", []).append(
+            [u.name for u in sw.inspect(ours).units if u.state == "gathered"])
         _step(ddp, opts[0], ddp(x).pow(2).mean())
         _step(ours, opts[1], h.pow(2).mean())
     out["stack"] = _max_diff(ours, ddp.module.state_dict())
+    assert_at_rest(ours)
+    assert out.pop("kept") == [[], ["layers.4"], ["layers.4"]], out
     with torch.no_grad():
         out["stack_first"] = (ours.layers[0](x) - ddp.module.layers[0](x)).abs().max().item()
     view = sw.inspect(ours)

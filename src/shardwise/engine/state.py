@@ -263,8 +263,9 @@ class ModelState:
         Returns what replaces the output, or ``None`` (Note [returned parameters])."""
         if in_backward():  # Note [recompute]
             return None
-        hooked = opaque = False
+        hooked = False
         tensors, opaque = output_tensors(output)
+        opaque &= torch.is_grad_enabled()  # without a gradient no backward can come
         if torch.is_grad_enabled():
             index = unit.call_index
             for t in tensors:
