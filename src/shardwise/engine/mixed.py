@@ -22,6 +22,7 @@ get DTensor's message.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -34,15 +35,16 @@ _OPS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.
         _aten.embedding.default, _aten.convolution.default, _aten.add.Tensor,
         _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor,
         _aten.native_layer_norm.default)
-_RUNNING: list[Any] = []  # the ModelStates whose forward runs (a few at most)
+# The ModelStates whose forward runs (a few at most); weakly, so that a model whose
+# forward raised (and never ended) is not kept alive by it.
+_RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
 _previous: dict[Any, Any] = {}  # the handlers ours stand in front of, while installed
 
 
 def forward_started(state: Any) -> None:
     """A forward of ``state``'s model starts (not inside ``gathered()``)."""
-    if not any(s is state for s in _RUNNING):
-        _RUNNING.append(state)
-    if len(_RUNNING) == 1 and not _previous:
+    _RUNNING.add(state)
+    if not _previous:
         handlers = DTensor._op_dispatcher._custom_op_handlers
         for op in _OPS:
             _previous[op] = handlers.get(op)
@@ -53,10 +55,7 @@ def forward_started(state: Any) -> None:
 
 def forward_ended(state: Any) -> None:
     """That forward returned: the table goes back to torch's once none runs."""
-    for i, s in enumerate(_RUNNING):
-        if s is state:
-            del _RUNNING[i]
-            break
+    _RUNNING.discard(state)
     if not _RUNNING and _previous:
         _restore()
 
@@ -99,7 +98,7 @@ def _owner(t: DTensor) -> tuple[str, str] | None:
     local = t._local_tensor
     storage = local.untyped_storage()._cdata
     offset = local.storage_offset()
-    for state in _RUNNING:
+    for state in list(_RUNNING):
         for unit in state.units:
             for g in unit.groups:
                 if g.local.untyped_storage()._cdata != storage:
