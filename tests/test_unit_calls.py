@@ -245,19 +245,21 @@ def _units_called_on_their_own(rank, world, tied):
 
     # Every rank must call the same units: ranks calling different ones are named.
     with pytest.raises(sw.ShardwiseError, match=r"ranks diverged \(rank 0: unit layers.0, "
-                                                r"rank 1: unit layers.2\)"):
+                                                r"rank 1: unit layers.2"):
         ours.layers[0 if rank == 0 else 2](torch.zeros(2, 5 if rank == 0 else 8))
     _step(ours, opts[1], ours(x).pow(2).mean())  # both in step again: a step works
     return out
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_units_called_on_their_own_equal_ddp(tied):
+@pytest.mark.parametrize("tied,world", [(True, 2), (False, 2), (True, 3)])
+def test_units_called_on_their_own_equal_ddp(tied, world):
     # Before: "lm_head (Linear) was called outside the forward of the sharded model".
-    for r in run_ranks(_units_called_on_their_own, 2, tied):
-        # The same kernels on the same values as DDP at 2 ranks: equal bit for bit.
-        assert all(v == 0.0 for k, v in r.items() if k not in ("loss", "at_rest")), r
-        assert all(d == 0.0 for d in r["loss"]) and r["at_rest"], r
+    # The same kernels on the same values as DDP: bit for bit at 2 ranks; at 3 the
+    # reduce-scatter sums in another order (the tolerance of the evaluation test above).
+    tol = 0.0 if world == 2 else 1e-6
+    for r in run_ranks(_units_called_on_their_own, world, tied):
+        assert all(v <= tol for k, v in r.items() if k not in ("loss", "at_rest")), r
+        assert all(d <= tol for d in r["loss"]) and r["at_rest"], r
 
 
 # -- a parent computing with a child unit's weight -------------------------------------
