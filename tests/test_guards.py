@@ -252,19 +252,6 @@ def test_adding_parameters_after_shard_raises_at_next_forward():
     run_ranks(_module_added_after_shard, 2)
 
 
-def _submodule_outside_root(rank, world):
-    model = sw.shard(GPT(CFG))
-    h = torch.randn(2, CFG.seq_len, CFG.d_model)
-    with pytest.raises(sw.ShardwiseError, match="blocks.0 .*outside the forward"):
-        model.blocks[0](h)
-    with sw.gathered(model), torch.no_grad():
-        model.blocks[0](h)  # gathered: the block computes on its full weights
-
-
-def test_calling_a_unit_outside_the_root_forward_raises():
-    run_ranks(_submodule_outside_root, 2)
-
-
 def _shard_disagreements(rank, world):
     out = {}
     # src_rank built on meta without sharded_init: only rank 0 can tell.

@@ -38,7 +38,7 @@ def pre_forward(module: torch.nn.Module, args: tuple,
 
 
 @torch._dynamo.disable
-def post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
     unit = unit_of(module)
     assert unit is not None, "a unit's hooks are installed on its module"
-    unit.model.on_post_forward(unit, output)
+    return unit.model.on_post_forward(unit, output)

@@ -23,6 +23,45 @@ twice) raises a clear error on every rank instead of hanging, aborting or mixing
 shards. Units pinned by ``gathered()`` compute without communicating and are not
 checked: ranks may run them different numbers of times (``comm/order_check.py``).
 
+Note [a forward inside gathered]
+A forward that computes on pinned units alone (the model, or the unit called, whole inside
+``gathered()``) communicates nothing, so it may run on one rank (the documented one-rank
+evaluation). It must then leave nothing behind that decides later collectives: it runs
+no order check, prefetches nothing, and the order it records is never promoted to the
+previous order, which decides the next forward's prefetches and which unit stays
+gathered for its backward (``_runs_last``). Before, rank 0's evaluation before the first
+training step gave it an order its peers lacked: it prefetched where they gathered on
+demand and kept the last block gathered where they resharded it, so its next forward
+diverged (a hang with the order check off).
+
+Note [a unit called on its own]
+A unit may be called outside the root's forward (``model[0](x)``, a chunked-loss head
+called on slices of the root's output), as FSDP2 allows: its call then starts a forward
+of its own, with the unit as its *entry*, exactly as the root's call does (order check,
+new iteration or joining one whose backward is awaited, phase), and its return ends it.
+Between, the unit is gathered, prefetches and reshards as inside the root's forward, its
+outputs are hooked and its inputs wrapped, so its backward gathers it again and reduces
+its gradients with the rest. A unit may compute with a parameter owned by a unit
+outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
+the innermost unit holding every use, the root). Those owners (``_borrowed``) are
+gathered before the entry and before its backward, and stay gathered until the
+iteration ends, as the root does. Every rank must call the same units in the same order,
+as with the root; the order check covers these calls.
+
+Note [returned parameters]
+A unit whose forward returns one of its own full parameters, or a view of one
+(DeepSpeed's ``test_ext_param_return``: ``return out, self.bias``), lends it to the
+caller, who computes with it after the unit returned. Resharding the unit then would
+free the storage under that tensor (Note [freeing full parameters] in engine/unit.py):
+the next read was a segmentation fault. Such a unit stays gathered until its backward
+(as under ``reshard_after_forward=False``) or, without one, the end of the forward. A
+forward that ends without a backward to come releases every unit, so the tensors of its
+output that view a full parameter (the entry's own return, or one it passed on) are
+replaced by copies (``_copy_lent``, in tensors, lists, tuples and mappings; a forward
+awaiting its backward keeps its units gathered, and the output as it is). A returned
+parameter is a leaf: no backward hook is put on it, which would stay on the parameter
+for every later backward.
+
 Note [buffer sync point]
 BatchNorm saves its running statistics for backward, so overwriting buffers between a
 forward and its backward would break autograd's version check (and would change what
@@ -35,11 +74,13 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._log import logger
 from .._registry import STATE, attach_to, attached, instance_attribute
@@ -48,6 +89,7 @@ from ..comm.mesh import Topology
 from ..comm.order_check import OrderCheck, order_checks_enabled
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
+from . import mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .guards import check_model
 from .running_stats import RunningStats
@@ -94,6 +136,10 @@ class ModelState:
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
+        self._entry: Unit | None = None  # the unit whose call started the running forward
+        self._pinned = False  # the running forward computes on pinned units alone
+        self._order_pinned = False  # _order was recorded by such forwards only
+        self._borrowed_cache: dict[int, list[Unit]] = {}
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
@@ -162,15 +208,13 @@ class ModelState:
         if in_backward():  # Note [recompute] in engine/autograd.py
             unit.finish_gather()
             return None
-        if unit.is_root:
-            self._start_root_forward()
-        elif self.phase is not Phase.FORWARD and not unit.pins:
-            raise ShardwiseError(
-                f"{unit.name} ({type(unit.module).__name__}) was called outside the forward "
-                f"of the sharded model, so its parameters are not gathered. Call the model "
-                f"itself, or wrap the call in `with sw.gathered(model):`")
+        if unit.is_root or self.phase is not Phase.FORWARD:
+            self._start_forward(unit)  # Note [a unit called on its own]
         if self.order_check is not None and self._order_checked(unit):
             self.order_check.unit(unit.index, unit.name)
+        if unit is self._entry and not unit.is_root:
+            for owner in self._borrowed(unit):
+                owner.finish_gather()
         unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
@@ -191,34 +235,65 @@ class ModelState:
                 f"Set their p to 0, or seed the generator per micro-batch "
                 f"(docs/reproducible.md)", stacklevel=4)
 
-    def _all_pinned(self) -> bool:
-        """Whether every unit holding parameters is pinned by ``gathered()``: the model
-        then runs whole on each rank, without collectives."""
-        return all(u.pins for u in self.units if u.holds_params)
+    def _all_pinned(self, entry: Unit) -> bool:
+        """Whether every unit a forward entered at ``entry`` may gather is pinned by
+        ``gathered()``: it then runs whole on each rank, without collectives. For the
+        root that is every unit holding parameters; for a unit called on its own, the
+        units inside it and those it borrows from (Note [a unit called on its own])."""
+        scope = self.units if entry.is_root else self._nested(entry) + self._borrowed(entry)
+        return all(u.pins for u in scope if u.holds_params)
+
+    def _nested(self, unit: Unit) -> list[Unit]:
+        """``unit`` and the units inside its module."""
+        inside = {id(m) for m in unit.module.modules()}
+        return [u for u in self.units if id(u.module) in inside]
+
+    def _borrowed(self, unit: Unit) -> list[Unit]:
+        """The units outside ``unit`` owning a parameter registered inside it: a weight
+        tied to one elsewhere belongs to the innermost unit holding both
+        (``assign_units``), so an output head tied to the embedding computes with a
+        parameter of the root. Cached: the model's structure is fixed at ``shard``."""
+        if unit.index not in self._borrowed_cache:
+            nested = {id(u) for u in self._nested(unit)}
+            owners: list[Unit] = []
+            for m in unit.module.modules():
+                for p in m._parameters.values():
+                    sp = sharded_param(p) if p is not None else None
+                    if (sp is not None and sp.unit is not None and id(sp.unit) not in nested
+                            and all(sp.unit is not o for o in owners)):
+                        owners.append(sp.unit)
+            self._borrowed_cache[unit.index] = sorted(owners, key=lambda u: u.index)
+        return self._borrowed_cache[unit.index]
 
     def _order_checked(self, unit: Unit) -> bool:
         """Whether the order check covers this call of ``unit``. A unit pinned by
         ``gathered()`` runs without communicating, so ranks may run it a different number
         of times (``generate`` stopping at different lengths): it is not checked. A unit
-        without parameters is, for it prefetches the next one, unless every unit that
-        has parameters is pinned."""
-        return not (unit.pins or (not unit.holds_params
-                                  and all(u.pins for u in self.units if u.holds_params)))
+        without parameters is, for it prefetches the next one, unless the forward runs
+        pinned whole (then no check runs at all)."""
+        return not unit.pins
 
-    def on_post_forward(self, unit: Unit, output: Any) -> None:
-        """A unit's forward ended: hook its outputs for backward, reshard what may go."""
+    def on_post_forward(self, unit: Unit, output: Any) -> Any:
+        """A unit's forward ended: hook its outputs for backward, reshard what may go.
+        Returns what replaces the output, or ``None`` (Note [returned parameters])."""
         if in_backward():  # Note [recompute]
-            return
-        hooked = opaque = False
+            return None
+        hooked = False
+        tensors, opaque = output_tensors(output)
+        opaque &= torch.is_grad_enabled()  # without a gradient no backward can come
         if torch.is_grad_enabled():
             index = unit.call_index
-            tensors, opaque = output_tensors(output)
             for t in tensors:
                 if t.requires_grad:
-                    t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
                     hooked = True
+                    # A leaf is a parameter returned as it is (Note [returned
+                    # parameters]): a hook on it would stay for every later backward.
+                    if not t.is_leaf:
+                        t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
-            self._end_root_forward(hooked, opaque)
+            return self._end_forward(hooked, opaque, output, tensors)
+        if self._lends(unit, tensors):
+            unit.drop_kept()  # Note [returned parameters]: stays gathered
         elif not torch.is_grad_enabled():
             unit.reshard()
         elif unit.reshard_after_forward:
@@ -235,15 +310,58 @@ class ModelState:
                 unit.reshard()
             else:
                 unit.drop_kept()
+        if unit is self._entry:
+            return self._end_forward(hooked, opaque, output, tensors)
+        return None
 
-    def _start_root_forward(self) -> None:
+    @staticmethod
+    def _lends(unit: Unit, tensors: list[torch.Tensor]) -> bool:
+        """Whether a forward's output views the unit's full parameters (Note [returned
+        parameters])."""
+        if not tensors or not unit.groups:
+            return False
+        fulls = {g.full.untyped_storage()._cdata for g in unit.groups}
+        return any(t.untyped_storage()._cdata in fulls for t in tensors
+                   if not isinstance(t, DTensor))
+
+    def _copy_lent(self, output: Any, tensors: list[torch.Tensor]) -> Any:
+        """The output of a forward after which every unit reshards, with each tensor
+        that views a full parameter replaced by a copy (Note [returned parameters]);
+        ``None`` when there is none."""
+        fulls = {g.full.untyped_storage()._cdata for u in self.units for g in u.groups}
+        lent = {id(t) for t in tensors if not isinstance(t, DTensor)
+                and t.untyped_storage()._cdata in fulls}
+        if not lent:
+            return None
+
+        def copy(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone() if id(x) in lent else x
+            if isinstance(x, list):
+                x[:] = [copy(v) for v in x]
+            elif isinstance(x, tuple):
+                items = [copy(v) for v in x]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            elif isinstance(x, MutableMapping):
+                for k in list(x):
+                    x[k] = copy(x[k])
+            return x
+
+        return copy(output)
+
+    def _start_forward(self, entry: Unit) -> None:
+        """A forward of the model starts at ``entry``: the root, or a unit called on its
+        own (Note [a unit called on its own])."""
         check_model(self.root, self.units)
-        if not self._all_pinned():  # inside gathered(): no collective
+        pinned = self._all_pinned(entry)
+        if not pinned:  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
+            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         if self.settings.reproducible and self.root.training and not self._dropout_warned:
             self._warn_dropout()
+        # Note [a forward inside gathered]: no collective, so nothing to check.
         self.order_check = (OrderCheck(self.comm, self.number)
-                            if order_checks_enabled(self.comm) else None)
+                            if order_checks_enabled(self.comm) and not pinned else None)
         if self._epoch != self.comm.channel.epoch:
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
@@ -254,10 +372,15 @@ class ModelState:
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
         if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
-            if self._order:
+            if self._order and not self._order_pinned:  # Note [a forward inside gathered]
                 self._prev_order = self._order
             self._order = []
+            self._order_pinned = pinned
             self.release_all()
+        else:
+            self._order_pinned = self._order_pinned and pinned
+        self._entry = entry
+        self._pinned = pinned
         self.phase = Phase.FORWARD
         ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
 
@@ -267,7 +390,7 @@ class ModelState:
         unit.record_call(pos)
         self._order.append(unit)
         prev = self._prev_order
-        if pos < len(prev) and prev[pos] is unit:
+        if pos < len(prev) and prev[pos] is unit and not self._pinned:
             for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
                 nxt.start_gather()
             if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
@@ -283,24 +406,31 @@ class ModelState:
         prev = self._prev_order
         return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
-    def _end_root_forward(self, hooked: bool, opaque: bool) -> None:
+    def _end_forward(self, hooked: bool, opaque: bool, output: Any,
+                     tensors: list[torch.Tensor]) -> Any:
+        """The forward's entry unit (Note [a unit called on its own]) returned; what
+        replaces its output, or ``None``."""
+        self._entry = None
+        mixed.forward_ended(self)
         if self.order_check is not None:
             self.order_check.end_forward(len(self._order))
         # Note [buffer sync point]. A forward inside gathered() (every unit pinned) may run
         # on one rank alone and communicates nothing, buffers included: the block's exit
         # makes them agree (the modifier's) or refuses what changed (read-only).
-        self._buffers_due |= self.root.training and not self._all_pinned()
+        self._buffers_due |= self.root.training and not self._pinned
         if hooked or opaque or self._joins_pending:
             # An output we cannot search may still lead to a backward: keep what it may
             # need gathered rather than free parameters autograd saved.
             self.phase = Phase.AWAITING_BACKWARD
             ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
                                     f"backward")
-            return
+            return None
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
+        replaced = None if self._pinned else self._copy_lent(output, tensors)
         self.release_all()
         self._sync_buffers_if_due()
+        return replaced
 
     def _sync_buffers_if_due(self) -> None:
         if self._buffers_due:
@@ -320,6 +450,9 @@ class ModelState:
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
         self.ensure_backward_callback()
+        if not unit.is_root:  # Note [a unit called on its own]
+            for owner in self._borrowed(unit):
+                owner.finish_gather()
         unit.finish_gather()
         for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
             if prev.owes_backward():

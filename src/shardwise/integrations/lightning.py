@@ -175,8 +175,8 @@ class ShardwiseStrategy(DDPStrategy):
         """Run ``module.<method>`` as the sharded root's forward.
 
         shardwise gathers the root's own parameters (those outside any unit) in the
-        root's forward, and refuses units called outside it; a step calls submodules
-        directly (``self.model(x)``), so the whole step must be that forward. The
+        root's forward only; a step calls submodules directly (``self.model(x)``), so
+        the whole step must be that forward. The
         arguments go through the root's forward hook, which casts floating tensors for
         mixed precision (as Lightning's FSDP strategy casts the batch).
         """
