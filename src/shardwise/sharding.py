@@ -71,7 +71,8 @@ class MixedPrecision:
         reduce_dtype: dtype gradients are reduce-scattered in; ``None`` keeps the
             parameter's own (master) dtype, fp32 for an fp32 model: summing bf16
             gradients over ranks loses precision. Pass ``torch.bfloat16`` to halve the
-            reduction traffic at that cost.
+            reduction traffic at that cost (FSDP2's ``MixedPrecisionPolicy`` reduces in
+            ``param_dtype`` when its ``reduce_dtype`` is unset: docs/migration.md).
 
     Raises:
         ShardwiseError: a dtype that is not a floating-point ``torch.dtype`` (``"bf16"``).
