@@ -4,7 +4,8 @@ Every decision lives in :class:`shardwise.engine.state.ModelState` (one method p
 the autograd pieces (the post-backward identity, output search) in ``engine/autograd.py``.
 Each hook finds its unit through the module it is called on, not through a bound
 argument, so that a deep copy of the model (``engine/clone.py``), whose modules carry copies of
-these hooks, drives its own units.
+these hooks, drives its own units. The hooks on a wrapper root's inner models, which run
+them as the root when they are called on their own, are here too (Note [wrapped roots]).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .unit import unit_of
+from .unit import Unit, unit_of
 
 
 # Note [compile]
@@ -72,12 +73,10 @@ class RootEntries:
         self.root = root
         self.running: list[bool] = []
 
-    def root_unit(self) -> Any:
-        from .state import model_state  # the state is above the hooks that drive it
-
-        state = model_state(self.root)
-        assert state is not None, "entries are installed on sharded models only"
-        return state.units[0]
+    def root_unit(self) -> Unit:
+        unit = unit_of(self.root)
+        assert unit is not None, "entries are installed on sharded models only"
+        return unit
 
 
 def wrapped_models(root: torch.nn.Module,
