@@ -368,3 +368,30 @@ def test_plain_trainable_parameters_beside_a_sharded_part_are_refused_at_the_ste
     """Issue 30 item 3: sw.shard(model.encoder) beside a plain trainable head trained the
     heads apart across ranks, silently."""
     run_ranks(_partly_sharded, 2)
+
+
+def _optimizer_built_while_gathered(rank, world):
+    model = sw.shard(GPT(CFG))
+    model(*_x()).backward()  # a first step: the last unit stays gathered from now on
+    model.zero_grad()
+    loss = model(*_x())  # the root and the last unit stay gathered for the backward
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loss.backward()
+    before = sw.full_state_dict(model, rank0_only=False)
+    # Before: the step updated the shards it held and skipped the full tensors (no
+    # gradient), leaving the embedding, the final norm and the last block untrained.
+    with pytest.raises(sw.ShardwiseError, match=r"AdamW holds the full \(gathered\) form "
+                                                r"of \d+ sharded parameter.*tok_emb.weight"
+                                                r".*Nothing was updated"):
+        opt.step()
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # built after the backward
+    model(*_x()).backward()
+    opt.step()
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert not any(torch.equal(before[k], after[k]) for k in before)  # all train
+
+
+def test_an_optimizer_built_between_a_forward_and_its_backward_is_refused():
+    run_ranks(_optimizer_built_while_gathered, 2)

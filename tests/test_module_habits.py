@@ -300,3 +300,41 @@ def _load_full(rank, world):
 
 def test_load_state_dict_takes_a_full_plain_state_dict():
     run_ranks(_load_full, 2)  # before: "got mixed torch.Tensor and DTensor"
+
+
+class Wrapped(nn.Module):
+    """A wrapper owning no parameter whose forward calls its one child (PEFT's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = GPT(CFG)
+
+    def forward(self, x, y):
+        return self.net(x, y)
+
+
+def _inner_model_called_directly(rank, world):
+    # Note [wrapped roots]: the inner model, called outside the wrapper's forward, runs
+    # as the root (PeftModel.generate calls it so). Before: "aten.embedding.default got
+    # mixed torch.Tensor and DTensor" at its first op.
+    ref = DDP(Wrapped())
+    ours = sw.shard(Wrapped())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    for step in range(4):
+        x, y = _batch(rank, step)
+        # Ours alternates the inner model and the wrapper: the same training either way.
+        for m, opt in zip((ref, ours.net if step % 2 else ours), opts):
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert _max_diff(ours, ref.module.state_dict()) == 0.0  # bit-identical at 2 ranks
+    with pytest.raises(IndexError):  # a forward that fails inside the inner model
+        ours.net(torch.zeros(2, CFG.seq_len + 1, dtype=torch.long))
+    with torch.no_grad():  # leaves nothing behind: the next call is a root forward again
+        assert torch.equal(ours.net(*_batch(rank, 9)), ref.module.net(*_batch(rank, 9)))
+    return True
+
+
+def test_a_wrapped_models_inner_model_called_directly_trains_like_ddp():
+    assert run_ranks(_inner_model_called_directly, 2) == [True, True]

@@ -2,6 +2,7 @@
 get optimizer state; an adapter-only save loads in PEFT; merging works from a
 consolidated state. Tiny Llama from a config, nothing downloaded."""
 
+import copy
 import os
 
 import pytest
@@ -19,15 +20,15 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 LORA = {"r": 4, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 
 
-def llama_config() -> LlamaConfig:
+def llama_config(tie: bool = True) -> LlamaConfig:
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                       max_position_embeddings=32, tie_word_embeddings=True)
+                       max_position_embeddings=32, tie_word_embeddings=tie)
 
 
-def _lora_model():
+def _lora_model(tie: bool = True):
     torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(llama_config()), LoraConfig(**LORA))
+    model = get_peft_model(LlamaForCausalLM(llama_config(tie)), LoraConfig(**LORA))
     with torch.no_grad():  # LoRA's B starts at zero; make the adapters matter at once
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -87,3 +88,42 @@ def test_lora_trains_like_ddp_and_saves_adapters_peft_loads(tmp_path):
     # W + s*B@A folded once against x@W + s*(x@A)@B: a few fp32 roundings of logits of
     # order 1 (measured 1.2e-7).
     torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5)
+
+
+def _generate_lora(rank, world):
+    """Note [wrapped roots]: PeftModel.generate runs the inner model's forward, not the
+    PeftModel's; it must gather the root unit (embedding, norm, head) all the same."""
+    # Untied: this tiny tied model only ever repeats the prompt's last token.
+    ref = _lora_model(tie=False).eval()
+    ours = sw.shard(_lora_model(tie=False)).eval()
+    # Each rank its own prompts and its own length: synced_gpus keeps the early rank
+    # running forwards until the other is done (else it would hang in an all-gather).
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    opts = {"max_new_tokens": 3 + 4 * rank, "do_sample": False, "eos_token_id": None}
+    with torch.no_grad():
+        got = ours.generate(input_ids=prompt, **opts)
+        expect = ref.generate(input_ids=prompt, **opts)
+        with ref.disable_adapter():
+            plain = ref.generate(input_ids=prompt, **opts)
+        copied = copy.deepcopy(ours).generate(input_ids=prompt, **opts)  # its own hooks
+    assert torch.equal(got, expect), (got, expect)
+    assert torch.equal(copied, expect), (copied, expect)
+    assert not torch.equal(plain, expect)  # the adapters decide some tokens
+    # The inner model called directly, with gradients, is a whole training forward; the
+    # same batch on every rank, so the averaged adapter gradients are the reference's.
+    ours.train()
+    ref.train()
+    x = torch.arange(1, 9).view(1, 8)
+    ours.get_base_model()(input_ids=x, labels=x).loss.backward()
+    ref.get_base_model()(input_ids=x, labels=x).loss.backward()
+    grads = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        if p.requires_grad:
+            # g/2 + g/2 is g exactly: the reduction adds two equal halves.
+            assert torch.equal(p.grad.full_tensor(), grads[n].grad), n
+    return True
+
+
+@pytest.mark.slow
+def test_generate_on_a_sharded_peft_model_equals_unsharded():
+    assert run_ranks(_generate_lora, 2, timeout=180) == [True, True]

@@ -555,3 +555,23 @@ def test_qlora_checkpoint_round_trips_the_nf4_base_across_world_sizes(tmp_path):
         assert got.keys() == state.keys()
         for k in state:
             assert torch.equal(got[k], state[k]), (world, k)
+
+
+def _qlora_generate(rank, world):
+    """PeftModel.generate on a sharded QLoRA model (Note [wrapped roots]): the inner
+    model's forward gathers the root unit and the NF4 bytes, as a call of the root would;
+    the tokens are the unsharded quantized model's."""
+    ref = _qlora().eval()
+    ours = sw.shard(_qlora()).eval()
+    prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    opts = {"max_new_tokens": 3 + 4 * rank, "do_sample": False, "eos_token_id": None}
+    with torch.no_grad():
+        got = ours.generate(input_ids=prompt, **opts)
+        expect = ref.generate(input_ids=prompt, **opts)
+    assert torch.equal(got, expect), (got, expect)
+    return True
+
+
+@pytest.mark.slow
+def test_generate_on_a_sharded_qlora_model_equals_unsharded():
+    assert run_ranks(_qlora_generate, 2, timeout=180) == [True, True]

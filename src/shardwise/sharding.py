@@ -71,7 +71,8 @@ class MixedPrecision:
         reduce_dtype: dtype gradients are reduce-scattered in; ``None`` keeps the
             parameter's own (master) dtype, fp32 for an fp32 model: summing bf16
             gradients over ranks loses precision. Pass ``torch.bfloat16`` to halve the
-            reduction traffic at that cost.
+            reduction traffic at that cost (FSDP2's ``MixedPrecisionPolicy`` reduces in
+            ``param_dtype`` when its ``reduce_dtype`` is unset: docs/migration.md).
 
     Raises:
         ShardwiseError: a dtype that is not a floating-point ``torch.dtype`` (``"bf16"``).
@@ -278,6 +279,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     for _, mod, _, _ in built:
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
+    hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [wrapped roots]
     install_state_dict_hooks(module)
     state = build(module, topo, built, buffer_sync, settings)
     guard_model_copies(module)

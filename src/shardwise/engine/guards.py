@@ -11,7 +11,8 @@
   in shardwise's storage (:func:`guard_apply`, Note [casting after shard]);
 - at every root forward (:func:`check_model`): parameters cast or moved, or added after
   ``shard``; ``requires_grad`` changes are taken up there (Note [freezing after shard]);
-- before every optimizer step (:func:`_before_step`): Adafactor over shards, trainable
+- before every optimizer step (:func:`_before_step`): Adafactor over shards, full
+  parameters taken while their units were gathered (:func:`_refuse_full`), trainable
   plain parameters beside shards that nothing synchronises (Note [parameters nothing
   synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
   anything but ``sw.clip_grad_norm_`` (a warning). The same pre-hook runs the step of
@@ -205,6 +206,7 @@ def _guard_torch_classes() -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
                  ) -> tuple[tuple, dict] | None:
     _refuse_factored(optimizer)
+    _refuse_full(optimizer)
     _refuse_unsynchronised(optimizer)
     _warn_inexact_clip(optimizer)
     changed = step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
@@ -331,6 +333,23 @@ def per_rank(module_or_params: nn.Module | torch.Tensor | Any) -> Any:
     for p in params:
         mark_synchronised(p, "sw.per_rank")
     return module_or_params
+
+
+def _refuse_full(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer holding full parameters instead of shards: one built while
+    units were gathered (between a forward and its backward, or inside ``gathered``)
+    took what the modules held then. Their gradients go to the shards, so the step would
+    leave those parameters untrained, silently."""
+    full = [sp.fqns[0] for g in optimizer.param_groups for p in g["params"]
+            if (sp := sharded_param(p)) is not None and p is sp.full]
+    if full:
+        raise ShardwiseError(
+            f"{type(optimizer).__name__} holds the full (gathered) form of {len(full)} "
+            f"sharded parameter(s) ({', '.join(full[:3])}{', ...' if len(full) > 3 else ''}"
+            f"), not their shards: it was built while their units were gathered (between "
+            f"a forward and its backward, or inside sw.gathered), and would never train "
+            f"them. Nothing was updated. Build the optimizer before the forward or after "
+            f"the backward (model.parameters() then yields the DTensor shards)")
 
 
 def _refuse_unsynchronised(optimizer: torch.optim.Optimizer) -> None:
