@@ -225,6 +225,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.set_defaults(func=_plan_command)
     from shardwise.demo.main import add_arguments
 
+    # Listed for --help only: main() hands `run` to the launcher before parsing, since
+    # its options are torchrun's (Note [launcher defaults] in shardwise/launcher.py).
+    sub.add_parser("run", help="launch SCRIPT like torchrun, with the settings restarts "
+                               "and elastic membership need set by default",
+                   usage="shardwise run [torchrun options] SCRIPT [ARGS]")
     d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks")
     add_arguments(d)
     d.set_defaults(func=_demo)
@@ -262,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         $ shardwise consolidate ckpt/latest export/
         $ shardwise plan --params 7e9 --layers 32 --world 8
         $ shardwise plan --params 7e9 --layers 32 --mesh 16,8
+        $ shardwise run --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint node0:29400 train.py
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        from shardwise.launcher import main as launch
+
+        return launch(argv[1:])
     parser, commands = _parser()
     args = parser.parse_args(argv)
     if args.version:
