@@ -114,8 +114,9 @@ def main(argv: list[str]) -> int:
 
     try:
         torchrun(args)
-    except ChildFailedError:
-        return 1  # torchrun's record() has printed which workers failed, and how
+    except ChildFailedError as e:
+        print(e.format_msg(), file=sys.stderr)  # which workers failed, and how
+        return 1
     return 0
 
 
