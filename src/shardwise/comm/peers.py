@@ -30,13 +30,15 @@ What the waiting rank concludes from the notes, and when:
   checked) raises a ``CollectiveError`` at once;
 - a peer in a different shardwise operation, its note unchanged for
   ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off), raises: the
-  ranks diverged;
+  ranks diverged (the collective given up on stays pending, and must not hold the
+  process at its exit: Note [abandoned waits] in comm/process_group.py);
 - a peer outside shardwise for that long cannot be told apart: it may be working on its
   own (writing a sample, evaluating a consolidated copy, a slow data loader), which DDP
   waits for and which must never kill the job, or waiting in a collective of its own
   (``dist.barrier()``), which no note shows. So the waiting rank warns, naming what each
-  rank does and what to do, repeats the warning every ``SHARDWISE_PEER_TIMEOUT`` seconds,
-  and goes on waiting; if the process group's timeout ends the wait, the error carries
+  rank does and what to do (first the likeliest cause, a rank whose data ran out, and its
+  fixes), repeats a short warning every ``SHARDWISE_PEER_TIMEOUT`` seconds, and goes on
+  waiting; if the process group's timeout ends the wait, the error carries
   the same text;
 - a peer busy in the same kind of operation (a slow rank still computing its forward) is
   waited for, as long as the process group's timeout allows.
