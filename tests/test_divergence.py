@@ -300,6 +300,7 @@ def _uneven_data(rank, world, report):
                     f.write("\n@@\n".join([*said, str(err)]))
 
 
+@pytest.mark.slow  # waits out a 10 s group timeout
 def test_uneven_data_the_first_warning_names_the_cause_and_the_fix(tmp_path):
     report = str(tmp_path / "rank0.txt")
     run_ranks(_uneven_data, 2, report, timeout=90)
