@@ -1,16 +1,18 @@
 """Long runs and failures (issue 35): how often a shrunken job finishes with the bits of
 an uninterrupted one, and what a checkpoint every K steps costs.
 
-    python benchmarks/elastic.py shrink [--runs 20] [--default] [--seed S]
+    python benchmarks/elastic.py shrink [--runs 20] [--default] [--seed S] [--torchrun]
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/elastic.py \\
         save-cost [--steps 6 --saves 3]
 
-``shrink``: two torchrun agents of 2 ranks on loopback run tests/elastic_script.py
-(reproducible mode, M=12, a checkpoint every 3 steps; ``--default``: the default mode),
-with the settings of docs/long-runs.md; agent 1 and its workers are SIGKILLed after a
-random step, and agent 0 must finish at world 2 with the uninterrupted world-4 run's
-losses and final state (tests/elastic_agents.py ``problems``). Each run prints its kill
-step, so a failure can be replayed; the summary counts the runs that passed.
+``shrink``: two agents of 2 ranks on loopback, launched by ``shardwise run``
+(``--torchrun``: plain torchrun, without TORCH_DISABLE_SHARE_RDZV_TCP_STORE), run
+tests/elastic_script.py (reproducible mode, M=12, a checkpoint every 3 steps;
+``--default``: the default mode), with the settings of docs/long-runs.md; agent 1 and
+its workers are SIGKILLed after a random step, and agent 0 must finish at world 2 with
+the uninterrupted world-4 run's losses and final state (tests/elastic_agents.py
+``problems``). Each run prints its kill step, so a failure can be replayed; the summary
+counts the runs that passed.
 
 ``save-cost``: the reference GPT (6 layers, d_model 512, sequence 256, 4 sequences per
 rank, AdamW) at this world size: the median step without saving, the median
@@ -42,7 +44,8 @@ def shrink(args: argparse.Namespace) -> None:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as root:
             try:
-                run = elastic_agents.shrink(root, total, every, kill_at, extra)
+                run = elastic_agents.shrink(root, total, every, kill_at, extra,
+                                            launcher=args.launcher)
                 found = elastic_agents.problems(run, total, every, exact=not args.default,
                                                 rel=1e-5)
             except AssertionError as e:
@@ -56,7 +59,8 @@ def shrink(args: argparse.Namespace) -> None:
         print(f"run {i}: kill after step {kill_at}: {'ok' if not found else found} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
     print(f"{passed}/{args.runs} runs finished at world 2 "
-          f"{'within 1e-5' if args.default else 'bit-identical'} (seed {args.seed})")
+          f"{'within 1e-5' if args.default else 'bit-identical'} (seed {args.seed}, "
+          f"{'shardwise run' if args.launcher == 'shardwise' else 'plain torchrun'})")
     if args.default:
         print(f"largest relative loss difference after the restart: {worst:.2e}")
 
@@ -116,6 +120,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--default", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--torchrun", dest="launcher", action="store_const", const="torchrun",
+                   default="shardwise", help="launch with plain torchrun")
     p = sub.add_parser("save-cost")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--saves", type=int, default=3)

@@ -45,11 +45,15 @@ def free_port() -> int:
 
 
 def agent(port: int, host: bool, folder: str, total: int, every: int, log: str,
-          extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+          extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+          launcher: str = "torchrun") -> subprocess.Popen:
     """One agent of 2 workers. ``is_host`` names the agent that hosts the rendezvous
     store: on one machine both match the endpoint, and two hosts would each wait for the
-    other."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+    other. ``launcher="shardwise"``: through ``shardwise run``, which sets
+    ``FRESH_STORE`` itself (Note [launcher defaults] in shardwise/launcher.py)."""
+    launch = (["shardwise.cli", "run"] if launcher == "shardwise"
+              else ["torch.distributed.run"])
+    cmd = [sys.executable, "-m", *launch, "--nnodes=1:2",
            "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}",
            f"--rdzv-conf=is_host={int(host)},last_call_timeout=2",
@@ -95,12 +99,14 @@ def _wait_for_step(logs: list[str], step: int, world: int, agents, timeout: floa
         time.sleep(0.05)
 
 
-def shrink(root: str, total: int, every: int, kill_at: int, extra: tuple[str, ...] = ()) -> Run:
+def shrink(root: str, total: int, every: int, kill_at: int, extra: tuple[str, ...] = (),
+           launcher: str = "torchrun") -> Run:
     """Kill agent 1 once step ``kill_at`` ran at world 4; agent 0 goes on alone."""
     alone = uninterrupted(os.path.join(root, "alone"), total, extra)
     port, folder = free_port(), os.path.join(root, "run")
     logs = [os.path.join(root, f"agent{n}.log") for n in (0, 1)]
-    agents = [agent(port, n == 0, folder, total, every, logs[n], extra) for n in (0, 1)]
+    agents = [agent(port, n == 0, folder, total, every, logs[n], extra, launcher=launcher)
+              for n in (0, 1)]
     try:
         _wait_for_step(logs, kill_at, 4, agents, 120)
         kill_tree(agents[1])

@@ -242,3 +242,41 @@ def _bad_arguments(rank, world):
 
 def test_public_functions_refuse_bad_arguments_in_words():
     run_ranks(_bad_arguments, 2)
+
+
+def _nonsense(rank, world, root):
+    """Issue 41 item 10: values that meant nothing were accepted (an empty batch, the nan
+    mean of no values, a truthy string for a flag, a prefetch of 10**9 units); each is
+    refused in words, on every rank, before anything changes."""
+    with pytest.raises(sw.ShardwiseError, match=r"the batch holds no tensor \(list \[\]\)"):
+        sw.micro_batches([], 2)
+    with pytest.raises(sw.ShardwiseError, match="holds no tensor"):
+        sw.micro_batches({"x": ()}, 2)
+    with pytest.raises(sw.ShardwiseError, match=r"every rank passed an empty list.*nan"):
+        sw.global_mean([])
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(sw.ShardwiseError, match=r"prefetch=1000000000: the model has 3 "
+                                                r"unit\(s\), so at most 2 can be gathered"):
+        sw.shard(model, prefetch=10**9)  # the root and each entry
+    with pytest.raises(sw.ShardwiseError, match=r"prefetch=3: the model has 2 unit"):
+        sw.shard(model, units=lambda name, m: name == "0", prefetch=3)
+    assert not sw.is_sharded(model)
+    torch.manual_seed(0)
+    sw.shard(model, units=lambda name, m: name == "0", prefetch=2)  # 2 units: allowed
+    full = sw.full_state_dict(model, rank0_only=False)
+    for call, said in (
+            (lambda: sw.save_checkpoint(root, model, keep_previous="no"),
+             r"save_checkpoint: keep_previous must be True or False, got str 'no'"),
+            (lambda: sw.load_pretrained(model, full, strict="false"),
+             r"load_pretrained: strict must be True or False, got str 'false'"),
+            (lambda: sw.full_state_dict(model, rank0_only=0),
+             r"full_state_dict: rank0_only must be True or False, got int 0")):
+        with pytest.raises(sw.ShardwiseError, match=said):
+            call()
+    assert not os.path.exists(root)  # nothing was written
+    after = sw.full_state_dict(model, rank0_only=False)  # and the group is still usable
+    assert all(torch.equal(after[k], v) for k, v in full.items())
+
+
+def test_nonsense_arguments_are_refused_in_words(tmp_path):
+    run_ranks(_nonsense, 2, str(tmp_path / "ckpt"))

@@ -301,6 +301,46 @@ def test_a_rank_alone_in_an_operation_is_named_within_seconds(tmp_path):
         assert "give every rank the same number" in text and "DistributedSampler" in text
 
 
+def _uneven_data(rank, world, report):
+    """Uneven data (issue 41 item 9): rank 1 has one batch fewer, leaves its loop and
+    waits in ``dist.barrier()``; rank 0's last forward waits for it. The first warning
+    must lead with that cause and its fixes; the later ones, short, must not repeat it."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    os.environ["SHARDWISE_PEER_TIMEOUT"] = "2"
+    group = dist.new_group(timeout=datetime.timedelta(seconds=10))
+    model = _model(group)
+    batches = [torch.ones(2, 4)] * (3 if rank == 0 else 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for x in batches:
+                _step(model, x)
+            dist.barrier(group=group)
+        except RuntimeError as err:  # rank 0: the timeout; rank 1: rank 0 left
+            if rank == 0:
+                said = [str(w.message) for w in caught
+                        if "shardwise: rank 0: waited" in str(w.message)]
+                with open(report, "w") as f:
+                    f.write("\n@@\n".join([*said, str(err)]))
+
+
+@pytest.mark.slow  # waits out a 10 s group timeout
+def test_uneven_data_the_first_warning_names_the_cause_and_the_fix(tmp_path):
+    report = str(tmp_path / "rank0.txt")
+    run_ranks(_uneven_data, 2, report, timeout=90)
+    *said, error = open(report).read().split("\n@@\n")
+    assert len(said) >= 2, said  # at 4 s and every 2 s until the timeout (10 s)
+    first, later = said[0], said[1:]
+    assert "rank 1 is not in a shardwise operation" in first, first
+    cause = first.index("Likely cause: the ranks ran different numbers of batches")
+    assert "ran out of data first" in first
+    for fix in ("sw.micro_batches", "drop_last=True", "DistributedSampler"):
+        assert cause < first.index(fix), (fix, first)
+    assert cause < first.index("evaluate(model)")  # the other cause comes second
+    assert all("still waiting" in w and "Likely cause" not in w for w in later), later
+    assert "Likely cause" in error and "The wait then ended" in error, error
+
+
 def _busy_alone(rank, world, report):
     """Rank 0 works outside shardwise for four peer timeouts (a sample written, a slow
     data loader), idle or busy, while rank 1 goes on into the next forward. DDP waits;

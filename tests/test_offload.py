@@ -376,3 +376,38 @@ def test_plan_command_shows_bytes_per_tier(capsys):
     assert main(["plan", "--params", "1e9", "--layers", "8", "--world", "2",
                  "--offload", "cpu,cpu"]) != 0
     assert "--offload needs --model" in capsys.readouterr().err
+
+
+def test_a_full_offload_folder_says_the_real_sizes_and_cause(folder, monkeypatch):
+    """Issue 41 item 10: a small buffer on a full disk said "no room for 0.0 MiB". The
+    disk is made full by refusing every allocation, as a full disk does (ENOSPC), and by
+    reporting no space free."""
+    import errno
+    from types import SimpleNamespace
+
+    from shardwise.engine.offload.disk import DiskFolder
+
+    held = DiskFolder(os.path.join(folder, "rank0"))
+    held.buffer(1000, torch.float32, "master")  # 4000 bytes, before the disk filled up
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    blocks = os.statvfs(held.path).f_frsize
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=0, f_frsize=blocks, f_files=1000, f_favail=10))
+    empty = held.buffer(0, torch.float32, "state")  # a rank with no rows: no file at all
+    assert empty.tensor.numel() == 0
+    with pytest.raises(sw.ShardwiseError) as err:
+        held.buffer(10, torch.float32, "exp_avg")
+    said = str(err.value)
+    assert "0.0 MiB" not in said, said
+    assert f"no room for this rank's exp_avg buffer (40 bytes, {blocks} bytes on the disk)" \
+        in said or f"(40 bytes, {blocks / 1024:.3g} KiB on the disk)" in said, said
+    assert "the disk is full: 0 bytes free" in said, said
+    assert "already take 3.91 KiB" in said and "shardwise plan" in said, said
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
+        f_bavail=10**6, f_frsize=blocks, f_files=1000, f_favail=0))
+    with pytest.raises(sw.ShardwiseError, match="no free inodes"):
+        held.buffer(10, torch.float32, "exp_avg")

@@ -102,6 +102,11 @@ def test_plan_command_prints_a_table_and_json():
                                           "checkpoint.json"),
     ("consolidate CK CK/data-0123/x.safetensors", "would overwrite the checkpoint's own "
                                                   "data-0123"),
+    ("plan --world 2 --model shardwise.models:gpt --params 1e6",
+     "--model and --params/--layers are two descriptions of the model"),
+    ("plan --world 2 --model shardwise.models:gpt --layers 2", "give --model alone"),
+    ("plan --world 2 --params 1e6 --layers 2 --kwargs {}", "--kwargs are the arguments of "
+                                                           "--model's callable"),
 ])
 def test_bad_command_lines_are_one_line_usage_errors(argv, message, tmp_path, capsys,
                                                      monkeypatch):
@@ -124,3 +129,42 @@ def test_a_callable_that_builds_no_module_is_a_one_line_error(capsys):
 
     assert main(["plan", "--world", "2", "--model", "os:getcwd"]) == 1
     assert "'os:getcwd' built a str, not a torch.nn.Module" in capsys.readouterr().err
+
+
+def test_a_model_of_negative_size_is_a_one_line_error(capsys):
+    """Issue 41 item 10: n_layer=-1 built a GPT of no blocks, and the plan was printed."""
+    from shardwise.cli import main
+
+    assert main(["plan", "--world", "2", "--model", "shardwise.models:gpt", "--kwargs",
+                 '{"n_layer": -1}']) == 1
+    err = capsys.readouterr().err
+    assert "GPTConfig: n_layer=-1: must be a positive int" in err and "Traceback" not in err
+
+
+def test_consolidate_refuses_existing_weights_unless_forced(tmp_path, capsys):
+    """Issue 41 item 10: an export replaced an existing file without a word."""
+    import torch.nn as nn
+    from safetensors.torch import load_file
+
+    from shardwise.cli import main
+
+    ck, out, folder = (str(tmp_path / n) for n in ("ck", "out.safetensors", "export"))
+    model = nn.Linear(2, 2)
+    sw.save_checkpoint(ck, model)
+    open(out, "w").write("old")
+    os.makedirs(folder)
+    open(os.path.join(folder, "model.safetensors"), "w").write("old")
+    open(os.path.join(folder, "tokenizer.json"), "w").write("{}")  # not weights: allowed
+    for target in (out, folder):
+        with pytest.raises(SystemExit) as exit_:
+            main(["consolidate", ck, target])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "already exists; pass --force to replace it" in err, err
+    assert open(out).read() == "old"
+    for target, written in ((out, out), (folder, os.path.join(folder, "model.safetensors"))):
+        assert main(["consolidate", ck, target, "--force", "--no-progress"]) == 0
+        got = load_file(written)
+        assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(sw.ShardwiseError, match="already exists"):  # the function's option
+        sw.checkpoint.consolidate(ck, out, overwrite=False)

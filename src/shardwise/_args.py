@@ -44,6 +44,18 @@ def require_rank(value: Any, function: str, argument: str = "src_rank") -> None:
                              f"the group")
 
 
+def require_bool(value: Any, function: str, argument: str) -> None:
+    """Raise unless ``value`` is ``True`` or ``False``: a string such as ``"no"`` is
+    truthy, and would silently mean the opposite of what it says.
+
+    Raises:
+        ShardwiseError: ``function: argument must be True or False, got ...``.
+    """
+    if not isinstance(value, bool):
+        raise ShardwiseError(f"{function}: {argument} must be True or False, got "
+                             f"{shown(value)}; pass {argument}=True or {argument}=False")
+
+
 def shown(value: Any) -> str:
     """``value`` for a message: its type and a short repr."""
     text = repr(value)

@@ -93,7 +93,8 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     files = consolidate(args.checkpoint, args.output,
                         max_shard_bytes=int(args.max_shard_gb * 2**30),
-                        progress=None if not args.no_progress else False)
+                        progress=None if not args.no_progress else False,
+                        overwrite=args.force)
     for f in files:
         print(f)
     return 0
@@ -191,6 +192,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     c.add_argument("--max-shard-gb", type=_positive, default=5.0,
                    help="largest file in folder output (default 5)")
     c.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    c.add_argument("--force", action="store_true",
+                   help="replace weights already at OUTPUT (atomically, file by file)")
     c.set_defaults(func=_consolidate)
     i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
     i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
@@ -225,6 +228,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.set_defaults(func=_plan_command)
     from shardwise.demo.main import add_arguments
 
+    # Listed for --help only: main() hands `run` to the launcher before parsing, since
+    # its options are torchrun's (Note [launcher defaults] in shardwise/launcher.py).
+    sub.add_parser("run", help="launch SCRIPT like torchrun, with the settings restarts "
+                               "and elastic membership need set by default",
+                   usage="shardwise run [torchrun options] SCRIPT [ARGS]")
     d = sub.add_parser("demo", help="train a small GPT on Shakespeare over local CPU ranks")
     add_arguments(d)
     d.set_defaults(func=_demo)
@@ -262,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         $ shardwise consolidate ckpt/latest export/
         $ shardwise plan --params 7e9 --layers 32 --world 8
         $ shardwise plan --params 7e9 --layers 32 --mesh 16,8
+        $ shardwise run --nnodes 1:2 --nproc-per-node 8 --rdzv-endpoint node0:29400 train.py
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        from shardwise.launcher import main as launch
+
+        return launch(argv[1:])
     parser, commands = _parser()
     args = parser.parse_args(argv)
     if args.version:
@@ -274,12 +288,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command == "consolidate":
-        from shardwise.checkpoint.consolidation import output_problem
+        from shardwise.checkpoint.consolidation import exists_problem, output_problem
 
         problem = output_problem(args.checkpoint, args.output)
+        if not problem and not args.force:
+            problem = exists_problem(args.output)
         if problem:
             commands["consolidate"].error(problem)
     if args.command == "plan":
+        if args.model and (args.params is not None or args.layers is not None):
+            commands["plan"].error("--model and --params/--layers are two descriptions of "
+                                   "the model: give --model alone, or --params and --layers")
+        if args.kwargs and not args.model:
+            commands["plan"].error("--kwargs are the arguments of --model's callable: give "
+                                   "--model too")
         _check_plan_sizes(args, commands["plan"])
         if args.mesh is None and args.world is None:
             commands["plan"].error("give --world N, or --mesh R,S for hybrid sharding")

@@ -26,6 +26,15 @@ class GPTConfig:
     d_model: int = 512
     tie_weights: bool = True
 
+    def __post_init__(self) -> None:
+        # A negative n_layer built a GPT of no blocks (range(-1) is empty) and `shardwise
+        # plan` planned it without a word. ValueError, not ShardwiseError: these models do
+        # not depend on shardwise (the plan command words it as its own error).
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig: {name}={value!r}: must be a positive int")
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention then an MLP."""

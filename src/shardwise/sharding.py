@@ -181,7 +181,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             the world).
         prefetch: how many units ahead to gather while one computes, in forward and in
             backward (0: none). Each costs one more unit of full parameters in memory;
-            more than 1 helps when all-gathers are slow next to compute.
+            more than 1 helps when all-gathers are slow next to compute. More than the
+            number of units is refused.
         memory_budget: with ``units="auto"`` only: bytes of full parameters (in the
             compute dtype) that may be gathered at once. Default: a quarter
             (``memory.AUTO_BUDGET_FRACTION``) of the memory free on this rank's device
@@ -247,6 +248,17 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             chosen = auto.chosen
         else:
             chosen = choose_units(module, units)
+        # prefetch=k gathers the k units that ran after (forward) or before (backward) the
+        # one computing, so k >= units - 1 already keeps every unit gathered ahead (no
+        # saving over DDP); a larger k is a mistake (a byte count? 10**9?), refused rather
+        # than clamped so that the user learns what the number means. Up to the number
+        # of units is allowed, so that the default 1 holds for a one-unit model.
+        if prefetch > len(chosen):
+            raise ShardwiseError(
+                f"prefetch={prefetch}: the model has {len(chosen)} unit(s), so at most "
+                f"{max(len(chosen) - 1, 0)} can be gathered ahead of the one computing; "
+                f"prefetch counts units, each one more unit of full parameters in memory. "
+                f"Use 1 (the default) or 2 when all-gathers are slow next to compute")
         records = discover_params(module, [n for n, _ in chosen])
         _check_params(records, comm.rank, src_rank, offload, topo.shard.world_size)
         if any(uses_protocol(r.param) for r in records):

@@ -57,12 +57,41 @@ def output_problem(checkpoint: str, output: str) -> str | None:
     return None
 
 
+def exists_problem(output: str) -> str | None:
+    """Why an export must not go to ``output`` without ``--force``, or None."""
+    found = existing_outputs(output)
+    if not found:
+        return None
+    shown = ", ".join(repr(f) for f in found[:3]) + (" ..." if len(found) > 3 else "")
+    return (f"{shown} already exist{'s' if len(found) == 1 else ''}; pass --force to "
+            f"replace {'it' if len(found) == 1 else 'them'} (each file is replaced "
+            f"atomically), or name another output")
+
+
+def existing_outputs(output: str) -> list[str]:
+    """The weights files an export to ``output`` would replace: the file itself, or in a
+    folder its ``model.safetensors``, index and numbered shards (other files in a folder,
+    a tokenizer's, are left alone and never refused)."""
+    if _as_folder(output):
+        if not os.path.isdir(output):
+            return []
+        return sorted(os.path.join(output, f) for f in os.listdir(output)
+                      if f in ("model.safetensors", "model.safetensors.index.json")
+                      or (f.startswith("model-") and f.endswith(".safetensors")))
+    return [output] if os.path.lexists(output) else []
+
+
+def _as_folder(output: str) -> bool:
+    return (os.path.isdir(output) or output.endswith(os.sep)
+            or not output.endswith(".safetensors"))
+
+
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
 def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
-                progress: bool | None = None) -> list[str]:
+                progress: bool | None = None, *, overwrite: bool = True) -> list[str]:
     """Write a checkpoint's full parameters and buffers as safetensors.
 
     Memory stays at one tensor: each is assembled from its pieces and streamed out.
@@ -77,24 +106,29 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
             Hugging Face config.
         max_shard_bytes: largest shard in folder output.
         progress: show a progress bar (default: when stderr is a terminal).
+        overwrite: replace existing weights files at ``output`` (each file is replaced
+            atomically, so a reader sees the old file or the new one). ``False`` (what
+            ``shardwise consolidate`` passes without ``--force``) refuses them first.
 
     Returns:
         The files written.
 
     Raises:
-        ShardwiseError: for a missing, truncated or corrupt checkpoint file, or an
-            output that is the checkpoint folder or one of its own entries.
+        ShardwiseError: for a missing, truncated or corrupt checkpoint file, an
+            output that is the checkpoint folder or one of its own entries, or, without
+            ``overwrite``, weights already at ``output``.
 
     Example:
         >>> consolidate("ckpt/latest", "export/")   # then AutoModel.from_pretrained("export/")
     """
     problem = output_problem(checkpoint, output)
+    if not problem and not overwrite:
+        problem = exists_problem(output)
     if problem:
         raise ShardwiseError(f"consolidate: {problem}")
     ck = _Checkpoint(checkpoint)
     entries = _entries(ck)
-    as_folder = (os.path.isdir(output) or output.endswith(os.sep)
-                 or not output.endswith(".safetensors"))
+    as_folder = _as_folder(output)
     bar = Progress(sum(_nbytes(d, s) for _, d, s, _, _ in entries), "consolidating",
                    enabled=progress)
     if not as_folder:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
+from .._args import require_bool
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
@@ -203,6 +204,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
     """
     path = path_argument(path, "save_checkpoint")
+    require_bool(keep_previous, "save_checkpoint", "keep_previous")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)

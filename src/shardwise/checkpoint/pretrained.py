@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from .._args import require_bool
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
@@ -97,6 +98,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> model = sw.shard(LlamaForCausalLM(config))
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
+    require_bool(strict, "load_pretrained", "strict")
     refuse_packed(module, "sw.load_pretrained")
     comm = comm_of(module)
     what = "load_pretrained failed"

@@ -143,10 +143,24 @@ class Resumable:
         ``every``-th step and after the last one.
 
         Raises:
-            ShardwiseError: ``total`` is not a non-negative int.
+            ShardwiseError: ``total`` is not a non-negative int; on every rank, when the
+                ranks' ``total``, ``every`` or ``keep`` differ (naming each rank's).
         """
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ShardwiseError(f"Resumable.steps: total must be an int >= 0, not {total!r}")
+        # Ranks whose loops differ (steps(5) against steps(8), every=2 against every=3)
+        # would part at the first save only one of them makes, and only the peer watch
+        # would name them, after SHARDWISE_PEER_TIMEOUT. One small all-gather, once per
+        # loop, names them at once, on every rank.
+        loops = self._everyone((total, self.every, self.keep))
+        if len(set(loops)) > 1:
+            said = "; ".join(f"rank {r}: steps({t}) with every={e}, keep={k}"
+                             for r, (t, e, k) in enumerate(loops))
+            raise ShardwiseError(
+                f"Resumable.steps: the ranks run different loops ({said}). Saves are "
+                f"collective, so every rank must pass the same total to steps() and the "
+                f"same every= and keep= to Resumable; compute them from values every rank "
+                f"shares (not from a rank's own data length)")
         while self.step < total:
             yield self.step
             self.step += 1

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
@@ -52,6 +53,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         >>> if dist.get_rank() == 0:
         ...     safetensors.torch.save_file(sd, "model.safetensors")
     """
+    require_bool(rank0_only, "full_state_dict", "rank0_only")
     state = owning_state(module)
     if state is not None:
         keep = not rank0_only or state.comm.rank == 0

@@ -30,13 +30,15 @@ What the waiting rank concludes from the notes, and when:
   checked) raises a ``CollectiveError`` at once;
 - a peer in a different shardwise operation, its note unchanged for
   ``SHARDWISE_PEER_TIMEOUT`` seconds (default 30; 0 turns the watch off), raises: the
-  ranks diverged;
+  ranks diverged (the collective given up on stays pending, and must not hold the
+  process at its exit: Note [abandoned waits] in comm/process_group.py);
 - a peer outside shardwise for that long cannot be told apart: it may be working on its
   own (writing a sample, evaluating a consolidated copy, a slow data loader), which DDP
   waits for and which must never kill the job, or waiting in a collective of its own
   (``dist.barrier()``), which no note shows. So the waiting rank warns, naming what each
-  rank does and what to do, repeats the warning every ``SHARDWISE_PEER_TIMEOUT`` seconds,
-  and goes on waiting; if the process group's timeout ends the wait, the error carries
+  rank does and what to do (first the likeliest cause, a rank whose data ran out, and its
+  fixes), repeats a short warning every ``SHARDWISE_PEER_TIMEOUT`` seconds, and goes on
+  waiting; if the process group's timeout ends the wait, the error carries
   the same text;
 - a peer busy in the same kind of operation (a slow rank still computing its forward) is
   waited for, as long as the process group's timeout allows.
@@ -67,6 +69,7 @@ import torch.distributed as dist
 
 from .._env import peer_timeout
 from ..errors import CollectiveError
+from .process_group import keep_groups_at_exit
 
 _KEY = "shardwise/activity/{}"
 _LOOK_AFTER = 2.0      # seconds a wait lasts before the peers' notes are read
@@ -165,11 +168,20 @@ def wait_watched(wait_slice: Callable[[float | None], bool], comm: Any, what: st
         while not wait_slice(_SLICE):
             now = time.monotonic()
             if now - watch.start >= _LOOK_AFTER:
-                watch.look(now)
+                try:
+                    watch.look(now)
+                except BaseException:
+                    # The wait is given up on, its collective still pending: Note
+                    # [abandoned waits] in comm/process_group.py.
+                    keep_groups_at_exit()
+                    raise
     except RuntimeError as err:
         if watch.warning is None:
             raise
         raise CollectiveError(f"{watch.warning}. The wait then ended: {err}") from err
+    except KeyboardInterrupt:
+        keep_groups_at_exit()  # Ctrl-C leaves the collective pending too
+        raise
     return watch.warning
 
 
@@ -225,24 +237,36 @@ class _Watch:
                 f"{waited}, which its peers are not in: {lines}. Every rank must run "
                 f"the model's forward and backward and shardwise's collective operations "
                 f"together, in the same order. The process group cannot be used after "
-                f"this error")
+                f"this error: let it end the program (dist.destroy_process_group() would "
+                f"wait for the abandoned collective until the process group's timeout)")
         if now - self._warned_at < self.limit:
             return
         self._warned_at = now
+        if self.warning is not None:
+            # Every later warning is short: the first one said the cause and the fixes.
+            warnings.warn(f"shardwise: {waited}; still waiting for rank(s) {outside}: "
+                          f"{lines} (the first warning of this wait says why)",
+                          RuntimeWarning, stacklevel=2)
+            return
+        # The first warning leads with the likeliest cause, a rank whose data ran out
+        # (uneven data: it left the loop and waits in dist.barrier() or the end of the
+        # script), and its fixes, before the other cause and the rule of patience.
         self.warning = (
-            f"{waited}, which rank(s) {outside} are not in: {lines}. If that rank is busy "
-            f"on purpose (writing a sample, evaluating alone, a slow data loader), this "
-            f"rank waits for it, as DDP would. If it is waiting in a collective of its own, "
-            f"the ranks are stuck and this wait ends at the process group's timeout "
-            f"(sw.init_distributed(timeout=...)). The likely causes: the ranks ran "
-            f"different numbers of batches (its data ran out first): give every rank the "
-            f"same number, as DistributedSampler does by padding (drop_last=True, or the "
-            f"same dataset length on every rank); or one rank runs the model alone "
-            f"(`if rank == 0: evaluate(model)` while the others wait in dist.barrier()): "
-            f"gather on every rank first (`with sw.gathered(model):` on every rank, then "
-            f"evaluate on one) or evaluate a consolidated copy (docs/troubleshooting.md). "
-            f"SHARDWISE_PEER_TIMEOUT (now {self.limit:g} s) sets how long a peer may be "
-            f"away before this warning")
+            f"{waited}, which rank(s) {outside} are not in: {lines}. Likely cause: the "
+            f"ranks ran different numbers of batches and rank(s) {outside} ran out of "
+            f"data first (they wait in dist.barrier() or at the end of the script, and "
+            f"the ranks are stuck). Fix: give every rank the same number of batches: cut "
+            f"one global batch per step with sw.micro_batches(batch, M), or use "
+            f"drop_last=True in the DataLoader, or DistributedSampler, whose padding "
+            f"gives every rank the same count. The other likely cause: one rank runs the "
+            f"model alone (`if rank == 0: evaluate(model)` while the others wait in "
+            f"dist.barrier()): gather on every rank first (`with sw.gathered(model):` on "
+            f"every rank, then evaluate on one) or evaluate a consolidated copy "
+            f"(docs/troubleshooting.md). If the rank is busy on purpose (writing a "
+            f"sample, a slow data loader), this rank waits for it, as DDP would; if it "
+            f"is stuck, this wait ends at the process group's timeout "
+            f"(sw.init_distributed(timeout=...)). SHARDWISE_PEER_TIMEOUT (now "
+            f"{self.limit:g} s) sets how long a peer may be away before this warning")
         warnings.warn(f"shardwise: {self.warning}", RuntimeWarning, stacklevel=2)
 
     def _read(self, store: Any, now: float

@@ -32,10 +32,31 @@ taken for one of this attempt. The process group then lives under
 ``shardwise/<run id>/<generation>/`` in the store, where no earlier attempt wrote.
 ``tests/test_elastic.py`` restarts workers in a store that holds an earlier attempt's
 keys.
+
+Note [abandoned waits]
+The peer watch (Note [peer watch] in comm/peers.py) raises while a collective is still
+pending: its peers went elsewhere and will never join it. Gloo runs that collective on a
+worker thread that waits for the peers until the process group's timeout, and
+``ProcessGroupGloo``'s destructor joins that thread. The group is freed at interpreter
+shutdown (or by ``destroy_process_group``), so a rank that raised and let the error end
+the program sat in shutdown, its traceback printed, until the timeout (10 minutes by
+default), and torchrun, which ends the job when a worker exits, waited with it. Gloo's
+``abort()`` does not stop the thread either (measured: it still waits for the peers).
+So once a wait is abandoned, :func:`keep_groups_at_exit` registers an ``atexit``
+function that keeps every process group alive past the interpreter's shutdown: no
+destructor joins, the process exits with the program's own status within a second, and
+the operating system ends gloo's threads with it. (``os._exit`` would also end at once,
+but it would lose the exit status and the buffers of the program's own open files.)
+Nothing else changes: a program that catches the error and goes on is unaffected until
+it exits. ``destroy_process_group`` of such a group still waits (torch joins there
+too), so the error says to let it end the program instead. ``tests/test_launcher.py``
+launches a rank that gives up an all-gather this way and times the job's end (130 s
+before, at a 120 s group timeout; within seconds now).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import os
@@ -57,6 +78,28 @@ if dist.is_available() and not dist.is_initialized():
 # minutes for gloo, 10 for NCCL) make a diverged run sit idle for half an hour. Ten
 # minutes still covers a slow first checkpoint or a large load on one rank.
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+_keep_registered = False
+
+
+def keep_groups_at_exit() -> None:
+    """Note [abandoned waits]: a pending collective was given up on; the process must
+    not join its gloo thread at exit. Idempotent."""
+    global _keep_registered
+    if not _keep_registered:
+        _keep_registered = True
+        atexit.register(_keep_groups)
+
+
+def _keep_groups() -> None:
+    """Hold one reference to every live process group that the interpreter's shutdown
+    never drops, so that no group's destructor runs (Note [abandoned waits])."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {})
+    if not groups:
+        return
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(groups))
 
 
 def _die_with_agent() -> None:

@@ -360,7 +360,8 @@ def run(cfg: DemoConfig) -> None:
 
     Raises:
         ShardwiseError: for a bad ``nproc``, ``steps`` or ``batch``, or an ``out`` that
-            is not a folder. A failed run removes the folder it created.
+            is not a folder, a link to nowhere, or a folder that cannot be created. A
+            failed run removes the folder it created.
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: when a rank
             failed (its traceback is printed).
     """
@@ -377,8 +378,18 @@ def run(cfg: DemoConfig) -> None:
     if cfg.out is not None and os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ShardwiseError(f"--out {cfg.out}: not a folder; give a folder for the "
                              f"checkpoint (created if absent), or leave --out out")
+    if cfg.out is not None and os.path.islink(cfg.out) and not os.path.exists(cfg.out):
+        raise ShardwiseError(f"--out {cfg.out}: a symbolic link that leads nowhere (a loop, "
+                             f"or a missing target); remove it or give another folder")
     created = cfg.out is None or not os.path.exists(cfg.out)
     out = cfg.out or tempfile.mkdtemp(prefix="shardwise-demo-")
+    try:
+        # Here, not in the ranks: a folder that cannot be made (no permission, a file on
+        # the way) is one line, not every rank's traceback.
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ShardwiseError(f"--out {out}: cannot create the folder ({e.strerror or e}); "
+                             f"give a folder you can write") from None
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.nproc,
                           run_id=f"shardwise-demo-{uuid.uuid4().hex[:8]}",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._args import shown
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
 
@@ -60,7 +61,8 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
 
     Raises:
         ShardwiseError: the world size does not divide ``count``, a tensor's length
-            does not split into ``count`` equal parts, or the tensors' lengths differ.
+            does not split into ``count`` equal parts, the tensors' lengths differ, or
+            the batch holds no tensor.
 
     Example:
         >>> model = sw.shard(GPT(cfg), reproducible=True)
@@ -100,6 +102,10 @@ def _check_lengths(batch: Any) -> None:
                 walk(v, f"{path}[{i}]")
 
     walk(batch, "batch")
+    if not lengths:  # 0-dim tensors were refused by _split: there is no tensor at all
+        raise ShardwiseError(f"micro_batches: the batch holds no tensor ({shown(batch)}), so "
+                             f"there is nothing to cut into micro-batches; pass the global "
+                             f"batch: a tensor, or a tuple, list or dict of tensors")
     if len(set(lengths.values())) > 1:
         said = ", ".join(f"{p}: {n}" for p, n in lengths.items())
         raise ShardwiseError(f"micro_batches: the batch's tensors have different lengths "
@@ -119,7 +125,7 @@ def global_mean(values: Sequence[torch.Tensor | float],
         group: the model's process group (default: the world).
 
     Raises:
-        ShardwiseError: ranks passed different numbers of values.
+        ShardwiseError: ranks passed different numbers of values, or none at all.
 
     Example:
         >>> losses = [model(xb, yb) for xb, yb in sw.micro_batches((x, y), 8)]
@@ -139,6 +145,11 @@ def global_mean(values: Sequence[torch.Tensor | float],
         raise ShardwiseError(f"global_mean: ranks passed {[len(v) for v in everyone]} values; "
                              f"every rank must pass one per micro-batch it ran")
     flat = [v for rank_values in everyone for v in rank_values]
+    if not flat:  # checked after the exchange: every rank raises, none waits alone
+        raise ShardwiseError("global_mean: every rank passed an empty list of values, whose "
+                             "mean does not exist (it would be nan); pass one value per "
+                             "micro-batch this rank ran (sw.micro_batches gives each rank "
+                             "at least one)")
     total = torch.zeros((), dtype=torch.float64)
     for v in flat:  # in micro-batch order: the same sum at every world size
         total += v

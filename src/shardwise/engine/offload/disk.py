@@ -25,18 +25,20 @@ _lock = threading.Lock()
 class DiskBuffer:
     """``numel`` elements of ``dtype`` in a file of their own, viewed by ``tensor``."""
 
-    def __init__(self, mapping: mmap.mmap, tensor: torch.Tensor, nbytes: int) -> None:
-        self._map = mapping
+    def __init__(self, mapping: mmap.mmap | None, tensor: torch.Tensor, nbytes: int) -> None:
+        self._map = mapping  # None: no elements, no file
         self.tensor = tensor
         self.nbytes = nbytes
 
     def release(self) -> None:
         """Drop the pages from this process (the page cache keeps what was written)."""
-        self._map.madvise(mmap.MADV_DONTNEED)
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     def prefetch(self) -> None:
         """Start reading the file into the page cache without waiting."""
-        self._map.madvise(mmap.MADV_WILLNEED)
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_WILLNEED)
 
 
 class DiskFolder:
@@ -85,7 +87,11 @@ class DiskFolder:
         Raises:
             ShardwiseError: when the disk has no room for it, with the sizes.
         """
-        nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes == 0:
+            # A rank may hold no rows of a group: no file (which would still take a block
+            # of a disk that may be full, and fail for nothing).
+            return DiskBuffer(None, torch.empty(0, dtype=dtype), 0)
         with _lock:
             self._count += 1
             name = os.path.join(self.path, f"{self._count:07d}-{what}.bin")
@@ -96,13 +102,7 @@ class DiskFolder:
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                free = os.statvfs(self.path)
-                raise ShardwiseError(
-                    f"offload folder {self.path}: no room for {nbytes / 2**20:.1f} MiB more "
-                    f"({free.f_bavail * free.f_frsize / 2**20:.1f} MiB free, "
-                    f"{self.bytes / 2**20:.1f} MiB already used by this rank). Free space or "
-                    f"choose a larger disk (`shardwise plan` gives the bytes per "
-                    f"tier)") from e
+                raise ShardwiseError(self._no_room(nbytes, what, e.errno)) from e
             mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -112,6 +112,40 @@ class DiskFolder:
         tensor = torch.frombuffer(mapping, dtype=dtype, count=numel) if numel else \
             torch.empty(0, dtype=dtype)
         return DiskBuffer(mapping, tensor, nbytes)
+
+
+    def _no_room(self, nbytes: int, what: str, code: int | None) -> str:
+        """Why the disk refused ``nbytes``, in sizes that never round to nothing (a small
+        buffer on a full disk once said "no room for 0.0 MiB")."""
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        # The disk hands out whole blocks: what this buffer takes there.
+        need = -(-nbytes // st.f_frsize) * st.f_frsize if st.f_frsize else nbytes
+        if code == errno.EDQUOT:
+            cause = "this user's disk quota is used up"
+        elif st.f_files and st.f_favail == 0:
+            cause = "the disk has no free inodes (files) left"
+        elif free < need:
+            cause = f"the disk is full: {_size(free)} free"
+        else:
+            cause = (f"the disk reports {_size(free)} free but refused the space (space "
+                     f"reserved for root, or a quota)")
+        return (f"offload folder {self.path}: no room for this rank's {what} buffer "
+                f"({_size(nbytes)}, {_size(need)} on the disk): {cause}. This rank's "
+                f"buffers already take {_size(self.bytes)} there, and more follow (the "
+                f"gradients and optimizer state are made at first use): `shardwise plan "
+                f"--model ... --offload ...` gives the bytes per rank. Free space or give a "
+                f"folder= on a larger disk")
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for a message: exact below 1 KiB, else 3 significant digits."""
+    if n < 1024:
+        return f"{n} bytes"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"  # unreachable
 
 
 def _raise_file_limit() -> None:
