@@ -190,9 +190,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ShardwiseError(f"full_optimizer_state_dict: optimizer must be a "
                              f"torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if type(rank0_only) is not bool:
-        raise ShardwiseError(f"full_optimizer_state_dict: rank0_only={rank0_only!r}: "
-                             f"expected True or False")
+    require_bool(rank0_only, "full_optimizer_state_dict", "rank0_only")
     state = owning_state(module)
     sd = optimizer.state_dict()
     if state is None:

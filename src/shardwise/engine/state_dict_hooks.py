@@ -190,9 +190,15 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
             error = rows_refusal("model", found, state.topology.shard.world_size)
     except ShardwiseError as e:
         error = str(e)
-    what = f"load_state_dict into {type(module).__name__}"
-    if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
-        announce(state.comm, "load_state_dict", state.number)
+    _verdict(state, "load_state_dict", f"load_state_dict into {type(module).__name__}",
+             pieces, error)
+
+
+def _verdict(state: Any, operation: str, what: str, pieces: bool, error: str | None) -> None:
+    """Raise ``error`` of a load's rows check; agreed on every rank when the loaded dict
+    holds sharded values, which only can be another rank's (Note [rows of one rank])."""
+    if pieces:
+        announce(state.comm, operation, state.number)
         agree(state.comm, error, what)
     elif error is not None:
         raise ShardwiseError(f"{what}: {error}")
@@ -401,12 +407,8 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
             error = rows_refusal("optimizer", found, model.topology.shard.world_size)
     except ShardwiseError as e:
         error = str(e)
-    what = f"{type(optimizer).__name__}.load_state_dict"
-    if pieces:  # Note [rows of one rank]: only sharded values can be another rank's
-        announce(model.comm, "optimizer.load_state_dict", model.number)
-        agree(model.comm, error, what)
-    elif error is not None:
-        raise ShardwiseError(f"{what}: {error}")
+    _verdict(model, "optimizer.load_state_dict",
+             f"{type(optimizer).__name__}.load_state_dict", pieces, error)
     return {**state_dict, "state": state}
 
 
