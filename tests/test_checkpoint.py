@@ -506,7 +506,7 @@ def test_load_pretrained_refuses_a_key_stored_in_two_files(tmp_path):
 def _save_failures(rank, world, root):
     import errno
 
-    import shardwise.checkpoint.io as io
+    import shardwise.checkpoint.save as save
 
     model = sw.shard(_gpt(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -524,7 +524,7 @@ def _save_failures(rank, world, root):
     messages["extra"] = str(err.value)
     # A full disk on rank 1: its data file, streamed a tensor at a time (Note [streamed
     # save]), fails half-way, after some tensors reached the file.
-    real = io.SafetensorsStreamWriter.write
+    real = save.SafetensorsStreamWriter.write
     written = [0]
 
     def full_disk(self, name, tensor):
@@ -533,13 +533,13 @@ def _save_failures(rank, world, root):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, name, tensor)
 
-    io.SafetensorsStreamWriter.write = full_disk
+    save.SafetensorsStreamWriter.write = full_disk
     try:
         with pytest.raises(sw.ShardwiseError) as err:
             sw.save_checkpoint(good, model, opt, extra={"step": 2})
         messages["disk"] = str(err.value)
     finally:
-        io.SafetensorsStreamWriter.write = real
+        save.SafetensorsStreamWriter.write = real
     torch.distributed.barrier()
     # The last good checkpoint is intact and alone: the failed save left no data folder.
     assert sw.load_checkpoint(good, model, opt) == {"step": 1}

@@ -1,7 +1,7 @@
 """The save protocol under failure and concurrency: a crash at any step, on any rank, in
 any way, leaves the new or the previous checkpoint, loadable exactly, and no debris once
 a save succeeds; two writers never both write; a reader beside a writer always loads a
-whole checkpoint (Note [save protocol] in checkpoint/io.py, Note [one writer] in
+whole checkpoint (Note [save protocol] in checkpoint/save.py, Note [one writer] in
 checkpoint/_lock.py)."""
 
 import multiprocessing as mp
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 
 import shardwise as sw
-import shardwise.checkpoint.io as io
+import shardwise.checkpoint.save as save
 from shardwise.checkpoint._lock import LOCK, FolderLock
 from shardwise.models import SmallCNN
 
@@ -47,7 +47,7 @@ def _base(rank, world, folder):
 
 def _record_steps(rank, world, folder):
     seen = []
-    io._reached = seen.append
+    save._reached = seen.append
     model, opt = _trained(3)
     sw.save_checkpoint(folder, model, opt, extra={"v": 2})
     return seen
@@ -62,7 +62,7 @@ def _crash(rank, world, folder, step, victim, mode):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"injected failure at {name}")
 
-    io._reached = reached
+    save._reached = reached
     model, opt = _trained(3)
     try:
         sw.save_checkpoint(folder, model, opt, extra={"v": 2})
@@ -97,7 +97,7 @@ def _contents(folder):
 
 
 def _named(folder):
-    return io._committed_data(folder)
+    return save._committed_data(folder)
 
 
 @pytest.mark.slow
@@ -113,7 +113,7 @@ def test_a_crash_at_every_step_keeps_the_new_or_the_previous_checkpoint(tmp_path
     new = _loaded(reference)
     assert old[0] == {"v": 1} and new[0] == {"v": 2}
     # Every step of the protocol is passed, in order; rank 1 passes the shared ones.
-    assert tuple(seen[0]) == io.SAVE_STEPS
+    assert tuple(seen[0]) == save.SAVE_STEPS
     assert set(seen[1]) < set(seen[0])
 
     cases = 0
@@ -135,14 +135,14 @@ def test_a_crash_at_every_step_keeps_the_new_or_the_previous_checkpoint(tmp_path
                         assert res[1], (where, r, res)
                         if step in ("agreed", "tidied"):  # after the final agreement
                             assert res[0] == "ok", (where, r, res)
-                committed = io.SAVE_STEPS.index(step) >= io.SAVE_STEPS.index(
+                committed = save.SAVE_STEPS.index(step) >= save.SAVE_STEPS.index(
                     "committed" if victim == 0 else "reports")
                 got = _loaded(folder)
                 _assert_same(got, new if committed else old, where)
                 data, other = _contents(folder)
                 if results[0] is not None:  # rank 0 lived
                     assert other == [], (where, other)
-                    locked = io.SAVE_STEPS.index(step) >= io.SAVE_STEPS.index(
+                    locked = save.SAVE_STEPS.index(step) >= save.SAVE_STEPS.index(
                         "locked" if victim == 0 else "data-tmp")
                     # Once it had the lock, it tidied: the committed data and the data
                     # it replaced (if it replaced any) are left. Before, it touched nothing.

@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import json
 import os
+import random
 import struct
 import sys
 from collections.abc import Callable, Iterable
@@ -121,7 +122,7 @@ def write_atomic(path: str, data: bytes,
     """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256.
 
     ``before_rename`` runs once the temporary file is complete (a point of the save
-    protocol, Note [save protocol] in io.py)."""
+    protocol, Note [save protocol] in save.py)."""
     tmp = f"{path}{TMP_MARK}{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -288,3 +289,25 @@ def flat_range(reader_slice, shape: Iterable[int], lo: int, hi: int) -> torch.Te
     r0, r1 = lo // row, -(-hi // row)
     rows = reader_slice[r0:r1]
     return rows.reshape(-1)[lo - r0 * row:hi - r0 * row]
+
+
+def packed_key(main: str, inner: str) -> str:
+    """The data-file key of a quantized parameter's inner tensor (Note [packed
+    checkpoints])."""
+    return f"packed/{main}/{inner}"
+
+
+def by_rank(values: list) -> str:
+    """Per-rank values for a message: ``rank 0: 'a', rank 1: 'b'``."""
+    return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+
+
+def python_rng_state() -> list:
+    """Python's ``random`` state as JSON values."""
+    version, state, gauss = random.getstate()
+    return [version, list(state), gauss]
+
+
+def set_python_rng_state(saved: list) -> None:
+    """Restore a state from :func:`python_rng_state`."""
+    random.setstate((saved[0], tuple(saved[1]), saved[2]))

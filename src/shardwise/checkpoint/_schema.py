@@ -15,7 +15,7 @@ the metadata as a load does, against the data files. Every failure names the fil
 field and the problem.
 
 A checksum recomputed by whoever edits the file proves nothing, so the metadata is also
-checked against what the data files say of themselves (io._check_files): every tensor's
+checked against what the data files say of themselves (verify.check_files): every tensor's
 dtype and shape in its file's header, and the pieces each rank's file records that it
 holds. A file that records its pieces (format 2) is checked as such whatever
 ``format_version`` claims: a metadata "downgraded" to format 1 cannot skip the check.
@@ -249,7 +249,7 @@ def _optimizer(c: _Checker, opt: Any, shapes: dict[str, tuple[int, ...]],
                 continue
             c.dtype(info.get("dtype"), f"{f}.dtype")
             # A sharded tensor's pieces are the parameter's; their lengths are checked
-            # against the data files' headers when it is read (io._check_files).
+            # against the data files' headers when it is read (verify.check_files).
             shape = c.shape(info.get("shape"), f"{f}.shape")
             like_param = len(shape) > 0 and shape == shapes[name]
             # Version 1 recorded rank 0's local shape for sharded state.

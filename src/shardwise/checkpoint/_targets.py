@@ -170,7 +170,7 @@ def comm_of(module: nn.Module) -> Comm | None:
 
 
 # A value to write: the tensor, or what reads it (a disk tier's rows, read one at a time:
-# Note [streamed load] in io.py).
+# Note [streamed load] in load.py).
 Value = torch.Tensor | Callable[[], torch.Tensor]
 
 

@@ -18,10 +18,10 @@ from ._format import (
 )
 from ._lock import LOCK
 from ._schema import CHECKSUM, canonical_sha256
-from .io import _Checkpoint
+from .verify import VerifiedCheckpoint
 
 
-def _entries(ck: _Checkpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], str, str]]:
+def _entries(ck: VerifiedCheckpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], str, str]]:
     """(output name, dtype, shape, kind, source key) for every tensor, tied names included."""
     if ck.meta.get("packed"):
         raise ShardwiseError(
@@ -126,7 +126,7 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
         problem = exists_problem(output)
     if problem:
         raise ShardwiseError(f"consolidate: {problem}")
-    ck = _Checkpoint(checkpoint)
+    ck = VerifiedCheckpoint(checkpoint)
     entries = _entries(ck)
     as_folder = _as_folder(output)
     bar = Progress(sum(_nbytes(d, s) for _, d, s, _, _ in entries), "consolidating",
@@ -169,7 +169,7 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
     return written
 
 
-def _write(ck: _Checkpoint, path: str, entries, bar: Progress) -> None:
+def _write(ck: VerifiedCheckpoint, path: str, entries, bar: Progress) -> None:
     writer = SafetensorsStreamWriter(path, [(n, d, s) for n, d, s, _, _ in entries],
                                      metadata={"format": "pt"})
     try:
@@ -192,7 +192,7 @@ def _write(ck: _Checkpoint, path: str, entries, bar: Progress) -> None:
 def describe(checkpoint: str) -> str:
     """A human-readable summary of a checkpoint (what ``shardwise inspect`` prints); an
     unsigned one is described too, and says so (``shardwise sign``)."""
-    ck = _Checkpoint(checkpoint, signed=False)
+    ck = VerifiedCheckpoint(checkpoint, signed=False)
     m = ck.meta
     entries = _entries(ck)
     total = sum(_nbytes(d, s) for _, d, s, _, _ in entries)

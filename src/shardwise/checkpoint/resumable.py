@@ -45,10 +45,18 @@ from .._args import require_module, require_optimizer
 from .._log import logger
 from ..comm.agree import agreed
 from ..errors import ShardwiseError
-from ._format import META, path_argument, read_json, write_json_atomic
+from ._format import (
+    META,
+    path_argument,
+    python_rng_state,
+    read_json,
+    set_python_rng_state,
+    write_json_atomic,
+)
 from ._lock import FolderLock
 from ._targets import comm_of
-from .io import load_checkpoint, python_rng_state, save_checkpoint, set_python_rng_state
+from .load import load_checkpoint
+from .save import save_checkpoint
 
 _STEP = re.compile(r"^step-(\d{8,})$")
 _KEY = "shardwise.resumable"

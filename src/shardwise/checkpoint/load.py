@@ -1,0 +1,342 @@
+"""``load_checkpoint``: read and verify everything, then change the model, at any world size.
+
+A load at another world size reads, for each new piece, the slices of the old pieces
+that overlap it. Files are read through verify.py's ``VerifiedCheckpoint``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..comm.agree import agreed
+from ..comm.order_check import operation
+from ..engine.alloc import freed
+from ..engine.offload.storage import GroupStorage
+from ..errors import ShardwiseError
+from ._format import (
+    BUFFERS_FILE,
+    by_rank,
+    dtype_from_name,
+    dtype_name,
+    packed_key,
+    path_argument,
+    rank_file,
+    set_python_rng_state,
+    summary,
+)
+from ._targets import (
+    InnerTarget,
+    PackedTarget,
+    ParamTarget,
+    Value,
+    apply_values,
+    comm_of,
+    match_targets,
+    module_targets,
+    packed_targets,
+)
+from .verify import VerifiedCheckpoint, check_files
+
+_LOAD_ATTEMPTS = 5  # reads of a checkpoint replaced meanwhile before giving up
+
+
+@operation("load_checkpoint", lambda path, module, **_: (
+    comm_of(module), f"load_checkpoint({path_argument(path, 'load_checkpoint')!r})", None))
+def load_checkpoint(path: str | os.PathLike, module: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint`, at any world size.
+
+    Everything is read and verified (names, shapes, dtypes, file sizes and SHA-256, the
+    pieces each file holds, hyperparameter types, RNG states) before anything changes; a
+    failure on any rank raises on every rank and leaves the module and optimizer
+    untouched. RNG states are restored when the world size is the one saved. A load
+    running beside a save into the same folder loads the old or the new checkpoint
+    (every rank the same one), starting again if the save replaced it mid-read.
+
+    Args:
+        path: the checkpoint folder.
+        module: the model, sharded (at any world size) or not.
+        optimizer: optional optimizer over ``module.parameters()``, same class and groups.
+
+    Returns:
+        ``extra`` exactly as saved.
+
+    Raises:
+        ShardwiseError: naming the file and the problem (missing, truncated, corrupt,
+            metadata that contradicts the files), or listing missing, unexpected and
+            mismatched tensors; ``path`` is not a path, or differs across ranks.
+
+    Example:
+        >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
+    """
+    path = path_argument(path, "load_checkpoint")
+    comm = comm_of(module)
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    what = f"load_checkpoint({path!r}) failed"
+    everyone = comm.all_gather_object if comm is not None and world > 1 else (lambda x: [x])
+    paths = everyone(path)
+    if len(set(paths)) > 1:
+        raise ShardwiseError(f"{what}: the ranks were given different paths: "
+                             f"{by_rank(paths)}")
+    for _ in range(_LOAD_ATTEMPTS):
+        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world))
+        digest = got[0] if got is not None else None
+        digests = everyone(digest)
+        if got is not None and None not in digests and len(set(digests)) == 1:
+            break
+    else:
+        raise ShardwiseError(f"{what}: {path} was replaced by another save during each of "
+                             f"{_LOAD_ATTEMPTS} attempts to read it; is a job saving into "
+                             f"it in a loop?")
+    values, buffer_values, (opt_sd, deferred), rng, extra = got[1]
+
+    def apply() -> None:
+        apply_values(values, buffer_values)
+        if optimizer is not None:
+            optimizer.load_state_dict(opt_sd)
+            for adopt in deferred:  # Note [streamed load]
+                adopt()
+        if rng is not None:
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng[1])
+            set_python_rng_state(rng[2])
+
+    # Everything that could fail was checked above; should anything still fail on one
+    # rank, every rank says so instead of the others going on to hang.
+    agreed(comm, f"{what} while applying the checked values", apply, changed=True)
+    return extra
+
+
+def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
+    """(digest of the metadata read, the values read), or None when a save replaced the
+    checkpoint while it was being read (the caller starts again)."""
+    params, buffers = module_targets(module)
+    packed = packed_targets(module)
+    ck = VerifiedCheckpoint(path, expect=len(params) + len(packed) + len(buffers))
+    try:
+        return ck.digest, _read_values(ck, params, packed, buffers, optimizer, rank, world)
+    except ShardwiseError:
+        if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
+            return None
+        raise
+
+
+def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list[PackedTarget],
+                 buffers: dict[str, torch.Tensor], optimizer, rank: int, world: int) -> tuple:
+    """Everything this rank will write into the module, optimizer and RNGs, read and
+    checked; nothing is changed."""
+    saved = {main: (tuple(e["shape"]), e["dtype"]) for main, e in ck.meta["params"].items()}
+    saved.update({n: (tuple(e["shape"]), e["dtype"])
+                  for n, e in ck.meta.get("buffers", {}).items()})
+    key_of = {n: main for main, e in ck.meta["params"].items() for n in e["names"]}
+    key_of.update({n: n for n in ck.meta.get("buffers", {})})
+    match = match_targets(params, buffers, saved, key_of, "checkpoint")
+    problems = match.problems("checkpoint")
+    if problems:
+        raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
+    matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
+
+    check_files(ck)
+    values: list[tuple[ParamTarget | InnerTarget, Value]] = []
+    for t, main, entry in matched:
+        lo, n = t.local_range()
+        read = functools.partial(ck.assemble, f"param/{main}", entry["pieces"], lo, n,
+                                 t.dtype)
+        values.append((t, read if _disk_store(t) is not None else read()))  # Note [streamed load]
+    inner_values, packed_names = _read_packed(ck, packed)
+    values += inner_values
+    buffer_values = []
+    if buffers:
+        f = ck.file(BUFFERS_FILE)
+        buffer_values = [(b, f.get_tensor(key)) for b, key in match.buffers]
+
+    opt_sd = None
+    deferred: list[Callable[[], None]] = []
+    if optimizer is not None:
+        opt_sd = _read_optimizer(ck, optimizer, matched, packed_names, deferred)
+    rng = None
+    if ck.world_size == world:
+        f = ck.file(rank_file(rank, world))
+        rng = (f.get_tensor("rng/torch"),
+               f.get_tensor("rng/cuda") if "rng/cuda" in f.keys() else None,
+               ck.meta["python_rng"][rank])
+        try:  # on a scratch generator: a bad state must fail before anything changes
+            torch.Generator().set_state(rng[0])
+        except (RuntimeError, TypeError) as e:
+            raise ShardwiseError(f"{ck.data}/{rank_file(rank, world)}: rng/torch is not a "
+                                 f"torch RNG state ({e})") from e
+    return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
+
+
+def _read_packed(ck: VerifiedCheckpoint, packed: list[PackedTarget],
+                 ) -> tuple[list[tuple[InnerTarget, torch.Tensor]], dict[int, str]]:
+    """This rank's part of every quantized parameter's inner tensors (Note [packed
+    checkpoints]), checked against the model's; and each shard's saved name."""
+    saved = ck.meta.get("packed", {})
+    key_of = {n: main for main, e in saved.items() for n in e["names"]}
+    problems: list[str] = []
+    values: list[tuple[InnerTarget, torch.Tensor]] = []
+    names: dict[int, str] = {}
+    for t in packed:
+        present = [n for n in t.names if n in key_of]
+        if not present:
+            problems.append(f"{t.names[0]}: not among the checkpoint's quantized parameters")
+            continue
+        main = key_of[present[0]]
+        e, pp = saved[main], t.packed
+        names[id(pp.shard)] = main
+        mine = (t.kind, list(pp.shape), dtype_name(pp.dtype))
+        if (e["type"], e["shape"], e["dtype"]) != mine or set(e["inner"]) != set(pp.inner):
+            problems.append(f"{t.names[0]}: the checkpoint holds a {e['type']} "
+                            f"{e['shape']} {e['dtype']} with {sorted(e['inner'])}, the "
+                            f"model a {mine[0]} {mine[1]} {mine[2]} with {sorted(pp.inner)}")
+            continue
+        if pp.unsaveable:
+            problems.append(pp.unsaveable)
+            continue
+        for inner in pp.inner:
+            ie, dtype = e["inner"][inner], getattr(pp.local, inner).dtype
+            if (tuple(ie["shape"]), ie["dtype"]) != (pp.full_inner[inner], dtype_name(dtype)):
+                problems.append(f"{t.names[0]}: its {inner} is {ie['dtype']} {ie['shape']} "
+                                f"in the checkpoint, {dtype_name(dtype)} "
+                                f"{list(pp.full_inner[inner])} in the model (quantized with "
+                                f"other settings?)")
+                continue
+            lo, n = pp.inner_piece(inner)
+            values.append((t.inner(inner), ck.assemble(packed_key(main, inner),
+                                                       ie["pieces"], lo, n, dtype)))
+    unexpected = [m for m in saved if m not in names.values()]
+    if unexpected:
+        problems.append(f"quantized parameters the model does not have: {summary(unexpected)}")
+    if problems:
+        raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
+    return values, names
+
+
+def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: dict[int, str],
+                    deferred: list[Callable[[], None]]):
+    """The optimizer's state dict, read and checked. State that lives on a disk tier is
+    not read here: ``deferred`` gets, per tensor, what reads it into its tier's file
+    once the load applies (Note [streamed load])."""
+    meta = ck.meta.get("optimizer")
+    if meta is None:
+        raise ShardwiseError(f"{ck.path}: holds no optimizer state")
+    if meta["class"] != type(optimizer).__name__:
+        raise ShardwiseError(f"{ck.path}: optimizer state is {meta['class']}'s, not "
+                             f"{type(optimizer).__name__}'s")
+    target_of = {}
+    for t, main, entry in matched:
+        key = t.sharded.shard if t.sharded is not None else t.plain
+        target_of[id(key)] = (t, main, entry)
+    for shard_id, main in packed_names.items():  # frozen: named in groups, no state
+        target_of[shard_id] = (None, main, None)
+    groups = meta["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise ShardwiseError(f"{ck.path}: {len(groups)} optimizer parameter groups saved, the "
+                             f"optimizer has {len(optimizer.param_groups)}")
+    state, new_groups, index = {}, [], 0
+    for i, (saved, group) in enumerate(zip(groups, optimizer.param_groups)):
+        mains = [target_of[id(p)][1] if id(p) in target_of else None for p in group["params"]]
+        if mains != saved["params"]:
+            raise ShardwiseError(f"{ck.path}: optimizer parameter groups hold different "
+                                 f"parameters than when saved")
+        ids = []
+        for p in group["params"]:
+            t, main, entry = target_of[id(p)]
+            saved_state = meta["state"].get(main)
+            if saved_state and t is None:
+                raise ShardwiseError(f"{ck.path}: optimizer state for the quantized "
+                                     f"parameter {main}, which is frozen")
+            if saved_state:
+                lo, n = t.local_range()
+                st = {}
+                for k, info in saved_state.items():
+                    key = f"optim/{main}/{k}"
+                    if info["kind"] == "value":
+                        st[k] = info["value"]
+                    elif info["kind"] == "sharded" and _disk_store(t) is not None:
+                        read = functools.partial(ck.assemble, key, entry["pieces"], lo, n,
+                                                 dtype_from_name(info["dtype"]))
+                        deferred.append(functools.partial(_adopt_state, optimizer, p, t, k,
+                                                          read))
+                    elif info["kind"] == "sharded":
+                        flat = ck.assemble(key, entry["pieces"], lo, n,
+                                           dtype_from_name(info["dtype"]))
+                        st[k] = (t.sharded.as_dtensor(flat.view(t.sharded.local.shape))
+                                 if t.sharded is not None else flat.view(t.shape))
+                    else:
+                        st[k] = ck.file(rank_file(0, ck.world_size)).get_tensor(key)
+                state[index] = st
+            ids.append(index)
+            index += 1
+        hyper = _hyperparameters(saved, group, f"{ck.path}: optimizer.param_groups[{i}]")
+        new_groups.append({**hyper, "params": ids})
+    return {"state": state, "param_groups": new_groups}
+
+
+# Note [streamed load]
+# A disk tier's state is not read into memory when a load checks the checkpoint: its
+# parameter rows and optimizer state are read one tensor at a time once the load applies,
+# each written into its tier's file and its pages released (Note [the disk tier]), so
+# that the state of an offloaded model larger than memory loads as it saved (Note
+# [streamed save]). What is checked before anything changes is unchanged: the files were
+# verified (sizes, SHA-256, pieces) and stay open, so a save replacing the checkpoint
+# meanwhile cannot change what is read.
+def _disk_store(t: ParamTarget) -> GroupStorage | None:
+    """The storage of ``t``'s group when its optimizer tier is the disk."""
+    sp = t.sharded
+    store = sp.group.store if sp is not None and sp.group is not None else None
+    return store if store is not None and store.placement.optimizer == "disk" else None
+
+
+def _adopt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, t: ParamTarget,
+                 key: str, read: Callable[[], torch.Tensor]) -> None:
+    """Read one optimizer state tensor of ``p`` into its tier's file (Note [streamed
+    load])."""
+    sp, store = t.sharded, _disk_store(t)
+    assert sp is not None and store is not None
+    flat = read()
+    optimizer.state[p][key] = store.adopt_state(sp, key, sp.as_dtensor(flat.view(
+        sp.local.shape)))
+    store.release()
+    freed(flat.numel() * flat.element_size())  # Note [freed memory]
+
+
+def _hyperparameters(saved: dict, live: dict, where: str) -> dict:
+    """The saved group's hyperparameters, checked against the live optimizer's group:
+    every one the optimizer has is present, of the same type (a number for a number, a
+    list of as many numbers for a tuple, ...), so that ``step()`` cannot fail on them
+    later. JSON turned tuples (AdamW's betas) into lists: they are restored."""
+    out = {}
+    for k, want in live.items():
+        if k == "params":
+            continue
+        if k not in saved:
+            raise ShardwiseError(f"{where}: lacks the hyperparameter {k!r} the optimizer has")
+        got = saved[k]
+        if not _same_kind(got, want):
+            raise ShardwiseError(f"{where}.{k}: {got!r:.60} where the optimizer has "
+                                 f"{type(want).__name__} {want!r:.60}")
+        out[k] = tuple(got) if isinstance(want, tuple) else got
+    for k, got in saved.items():  # ones this optimizer does not know: kept, as torch does
+        if k not in live and k != "params":
+            out[k] = got
+    return out
+
+
+def _same_kind(got: Any, want: Any) -> bool:
+    if isinstance(want, bool) or want is None or isinstance(want, str):
+        return type(got) is type(want)
+    if isinstance(want, (int, float)) or (isinstance(want, torch.Tensor) and want.dim() == 0):
+        return type(got) in (int, float)
+    if isinstance(want, (tuple, list)):
+        return (isinstance(got, list) and len(got) == len(want)
+                and all(_same_kind(g, w) for g, w in zip(got, want)))
+    return True  # a type JSON cannot hold was refused at save; nothing to compare

@@ -1,0 +1,449 @@
+"""``save_checkpoint``: each rank writes its pieces, rank 0 commits; atomic, no pickle.
+
+See _format.py for the layout and Note [atomic save]; Note [save protocol] below gives
+the steps in order. Reading is load.py, verification verify.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .._args import require_bool
+from ..comm.agree import agreed
+from ..comm.order_check import operation
+from ..consistency import check_consistency
+from ..engine.buffers import BufferPolicy
+from ..engine.state import model_state
+from ..errors import ShardwiseError
+from ._format import (
+    BUFFERS_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    META,
+    PIECES,
+    TMP_MARK,
+    SafetensorsStreamWriter,
+    by_rank,
+    dtype_name,
+    fsync_dir,
+    packed_key,
+    path_argument,
+    python_rng_state,
+    rank_file,
+    read_json,
+    write_atomic,
+    write_json_atomic,
+)
+from ._lock import FolderLock
+from ._schema import CHECKSUM, canonical_sha256
+from ._targets import (
+    PackedTarget,
+    ParamTarget,
+    comm_of,
+    module_targets,
+    packed_targets,
+)
+
+
+def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
+    """``obj`` must serialise to JSON; with ``exact``, come back exactly as it is."""
+    try:
+        # NaN and infinity are not JSON: Python would write them anyway, as tokens other
+        # readers refuse.
+        same = json.loads(json.dumps(obj, allow_nan=False)) == obj
+    except ValueError as e:
+        raise ShardwiseError(f"{what} must be JSON: NaN and infinity are not ({e}); store "
+                             f"them as strings or None") from e
+    except TypeError as e:
+        raise ShardwiseError(f"{what} must be JSON-serialisable: {e}") from e
+    if exact and not same:
+        raise ShardwiseError(f"{what} would not come back from JSON as saved (tuples become "
+                             f"lists, non-string keys become strings): {obj!r:.200}")
+
+
+def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
+                     unsaved: set[str]):
+    """Split an optimizer's state into JSON metadata and this rank's tensors; the rows of
+    parameters in ``unsaved`` (another replica saves them) are saved empty."""
+    sd = optimizer.state_dict()
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in name_of]
+    if missing:
+        raise ShardwiseError("the optimizer holds parameters that are not the module's; build "
+                             "it from module.parameters() after sharding")
+    names = [name_of[id(p)] for p in order]
+    tensors: dict[str, torch.Tensor] = {}
+    state_meta: dict[str, dict] = {}
+    for idx, st in sd["state"].items():
+        name, param = names[idx], order[idx]
+        entry = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                sharded = v.dim() > 0 and tuple(v.shape) == tuple(param.shape)
+                shape = list(v.shape)  # the full shape, for a DTensor too
+                if isinstance(v, DTensor):
+                    v = v.to_local()  # this rank's rows, like the parameter's
+                value = v.detach()  # streamed from where it lives (Note [streamed save])
+                # State shaped like the parameter is stored flat: it is cut into the same
+                # pieces as the parameter, and reloads at any world size.
+                if sharded:
+                    value = value.reshape(-1)[:0] if name in unsaved else value.reshape(-1)
+                tensors[f"optim/{name}/{k}"] = value
+                entry[k] = {"kind": "sharded" if sharded else "replicated",
+                            "dtype": dtype_name(v.dtype), "shape": shape}
+            else:
+                _json_ok(v, f"optimizer state {k!r}")
+                entry[k] = {"kind": "value", "value": v}
+        state_meta[name] = entry
+    groups = []
+    for g, gsd in zip(optimizer.param_groups, sd["param_groups"]):
+        hyper = {k: v for k, v in gsd.items() if k != "params"}
+        _json_ok(hyper, "optimizer hyperparameters")
+        groups.append({**hyper, "params": [name_of[id(p)] for p in g["params"]]})
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state": state_meta}, tensors
+
+
+# Note [save protocol]
+# The steps of a save, in the order ranks pass them. ``_reached`` marks each; it does
+# nothing, and exists so that the crash-point test (tests/test_checkpoint_protocol.py) can
+# stop a rank at every one of them in turn, by exit, kill and exception, and check that
+# the folder always holds the new or the previous checkpoint, loadable, and no debris.
+#   begin         every rank: the order check passed, buffers agree
+#   prepared      every rank: its pieces are in memory, checks passed
+#   locked        rank 0: holds the folder's lock (Note [one writer] in checkpoint/_lock.py)
+#   data-folder   rank 0: created the new, empty data-<id> folder
+#   data-tmp      every rank: its data file is complete under a temporary name
+#   data-written  every rank: the ranks agreed that every data file is in place
+#   reports       every rank: rank 0 has every rank's file sizes, hashes and pieces
+#   meta-tmp      rank 0: the new checkpoint.json is complete under a temporary name
+#   committed     rank 0: checkpoint.json names the new data (the commit point)
+#   agreed        every rank: the ranks agreed that the save committed
+#   tidied        rank 0: stale data folders and temporary files are gone
+# Rank 0 tidies whether the save succeeded or failed, as long as it holds the lock, and
+# never removes the data folder that checkpoint.json names, nor (with ``keep_previous``)
+# the one it named before this save.
+SAVE_STEPS = ("begin", "prepared", "locked", "data-folder", "data-tmp", "data-written",
+              "reports", "meta-tmp", "committed", "agreed", "tidied")
+
+
+def _reached(step: str) -> None:
+    """A step of Note [save protocol] (a point where the crash-point test stops a rank)."""
+
+
+@operation("save_checkpoint", lambda path, module, **_: (
+    comm_of(module), f"save_checkpoint({path_argument(path, 'save_checkpoint')!r})", None))
+def save_checkpoint(path: str | os.PathLike, module: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    extra: Any = None, *, keep_previous: bool = True) -> None:
+    """Save a sharded checkpoint into the folder ``path``, atomically.
+
+    Holds every rank's parameter pieces, the buffers (checked identical across ranks
+    first; under the ``"local"`` buffer policy, rank 0's are saved without the check), the
+    optimizer state, the step, RNG states and ``extra``. Data is safetensors,
+    metadata JSON; nothing is pickled. A crash or failure at any moment, on any rank,
+    leaves the new or the previous checkpoint in ``path``, complete and loadable (Note
+    [atomic save] in _format.py). One job at a time may save into a folder.
+
+    Args:
+        path: the checkpoint folder (created if needed; a previous checkpoint there is
+            replaced only once the new one is complete).
+        module: the model, sharded or not.
+        optimizer: optional optimizer built over ``module.parameters()``.
+        extra: a JSON value (dicts with string keys, lists, strings, numbers, booleans,
+            None), returned exactly by :func:`load_checkpoint`.
+        keep_previous: keep the replaced checkpoint's data folder until the next save, so
+            that a load that started before this save still finds its files (it costs
+            the disk space of one more checkpoint). With False it is removed at once; a
+            load it interrupts starts again from the new checkpoint.
+
+    Raises:
+        DivergenceError: buffers differ across ranks (nothing is written).
+        ShardwiseError: on every rank: ``path`` is not a path or differs across ranks;
+            another job is saving into ``path`` (naming it); ``extra`` or optimizer
+            hyperparameters do not survive JSON; the optimizer holds parameters that are
+            not the module's; the model is inside its forward/backward or a
+            ``gathered()`` block; a write failed on some rank (a full or read-only disk).
+
+    Example:
+        >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
+    """
+    path = path_argument(path, "save_checkpoint")
+    require_bool(keep_previous, "save_checkpoint", "keep_previous")
+    comm = comm_of(module)
+    rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
+    state = model_state(module)
+    if comm is not None and not (state is not None
+                                 and state.buffers.policy is BufferPolicy.LOCAL):
+        check_consistency(module, group=comm.group)
+    what = f"save_checkpoint({path!r}) failed"
+    _reached("begin")
+    # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
+    # file, a read-only or full disk each become one error on every rank.
+    params, packed, buffers, tensors, opt_meta = agreed(
+        comm, what, lambda: _prepare(module, optimizer, extra, rank))
+    _reached("prepared")
+    folder = _Folder(path, keep_previous) if rank == 0 else None
+    try:
+        data_dir = _new_data_dir(path, comm, rank, world, what, folder)
+        mine = agreed(comm, what, lambda: _write_data(data_dir, rank, world, tensors,
+                                                      buffers, params, packed))
+        _reached("data-written")
+        everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
+        _reached("reports")
+
+        def commit() -> None:
+            if folder is not None:
+                meta = _metadata(module, params, packed, buffers, opt_meta, tensors,
+                                 everyone, extra, world)
+                meta["data"] = os.path.basename(data_dir)
+                folder.commit(meta)
+
+        agreed(comm, what, commit)  # nobody returns before the commit
+        _reached("agreed")
+    finally:
+        if folder is not None:
+            folder.close()
+
+
+class _Folder:
+    """Rank 0's side of a save: the lock, the new data folder, the commit, the tidying."""
+
+    def __init__(self, path: str, keep_previous: bool) -> None:
+        self.path = path
+        self.keep_previous = keep_previous
+        self.lock = FolderLock(path)
+        self.locked = False
+        self.previous: str | None = None
+
+    def start(self, data_dir: str) -> None:
+        """Lock the folder, note the checkpoint it holds, create the new data folder."""
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise ShardwiseError(f"cannot create {self.path}: {e}") from e
+        self.lock.acquire()
+        self.locked = True
+        _reached("locked")
+        self.previous = _committed_data(self.path)
+        try:
+            os.makedirs(data_dir, exist_ok=False)
+        except OSError as e:
+            raise ShardwiseError(f"cannot create {data_dir}: {e}") from e
+        _reached("data-folder")
+
+    def commit(self, meta: dict) -> None:
+        """Replace ``checkpoint.json``: from here on the new checkpoint is the one."""
+        meta[CHECKSUM] = canonical_sha256(meta)
+        write_json_atomic(os.path.join(self.path, META), meta,
+                          before_rename=lambda: _reached("meta-tmp"))
+        fsync_dir(self.path)
+        _reached("committed")
+
+    def close(self) -> None:
+        """Tidy (whether the save succeeded or not) and release the lock."""
+        if not self.locked:
+            return
+        try:
+            self._tidy()
+            _reached("tidied")
+        finally:
+            self.lock.release()
+            self.locked = False
+
+    def _tidy(self) -> None:
+        """Remove data folders no checkpoint needs, and temporary files left by saves that
+        crashed (ours are all gone by now: we hold the lock)."""
+        current = _committed_data(self.path)
+        if current is None and os.path.exists(os.path.join(self.path, META)):
+            return  # unreadable metadata: remove nothing rather than guess
+        keep = {current, self.previous if self.keep_previous else None}
+        for entry in os.listdir(self.path):
+            full = os.path.join(self.path, entry)
+            if entry.startswith("data-") and entry not in keep and os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            elif entry.startswith(META + TMP_MARK) and os.path.isfile(full):
+                with contextlib.suppress(OSError):
+                    os.remove(full)
+
+
+def _committed_data(path: str) -> str | None:
+    """The data folder ``path/checkpoint.json`` names, or None (none, or unreadable)."""
+    try:
+        data = read_json(os.path.join(path, META)).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data if isinstance(data, str) and data.startswith("data-") else None
+
+
+def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
+             rank: int):
+    """This rank's view of what to save (checks included); nothing is written."""
+    _json_ok(extra, "extra", exact=True)
+    params, buffers = module_targets(module)
+    packed = packed_targets(module)
+    unsaveable = [t.packed.unsaveable for t in packed if t.packed.unsaveable]
+    if unsaveable:
+        raise ShardwiseError(unsaveable[0])
+    tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
+    return params, packed, buffers, tensors, opt_meta
+
+
+def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
+                   optimizer: torch.optim.Optimizer | None, rank: int,
+                   ) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """This rank's parameter pieces (quantized ones' inner tensors too: Note [packed
+    checkpoints]), optimizer-state pieces and RNG states, and the optimizer's metadata."""
+    name_of: dict[int, str] = {}
+    for t in params:
+        key = t.sharded.shard if t.sharded is not None else t.plain
+        name_of[id(key)] = t.names[0]
+    for pt in packed:  # frozen: an optimizer may hold them, without state
+        name_of[id(pt.packed.shard)] = pt.names[0]
+    # Views of the live tensors, not copies: the data file is streamed from them, one at
+    # a time (Note [streamed save]).
+    tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
+               for t in params}
+    for pt in packed:
+        for inner in pt.packed.inner:
+            n = pt.saved_piece(inner, rank)[1]
+            tensors[packed_key(pt.names[0], inner)] = (
+                getattr(pt.packed.local, inner).detach().reshape(-1)[:n])
+    opt_meta = None
+    if optimizer is not None:
+        unsaved = {t.names[0] for t in params if not t.writes}
+        opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, unsaved)
+        tensors.update(opt_tensors)
+    tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    return tensors, opt_meta
+
+
+def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
+                  folder: _Folder | None) -> str:
+    """A fresh ``data-<id>`` folder, created by rank 0 (holding the folder's lock) before
+    anyone writes into it. Every rank must have been given the same ``path``."""
+    data_id = uuid.uuid4().hex[:12] if rank == 0 else None
+    paths = [path]
+    if comm is not None and world > 1:
+        seen = comm.all_gather_object((path, data_id))
+        paths, data_id = [p for p, _ in seen], seen[0][1]
+    data_dir = os.path.join(path, f"data-{data_id}")
+
+    def make() -> None:
+        if len(set(paths)) > 1:
+            raise ShardwiseError(f"the ranks were given different paths: {by_rank(paths)}")
+        if folder is not None:
+            folder.start(data_dir)
+
+    agreed(comm, what, make)
+    return data_dir
+
+
+# Note [streamed save]
+# A rank's data file is written one tensor at a time, from where each tensor lives (the
+# device, host memory, or an offload tier's file), through a safetensors writer that
+# knows the header up front. The tensors collected before the writes are views of the
+# live parameters and optimizer state, not copies: nothing changes them during a save,
+# every rank being inside it. So a save needs memory for one tensor at a time, where it
+# needed a copy of the rank's state plus the file's bytes; and a disk tier's pages, read
+# for the file, are released after each of its tensors (Note [the disk tier]), so the
+# state of an offloaded model larger than memory can be saved (docs/offload.md).
+def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
+                buffers: dict[str, torch.Tensor], params: list[ParamTarget],
+                packed: list[PackedTarget]) -> dict:
+    """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it.
+
+    The file's own header records the pieces it holds, so that metadata claiming other
+    pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
+    pieces = {t.names[0]: list(t.saved_range()) for t in params}
+    pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
+                   for t in packed for inner in t.packed.inner})
+    fname = rank_file(rank, world)
+    header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
+    writer = SafetensorsStreamWriter(
+        os.path.join(data_dir, fname),
+        [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata=header)
+    on_disk = {t.names[0]: t.sharded.group.store for t in params
+               if t.sharded is not None and t.sharded.group is not None
+               and t.sharded.group.store is not None and t.sharded.group.store.on_disk}
+    try:
+        for k, v in tensors.items():
+            writer.write(k, v)
+            kind, _, rest = k.partition("/")
+            store = on_disk.get(rest.split("/")[0]) if kind in ("param", "optim") else None
+            if store is not None:
+                store.release()  # its pages, read for the file, leave the process again
+    except BaseException:
+        writer.abort()
+        raise
+    files = {fname: writer.close(before_rename=lambda: _reached("data-tmp"))}
+    if rank == 0 and buffers:
+        buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
+        files[BUFFERS_FILE] = write_atomic(
+            os.path.join(data_dir, BUFFERS_FILE),
+            safetensors.torch.save(buf, metadata={"format": FORMAT}))
+    return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
+
+
+def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
+              buffers: dict[str, torch.Tensor], opt_meta: dict | None,
+              tensors: dict[str, torch.Tensor], everyone: list[dict], extra: Any,
+              world: int) -> dict:
+    """``checkpoint.json`` (without ``data``), from every rank's report."""
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "world_size": world,
+        "step": _step_of(opt_meta, tensors) if opt_meta else None,
+        "module_class": type(module).__name__,
+        "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
+                                "dtype": dtype_name(t.dtype),
+                                "pieces": [e["pieces"][t.names[0]] for e in everyone]}
+                   for t in params},
+        "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
+                    for n, b in buffers.items()},
+        "optimizer": opt_meta,
+        "python_rng": [e["python_rng"] for e in everyone],
+        "extra": extra,
+        "files": {name: info for e in everyone for name, info in e["files"].items()},
+    }
+    if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
+        meta["packed"] = {t.names[0]: _packed_entry(t, everyone) for t in packed}
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        meta["hf_config"] = json.loads(config.to_json_string())
+    return meta
+
+
+def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
+    """A quantized parameter's record: its type, shape and dtype, and each inner tensor's
+    full shape, dtype and pieces (Note [packed checkpoints])."""
+    main = t.names[0]
+    return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
+            "dtype": dtype_name(t.packed.dtype),
+            "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
+                              "dtype": dtype_name(getattr(t.packed.local, inner).dtype),
+                              "pieces": [e["pieces"][packed_key(main, inner)]
+                                         for e in everyone]}
+                      for inner in t.packed.inner}}
+
+
+def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
+    """The optimizer's step count (torch optimizers keep it per parameter)."""
+    for name, st in opt_meta["state"].items():
+        s = st.get("step")
+        if s is not None:
+            return int(s["value"] if s["kind"] == "value"
+                       else tensors[f"optim/{name}/step"].item())
+    return None

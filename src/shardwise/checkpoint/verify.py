@@ -1,0 +1,311 @@
+"""Reading a checkpoint folder verified, checking it, and ``sign_checkpoint``.
+
+``VerifiedCheckpoint`` is the one way into a checkpoint folder's data: load.py,
+consolidation.py and ``sign_checkpoint`` read through it (Note [metadata that cannot
+lie] in _schema.py says what is checked).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import ShardwiseError
+from ._format import (
+    _ST_DTYPES,
+    BUFFERS_FILE,
+    META,
+    PIECES,
+    dtype_from_name,
+    inside,
+    packed_key,
+    path_argument,
+    rank_file,
+    summary,
+    verify_file,
+    write_json_atomic,
+)
+from ._lock import FolderLock
+from ._schema import CHECKSUM, canonical_sha256, validate
+
+
+class VerifiedCheckpoint:
+    """A verified view of a checkpoint folder's metadata and files: what reads one.
+
+    ``meta`` is ``checkpoint.json``, validated (and its checksum checked when
+    ``signed``); ``file(name)`` opens a data file after checking its size and SHA-256;
+    ``assemble`` reads any range of a sharded tensor from the pieces that hold it.
+    ``load_checkpoint``, ``consolidate``, ``describe`` and ``sign_checkpoint`` read
+    through it; nothing else opens a checkpoint's data.
+
+    Args:
+        path: the folder.
+        expect: how many tensors the model to load into holds (parameters and buffers);
+            metadata far larger than that is refused before it is parsed or checked.
+        signed: require a matching checksum (False to describe or sign one without).
+
+    Raises:
+        ShardwiseError: the folder holds no checkpoint, or unreadable or invalid
+            metadata (naming the file and the field).
+
+    Example:
+        >>> ck = VerifiedCheckpoint("ckpt/latest")
+        >>> ck.meta["world_size"], ck.file(BUFFERS_FILE).keys()
+    """
+
+    def __init__(self, path: str, expect: int | None = None, signed: bool = True) -> None:
+        self.path = path
+        meta_path = os.path.join(path, META)
+        if not os.path.isfile(meta_path):
+            raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
+        try:
+            if expect is not None and os.path.getsize(meta_path) > _meta_cap(expect):
+                raise ShardwiseError(
+                    f"{meta_path}: {os.path.getsize(meta_path)} bytes of metadata, far "
+                    f"more than a checkpoint of a model of {expect} tensors needs "
+                    f"(at most {_meta_cap(expect)}): not this model's checkpoint")
+            with open(meta_path, "rb") as f:
+                self.raw = f.read()
+            self.meta = json.loads(self.raw)
+        except (OSError, ValueError) as e:
+            raise ShardwiseError(f"{meta_path}: unreadable ({e})") from e
+        if expect is not None:
+            _check_counts(self.meta, expect, meta_path)
+        validate(self.meta, meta_path, signed)  # Note [metadata that cannot lie]
+        self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
+        self.world_size = self.meta["world_size"]
+        self._handles: dict[str, Any] = {}
+        self._raw: dict[str, _RawFile] = {}
+
+    @property
+    def digest(self) -> str:
+        """The SHA-256 of ``checkpoint.json`` as read: ranks compare it."""
+        return hashlib.sha256(self.raw).hexdigest()
+
+    def replaced(self) -> bool:
+        """Whether ``checkpoint.json`` changed since it was read (a save committed)."""
+        try:
+            with open(os.path.join(self.path, META), "rb") as f:
+                return f.read() != self.raw
+        except OSError:
+            return True
+
+    def file(self, name: str):
+        """An open safetensors file, verified against its size and SHA-256 first."""
+        if name not in self._handles:
+            expected = self.meta["files"].get(name)
+            full = inside(self.data, name, f"{self.data}: data file")
+            if expected is None:
+                raise ShardwiseError(f"{full}: not listed in the checkpoint metadata")
+            problem = verify_file(full, expected)
+            if problem:
+                raise ShardwiseError(problem)
+            try:
+                handle = safe_open(full, framework="pt", device="cpu")
+                # Opened now: a save removing the folder later cannot take it away.
+                self._raw[name] = _RawFile(full)
+            except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+                # A concurrent save may have removed it since it was verified: the caller
+                # sees the checkpoint replaced and reads the new one.
+                raise ShardwiseError(f"{full}: not a readable safetensors file ({e})") from e
+            self._handles[name] = handle
+        return self._handles[name]
+
+    def assemble(self, key: str, pieces: list[list[int]], lo: int, n: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, lo+n)`` of a sharded tensor saved as per-rank pieces."""
+        out = torch.empty(n, dtype=dtype)
+        for r, (off, cnt) in enumerate(pieces):
+            a, b = max(lo, off), min(lo + n, off + cnt)
+            if b <= a:
+                continue
+            name = rank_file(r, self.world_size)
+            self.file(name)  # verified first
+            self._raw[name].read_into(key, a - off, out[a - lo:b - lo])
+        return out
+
+    def __del__(self) -> None:
+        for raw in getattr(self, "_raw", {}).values():
+            raw.close()
+
+
+class _RawFile:
+    """A verified safetensors file read with ``pread`` into the caller's tensors.
+
+    safetensors' own reader maps the file, and every page it reads then counts in the
+    process's resident memory until the mapping goes: a load of a disk tier's state would
+    hold the whole file that way (Note [streamed load]). Reading with ``pread`` leaves
+    the pages to the page cache, outside the process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "rb")  # noqa: SIM115 - kept open while the checkpoint is read
+        n = int.from_bytes(self._f.read(8), "little")
+        header = json.loads(self._f.read(n))
+        self._base = 8 + n
+        self._offsets = {k: v["data_offsets"][0] for k, v in header.items()
+                         if k != "__metadata__"}
+
+    def read_into(self, key: str, first: int, out: torch.Tensor) -> None:
+        """Elements ``[first, first + out.numel())`` of tensor ``key`` into ``out``."""
+        size = out.element_size()
+        nbytes = out.numel() * size
+        start = self._base + self._offsets[key] + first * size
+        view = memoryview((ctypes.c_ubyte * nbytes).from_address(out.data_ptr()))
+        done = 0
+        while done < nbytes:
+            got = os.preadv(self._f.fileno(), [view[done:]], start + done)
+            if got <= 0:
+                raise ShardwiseError(f"{self.path}: ended while reading {key}")
+            done += got
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _meta_cap(expect: int) -> int:
+    """Bytes of ``checkpoint.json`` a model of ``expect`` tensors may need: a generous
+    64 KiB per tensor (names, pieces of thousands of ranks, optimizer state) plus 64 MiB
+    (Python RNG states: 7 KB per rank)."""
+    return 64 * 2**20 + 64 * 2**10 * expect
+
+
+def _check_counts(meta: Any, expect: int, meta_path: str) -> None:
+    """Refuse metadata with many more entries than the model has tensors, cheaply and
+    before the full check (which would take seconds and list every invented name)."""
+    if not isinstance(meta, dict):
+        return  # the schema says what is wrong
+    for field in ("params", "buffers"):
+        entries = meta.get(field)
+        if isinstance(entries, dict) and len(entries) > expect:
+            raise ShardwiseError(f"{meta_path}: field {field} lists {len(entries)} tensors, "
+                                 f"the model has {expect} in all: not this model's "
+                                 f"checkpoint ({summary(list(entries))})")
+
+
+def sign_checkpoint(path: str | os.PathLike) -> str:
+    """Check a checkpoint's metadata as a load does, then write its checksum.
+
+    For a ``checkpoint.json`` edited on purpose, or written by a shardwise older than the
+    checksum (Note [metadata that cannot lie]): a load refuses metadata without a
+    matching checksum. Everything a load checks without the model is checked first: the
+    schema, every data file's size and SHA-256, and each file's tensors and recorded
+    pieces against the metadata. Holds the folder's lock, so no save runs meanwhile.
+    What ``shardwise sign`` runs.
+
+    Args:
+        path: the checkpoint folder.
+
+    Returns:
+        What was done, in one line.
+
+    Raises:
+        ShardwiseError: the folder is not a checkpoint, a save holds it, or a check
+            failed (naming the file, the field and the problem); nothing is written then.
+
+    Example:
+        >>> sw.checkpoint.sign_checkpoint("ckpt/latest")   # after editing "extra" by hand
+    """
+    path = path_argument(path, "sign_checkpoint")
+    if not os.path.isfile(os.path.join(path, META)):
+        raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
+    lock = FolderLock(path)
+    lock.acquire()
+    try:
+        ck = VerifiedCheckpoint(path, signed=False)
+        check_files(ck)
+        for name in ck.meta["files"]:
+            ck.file(name)  # size and SHA-256 of every listed file, not only those read
+        before, after = ck.meta.get(CHECKSUM), canonical_sha256(ck.meta)
+        if before == after:
+            return f"{path}: the checksum matches already; nothing written"
+        ck.meta[CHECKSUM] = after
+        write_json_atomic(os.path.join(path, META), ck.meta)
+        was = "no checksum before" if before is None else "the old checksum did not match"
+        return f"{path}: signed ({was}); the metadata agrees with the data files"
+    finally:
+        lock.release()
+
+
+def check_files(ck: VerifiedCheckpoint) -> None:
+    """Cross-check the metadata against what the data files say of themselves (headers
+    only, Note [metadata that cannot lie] in _schema.py): every tensor a file holds is
+    described, with the dtype and shape the metadata gives it; each rank's file records
+    the same pieces as the metadata; no file holds a tensor the metadata does not know
+    (a deleted optimizer-state entry would silently reset it)."""
+    meta = ck.meta
+    pieces = {main: e["pieces"] for main, e in meta["params"].items()}
+    packed = {packed_key(main, inner): (ie["dtype"], ie["pieces"])
+              for main, e in meta.get("packed", {}).items()
+              for inner, ie in e["inner"].items()}
+    pieces.update({key: p for key, (_, p) in packed.items()})
+    state = (meta.get("optimizer") or {}).get("state") or {}
+    for r in range(ck.world_size):
+        expected: dict[str, tuple[str, list[int]]] = {}
+        for main, e in meta["params"].items():
+            expected[f"param/{main}"] = (e["dtype"], [pieces[main][r][1]])
+        for name, st in state.items():
+            for k, info in st.items():
+                if info["kind"] == "sharded":
+                    expected[f"optim/{name}/{k}"] = (info["dtype"], [pieces[name][r][1]])
+                elif info["kind"] == "replicated":
+                    expected[f"optim/{name}/{k}"] = (info["dtype"], info["shape"])
+        for key, (dtype, inner_pieces) in packed.items():
+            expected[key] = (dtype, [inner_pieces[r][1]])
+        fname = rank_file(r, ck.world_size)
+        f = ck.file(fname)
+        where = f"{ck.data}/{fname}"
+        _check_tensors(f, where, expected, optional_prefix="rng/")
+        # A data file recording its pieces is checked as format 2, whatever the metadata
+        # claims (Note [metadata that cannot lie]).
+        if meta["format_version"] >= 2 or PIECES in (f.metadata() or {}):
+            _check_pieces(f, where, {main: p[r] for main, p in pieces.items()})
+    if meta.get("buffers"):
+        _check_tensors(ck.file(BUFFERS_FILE), f"{ck.data}/{BUFFERS_FILE}",
+                       {n: (e["dtype"], e["shape"]) for n, e in meta["buffers"].items()})
+
+
+def _check_tensors(f, where: str, expected: dict[str, tuple[str, list[int]]],
+                   optional_prefix: str | None = None) -> None:
+    keys = set(f.keys())
+    absent = [k for k in expected if k not in keys]
+    if absent:
+        raise ShardwiseError(f"{where}: lacks {summary(absent)}, which the metadata lists")
+    stray = sorted(k for k in keys if k not in expected
+                   and not (optional_prefix and k.startswith(optional_prefix)))
+    if stray:
+        raise ShardwiseError(f"{where}: holds tensors the metadata does not describe: "
+                             f"{summary(stray)}")
+    for key, (dtype, shape) in expected.items():
+        piece = f.get_slice(key)
+        want = _ST_DTYPES[dtype_from_name(dtype)]
+        if piece.get_dtype() != want or list(piece.get_shape()) != list(shape):
+            raise ShardwiseError(f"{where}: {key} is {piece.get_dtype()} "
+                                 f"{list(piece.get_shape())} in the file, the metadata says "
+                                 f"{want} {list(shape)}")
+    for key in ("rng/torch", "rng/cuda"):
+        if key in keys and (f.get_slice(key).get_dtype() != "U8"
+                            or len(f.get_slice(key).get_shape()) != 1):
+            raise ShardwiseError(f"{where}: {key} is not an RNG state (1-D uint8)")
+
+
+def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
+    """A rank's file names the pieces it holds; the metadata must say the same."""
+    try:
+        recorded = json.loads((f.metadata() or {})[PIECES])
+    except (KeyError, ValueError) as e:
+        raise ShardwiseError(f"{where}: its header does not record its pieces") from e
+    if recorded != pieces:
+        wrong = sorted(n for n in set(pieces) | set(recorded if isinstance(recorded, dict)
+                                                     else {})
+                       if not isinstance(recorded, dict) or recorded.get(n) != pieces.get(n))
+        raise ShardwiseError(f"{where}: holds other pieces than the metadata says, for "
+                             f"{summary(wrong)} (e.g. {wrong[0]}: the file holds "
+                             f"{recorded.get(wrong[0]) if isinstance(recorded, dict) else '?'}"
+                             f", the metadata says {pieces.get(wrong[0])})")
