@@ -38,6 +38,7 @@ from .engine.packed import PackedGroup, refusal, shard_mesh, split, uses_protoco
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
 from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
+from .engine.step import install_step_hooks
 from .engine.unit import FlatGroup, Unit, sharded_param, unit_of
 from .errors import ShardwiseError
 from .planning.memory import AUTO_BUDGET_FRACTION, free_memory
@@ -293,6 +294,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
     hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [wrapped roots]
     install_state_dict_hooks(module)
+    install_step_hooks()  # Note [the optimizer step]
     state = build(module, topo, built, buffer_sync, settings)
     guard_model_copies(module)
     _log_units(state.units, topo)

@@ -4,7 +4,8 @@ Layer 3, above ``comm`` and ``exact``. In dependency order: ``layout`` (where ro
 ``copies`` (rank-major and parameter-major buffers), ``reduce`` (a group's gradient
 reduction), ``unit`` (storage, gathers and the unit's state machine), ``autograd`` and
 ``hooks`` (what torch calls), ``running_stats`` and ``buffers`` (replicated state),
-``guards`` (misuse made loud), ``state`` (the model's iteration), ``build`` (units and
+``guards`` (misuse made loud), ``step`` (what ``optimizer.step()`` runs: Note [the
+optimizer step]), ``state`` (the model's iteration), ``build`` (units and
 the model state from flat groups, for ``shard`` and deep copies alike),
 ``state_dict_hooks`` and ``clone`` (what a sharded model carries, and its copies),
 ``sharded_init`` and ``alloc`` (building models too big for one rank). Internal: the

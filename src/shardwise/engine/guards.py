@@ -11,13 +11,12 @@
   in shardwise's storage (:func:`guard_apply`, Note [casting after shard]);
 - at every root forward (:func:`check_model`): parameters cast or moved, or added after
   ``shard``; ``requires_grad`` changes are taken up there (Note [freezing after shard]);
-- before every optimizer step (:func:`_before_step`): Adafactor over shards, full
-  parameters taken while their units were gathered (:func:`_refuse_full`), trainable
-  plain parameters beside shards that nothing synchronises (Note [parameters nothing
-  synchronises], :func:`per_rank`), and, in the reproducible mode, gradients rescaled by
-  anything but ``sw.clip_grad_norm_`` (a warning). The same pre-hook runs the step of
-  disk-offloaded state unit by unit (Note [stepping unit by unit] in
-  engine/offload/step.py), and the post-hook gives the set-aside gradients back.
+- before every optimizer step (:func:`check_step`, which the step pre-hook calls: Note
+  [the optimizer step] in engine/step.py): Adafactor over shards, full parameters taken
+  while their units were gathered (:func:`_refuse_full`), trainable plain parameters
+  beside shards that nothing synchronises (Note [parameters nothing synchronises],
+  :func:`per_rank`), and, in the reproducible mode, gradients rescaled by anything but
+  ``sw.clip_grad_norm_`` (a warning).
 """
 
 from __future__ import annotations
@@ -45,9 +44,7 @@ from .._registry import (
     synchronised_by,
 )
 from ..errors import ShardwiseError
-from . import plain_step
 from .exact_reduction import ExactReduction
-from .offload.step import after_step, step_by_unit
 from .packed import packed_param
 from .unit import Unit, sharded_param
 
@@ -172,8 +169,10 @@ def guard_ddp(module: nn.Module) -> None:
 #   over whole rows and whole columns of each matrix, and a rank holds only some rows;
 #   its first step fails mid-way ("in-place operations that require placement changes
 #   are not supported") after some parameters were already updated.
-# So the first sw.shard of a process adds a check to DDP's constructor and one optimizer
-# step pre-hook; each only looks for shardwise's parameters and otherwise does nothing.
+# So the first sw.shard of a process adds a check to DDP's constructor, and the optimizer
+# step pre-hook (Note [the optimizer step] in engine/step.py) calls check_step; each only
+# looks for shardwise's parameters and otherwise does nothing. Everything shardwise
+# patches in torch is listed in Note [what shardwise patches in torch] in engine/step.py.
 _torch_guarded = False
 
 
@@ -194,30 +193,21 @@ def _guard_torch_classes() -> None:
             mark_synchronised(p, "DistributedDataParallel")
 
     DistributedDataParallel.__init__ = init  # type: ignore[method-assign]
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    register_optimizer_step_pre_hook(_before_step)
-    register_optimizer_step_post_hook(_after_step)
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
-                 ) -> tuple[tuple, dict] | None:
+def check_step(optimizer: torch.optim.Optimizer) -> None:
+    """The misuse checks before an optimizer step (Note [the optimizer step] in
+    engine/step.py): raise, before anything changes, for an Adafactor over shards, full
+    parameters taken while gathered, and plain parameters nothing synchronises; warn in
+    the reproducible mode for gradients rescaled other than by ``sw.clip_grad_norm_``.
+
+    Raises:
+        ShardwiseError: naming the parameters, the rule and the fix.
+    """
     _refuse_factored(optimizer)
     _refuse_full(optimizer)
     _refuse_unsynchronised(optimizer)
     _warn_inexact_clip(optimizer)
-    changed = step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
-    if changed is None:
-        plain_step.enter(optimizer, args, kwargs)  # Note [plain step]
-    return changed
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    plain_step.leave(optimizer)
-    after_step(optimizer, args, kwargs)
 
 
 def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:

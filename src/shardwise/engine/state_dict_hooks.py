@@ -300,6 +300,10 @@ def _sync_buffers(module: nn.Module, incompatible_keys: Any) -> None:
 # changes anything, and returns the dict torch then loads: each tensor shaped like a
 # sharded parameter, in full (a full optimizer state dict), cut to this rank's rows as
 # a DTensor; this rank's own rows as they were; another rank's refused on every rank.
+# The wrap cannot wait for an optimizer's first step (as the step hooks do, Note [the
+# optimizer step] in engine/step.py): a full optimizer state dict is often loaded into a
+# fresh optimizer, before any step. What else shardwise patches in torch: Note [what
+# shardwise patches in torch] in engine/step.py.
 _optimizers_hooked = False
 
 
