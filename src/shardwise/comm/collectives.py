@@ -240,7 +240,7 @@ class Comm:
             flat = _flatten(same_dtype)
             self.broadcast(flat, src, what)
             if self.rank != src:
-                _unflatten_into(flat, same_dtype)
+                unflatten_into(flat, same_dtype)
 
     def average_tensors(self, tensors: list[torch.Tensor],
                         what: str = "an all-reduce") -> None:
@@ -249,7 +249,7 @@ class Comm:
             flat = _flatten(same_dtype)
             self.all_reduce(flat, what=what)
             flat.div_(self.world_size)
-            _unflatten_into(flat, same_dtype)
+            unflatten_into(flat, same_dtype)
 
     def all_gather_object(self, obj: Any, what: str = "an exchange of metadata") -> list[Any]:
         """Every rank's ``obj``, in rank order (small metadata only)."""
@@ -480,10 +480,23 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).view(wire) for t in tensors])
 
 
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], *,
+                   same_bits: bool = True) -> None:
+    """Copy ``flat``'s consecutive pieces into ``tensors`` in place: the inverse of
+    concatenating them flat.
+
+    Args:
+        flat: as many elements as ``tensors`` hold together.
+        tensors: written in order, each from the next ``numel()`` elements.
+        same_bits: each piece holds its tensor's bits, in a dtype of the same width (the
+            wire dtype of a broadcast), and is viewed as the tensor's dtype; with False
+            its values are converted (rounded) to it instead.
+    """
     offset = 0
     with torch.no_grad():
         for t in tensors:
             n = t.numel()
-            t.copy_(flat[offset:offset + n].view(t.dtype).view(t.shape))
+            piece = flat[offset:offset + n]
+            piece = piece.view(t.dtype) if same_bits else piece.to(t.dtype)
+            t.copy_(piece.view(t.shape))
             offset += n

@@ -31,7 +31,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import Comm
+from ..comm.collectives import Comm, unflatten_into
 from ..errors import ShardwiseError
 from .sums import (
     DEFAULT,
@@ -170,10 +170,4 @@ def exact_average(comm: Comm, tensors: list[torch.Tensor], what: str) -> None:
             continue
         exact = sum(Fraction(v) / unit ** k for k, v in enumerate(row))
         out.append(float(exact * Fraction(2) ** (spec.base + top * spec.W) / comm.world_size))
-    values = torch.tensor(out, dtype=torch.float64)
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(values[offset:offset + n].view(t.shape).to(t.dtype))
-            offset += n
+    unflatten_into(torch.tensor(out, dtype=torch.float64), tensors, same_bits=False)
