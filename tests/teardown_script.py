@@ -1,7 +1,7 @@
 """A whole training run's life, ending in ``destroy_process_group``; run by test_teardown.
 
 Prints how many threads the process has left once the group is destroyed: gloo's worker
-threads must be gone by then (Note [teardown] in shardwise/distributed.py).
+threads must be gone by then (Note [teardown] in comm/process_group.py).
 """
 
 import os

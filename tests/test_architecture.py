@@ -150,7 +150,7 @@ def _ordered(names: list[str], deps: dict[str, set[str]]) -> list[str]:
     done: list[str] = []
     while len(done) < len(names):
         ready = sorted(n for n in names if n not in done and deps[n] & set(names) <= set(done))
-        if not ready:  # an import loop: import_loops.py reports it; keep the rest stable
+        if not ready:  # an import loop (test_no_import_loops reports it): keep the rest stable
             ready = sorted(n for n in names if n not in done)[:1]
         done.append(ready[0])
     return done
@@ -168,6 +168,76 @@ def test_readme_layout_table_is_current():
 def test_every_module_says_what_it_is():
     missing = [m for m, p in modules().items() if not summary(p)]
     assert not missing, f"modules without a docstring (README's table needs one): {missing}"
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import loops of ``graph`` (module -> the modules it imports): each a sorted list
+    of modules that import one another, directly or through others."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for t in sorted(graph.get(m, ())):
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            members = stack[stack.index(m):]
+            del stack[stack.index(m):]
+            if len(members) > 1:
+                loops.append(sorted(members))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return sorted(loops)
+
+
+def test_no_import_loops():
+    known = modules()
+    loops = import_loops({m: imports(m, p, known) - {m} for m, p in known.items()})
+    assert not loops, "modules that import one another:\n" + "\n".join(map(str, loops))
+
+
+def test_the_loop_test_sees_a_loop():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": set()}
+    assert import_loops(graph) == [["a", "b", "c"]]
+
+
+# A Note is named where a line starts with it (``# Note [name]``, or in a docstring);
+# every mention elsewhere, in the package, the tests and the docs, must name one.
+_NOTE_NAMED = re.compile(r'^\s*(?:#\s*)?(?:""")?Note \[([^\]]+)\]', re.M)
+_NOTE_MENTION = re.compile(r"Note\s+\[([^\]]+)\]")
+
+
+def unnamed_notes(named_in: list[str], mentioned_in: list[str]) -> list[str]:
+    """The Notes mentioned in ``mentioned_in`` (texts) that no text of ``named_in`` names."""
+    named = {" ".join(m.group(1).split()) for t in named_in for m in _NOTE_NAMED.finditer(t)}
+    # A mention may wrap across comment lines: the comment marks are taken out first.
+    mentions = {" ".join(m.group(1).split()) for t in mentioned_in
+                for m in _NOTE_MENTION.finditer(re.sub(r"(?m)^\s*#", " ", t))}
+    return sorted(mentions - named)
+
+
+def test_every_note_mentioned_is_named():
+    sources = [p.read_text() for p in sorted((SRC / "shardwise").rglob("*.py"))]
+    tests = [p for p in sorted((SRC.parent / "tests").glob("*.py"))
+             if p.name != "test_architecture.py"]  # this file's examples name none
+    others = [p.read_text() for p in [*tests, *sorted((SRC.parent / "docs").glob("*.md")),
+                                      README]]
+    missing = unnamed_notes(sources, sources + others)
+    assert not missing, f"Notes mentioned but named nowhere in src/shardwise: {missing}"
+
+
+def test_the_note_test_sees_an_unnamed_note():
+    named = "# Note [one]\n# why\n"
+    assert unnamed_notes([named], ["see Note [one] and Note\n# [two]"]) == ["two"]
 
 
 if __name__ == "__main__":

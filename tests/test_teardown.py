@@ -1,7 +1,7 @@
 """The end of a run: ``destroy_process_group`` must leave no gloo thread behind.
 
 Gloo threads that outlive it abort the process at interpreter shutdown, at random, after
-the program's last line (Note [teardown] in shardwise/distributed.py). The thread count
+the program's last line (Note [teardown] in comm/process_group.py). The thread count
 catches the cause deterministically; the repeated runs catch the abort itself, which hit
 about one run in two of this script before the fix (6 of 12 measured).
 """
