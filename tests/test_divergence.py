@@ -108,14 +108,9 @@ def _step(model, x):
     model(x).sum().backward()
 
 
-def _diverged(rank, world):
-    os.environ.pop("SHARDWISE_CHECK", None)
-    x = torch.ones(2, 4)
-    model = sw.shard(Raising())
-    _step(model, x)
-
-    # Rank 1 catches an exception raised in the forward before blocks.1 and starts its
-    # next step; rank 0, which never failed, reaches blocks.1.
+def _diverge(model, x, rank):
+    """Rank 1 catches an exception raised in the forward before blocks.1 and starts its
+    next step; rank 0, which never failed, reaches blocks.1: both are told."""
     with pytest.raises(sw.ShardwiseError,
                        match=r"ranks diverged \(rank 0: unit blocks\.1, rank 1: unit <root>\)"):
         if rank == 1:
@@ -124,6 +119,15 @@ def _diverged(rank, world):
             except ValueError:
                 pass
         _step(model, x)
+
+
+def _diverged(rank, world):
+    os.environ.pop("SHARDWISE_CHECK", None)
+    x = torch.ones(2, 4)
+    model = sw.shard(Raising())
+    _step(model, x)
+
+    _diverge(model, x, rank)
     _step(model, x)  # both ranks start over together: training goes on
 
     # Only rank 0 asks for the full state dict; rank 1 goes on training.
@@ -463,15 +467,7 @@ def _diverged_sizes(rank, world):
     x = torch.ones(2, 4)
     _step(model, x)
     for _ in range(2):  # twice: the second divergence is in the channel's next epoch
-        with pytest.raises(sw.ShardwiseError,
-                           match=r"ranks diverged \(rank 0: unit blocks\.1, "
-                                 r"rank 1: unit <root>\)"):
-            if rank == 1:
-                try:
-                    model(x, fail=True)
-                except ValueError:
-                    pass
-            _step(model, x)
+        _diverge(model, x, rank)
     losses = []
     for _ in range(3):  # training goes on, the same on both ranks
         opt.zero_grad()

@@ -8,8 +8,9 @@ AdamW's step cost well above its arithmetic on a rank's elements (BENCHMARKS.md,
 "Optimizer step", has the times before and after; issue 34). For the
 ``torch.optim`` optimizers that update each element from its own gradient and state
 (``PER_PARAMETER``), that dispatch computes nothing: every op is elementwise on the local
-tensors. So for their step, when nothing else needs the DTensors, a global step pre-hook
-hands the optimizer the local tensors instead:
+tensors. So for their step, when nothing else needs the DTensors, the global step
+pre-hook (Note [the optimizer step] in engine/step.py, which calls :func:`enter` and
+:func:`leave`) hands the optimizer the local tensors instead:
 
 - each parameter group's ``params`` becomes the parameters' local tensors (views of the
   shard buffers), each with its gradient's local tensor as ``.grad``;
