@@ -199,8 +199,16 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
     keep = not rank0_only or state.comm.rank == 0
     params = [p for g in optimizer.param_groups for p in g["params"]]
     order = list({id(p): p for p in params}.values())  # as state_dict() numbers them
-    # Everything that could differ between ranks is agreed before the first gather, so
-    # that every rank gathers the same tensors in the same order (or every rank raises).
+    _agree_layout(sd, order, state)
+    out = _gathered_state(sd, order, keep)
+    if not keep:
+        return {}
+    return {"state": out, "param_groups": _to_cpu(sd["param_groups"])}
+
+
+def _agree_layout(sd: dict[str, Any], order: list[torch.Tensor], state: Any) -> None:
+    """Everything that could differ between ranks, agreed before the first gather, so
+    that every rank gathers the same tensors in the same order (or every rank raises)."""
     error, layout = None, []
     try:
         layout = _layout(sd, order, state)
@@ -214,8 +222,14 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
                              f"{differ} differs from rank 0's (other state names, shapes or "
                              f"dtypes): did every rank step the same parameters? Nothing "
                              f"was gathered")
+
+
+def _gathered_state(sd: dict[str, Any], order: list[torch.Tensor], keep: bool
+                    ) -> dict[Any, Any]:
+    """``sd["state"]`` with each sharded state tensor gathered in full, on CPU (every
+    rank gathers; only where ``keep`` are the full tensors kept)."""
     out: dict[Any, Any] = {}
-    for idx, st in sd["state"].items():  # the same order on every rank: _same_layout
+    for idx, st in sd["state"].items():  # the same order on every rank: _agree_layout
         sp = sharded_param(order[idx]) if isinstance(idx, int) else None
         entry: dict[str, Any] = {}
         for k, v in st.items():
@@ -228,9 +242,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
             else:
                 entry[k] = copy.deepcopy(v)
         out[idx] = entry
-    if not keep:
-        return {}
-    return {"state": out, "param_groups": _to_cpu(sd["param_groups"])}
+    return out
 
 
 def _layout(sd: dict[str, Any], order: list[torch.Tensor], state: Any) -> list[tuple]:
