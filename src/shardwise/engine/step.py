@@ -13,8 +13,8 @@ of a process installs (:func:`install_step_hooks`, from sharding.py). For an opt
 holding no shards each does nothing. In order:
 
 1. before the step (:func:`_before_step`):
-   a. the misuse checks, which raise before anything changes (:func:`~shardwise.engine.
-      guards.check_step`: Adafactor over shards, full parameters taken while gathered,
+   a. the misuse checks, which raise before anything changes (``check_step`` in
+      engine/guards.py: Adafactor over shards, full parameters taken while gathered,
       plain parameters nothing synchronises; in the reproducible mode, a warning for
       gradients rescaled other than by ``sw.clip_grad_norm_``);
    b. disk-offloaded state is stepped here, one unit at a time, and the optimizer's own
