@@ -61,8 +61,10 @@ def test_every_page_has_been_found():
 REFERENCE_PAGES = {"index.md", "architecture.md", "reliability.md", "status.md", "testing.md"}
 
 
-# Pages whose blocks took 10 s or more in a run of the whole suite: `make test-fast` skips them.
-SLOW_PAGES = {"README.md", "checkpoints.md", "lightning.md", "performance.md", "quickstart.md"}
+# Pages whose blocks took 10 s or more in a run of the whole suite, or that train Hugging
+# Face models end to end (as the slow integration tests do): `make test-fast` skips them.
+SLOW_PAGES = {"checkpoints.md", "integrations.md", "lightning.md", "performance.md",
+              "planning.md", "quickstart.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow)
