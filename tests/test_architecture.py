@@ -1,7 +1,7 @@
-"""The package's architecture, kept by CI: layers that only import downwards, and README's
-layout table generated from the modules' docstrings.
+"""The package's architecture, kept by CI: layers that only import downwards, and the
+layout table of docs/architecture.md generated from the modules' docstrings.
 
-Run ``python tests/test_architecture.py --write`` to regenerate README's table after adding,
+Run ``python tests/test_architecture.py --write`` to regenerate that table after adding,
 moving or re-describing a module.
 """
 
@@ -13,7 +13,7 @@ import re
 import sys
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
-README = SRC.parent / "README.md"
+LAYOUT_PAGE = SRC.parent / "docs" / "architecture.md"
 BEGIN, END = "<!-- layout: begin -->", "<!-- layout: end -->"
 
 # Bottom to top. A module may import from its own layer and the layers below it, never
@@ -121,9 +121,9 @@ def group_of(module: str) -> str:
 
 
 def layout_table() -> str:
-    """README's layout table: one row per module, by layer; within a layer the packages,
-    and within a package the modules, in dependency order (a package's own docstring
-    first)."""
+    """The layout table of docs/architecture.md: one row per module, by layer; within a
+    layer the packages, and within a package the modules, in dependency order (a package's
+    own docstring first)."""
     known = modules()
     rows = ["| layer | module | what it is |", "|---|---|---|"]
     for i, (layer, about, _) in enumerate(LAYERS):
@@ -156,18 +156,20 @@ def _ordered(names: list[str], deps: dict[str, set[str]]) -> list[str]:
     return done
 
 
-def test_readme_layout_table_is_current():
-    text = README.read_text()
-    assert BEGIN in text and END in text, f"README.md lacks the {BEGIN} ... {END} markers"
+def test_layout_table_is_current():
+    text = LAYOUT_PAGE.read_text()
+    assert BEGIN in text and END in text, (
+        f"docs/architecture.md lacks the {BEGIN} ... {END} markers")
     current = text.split(BEGIN)[1].split(END)[0].strip()
     assert current == layout_table(), (
-        "README.md's layout table is out of date: run python tests/test_architecture.py "
+        "docs/architecture.md's layout table is out of date: run python tests/test_architecture.py "
         "--write")
 
 
 def test_every_module_says_what_it_is():
     missing = [m for m, p in modules().items() if not summary(p)]
-    assert not missing, f"modules without a docstring (README's table needs one): {missing}"
+    assert not missing, (
+        f"modules without a docstring (docs/architecture.md's table needs one): {missing}")
 
 
 def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -243,7 +245,7 @@ def test_the_note_test_sees_an_unnamed_note():
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         sys.exit(__doc__)
-    text = README.read_text()
+    text = LAYOUT_PAGE.read_text()
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
-    README.write_text(f"{head}{BEGIN}\n{layout_table()}\n{END}{tail}")
+    LAYOUT_PAGE.write_text(f"{head}{BEGIN}\n{layout_table()}\n{END}{tail}")

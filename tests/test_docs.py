@@ -52,12 +52,19 @@ def test_every_page_has_been_found():
     for page in PAGES:  # a block without a known language would silently never run
         langs = {lang for lang, _ in FENCE.findall(page.read_text())}
         assert langs <= {"python", "bash", "text"}, f"{page.name}: blocks tagged {langs}"
-    assert all(blocks(p, "python") or blocks(p, "bash") or p.name == "index.md"
-               for p in PAGES), "a page without runnable code"
+    without = [p.name for p in PAGES if not (blocks(p, "python") or blocks(p, "bash"))]
+    assert set(without) <= REFERENCE_PAGES, f"pages without runnable code: {without}"
 
 
-# Pages whose blocks took 10 s or more in a run of the whole suite: `make test-fast` skips them.
-SLOW_PAGES = {"README.md", "checkpoints.md", "lightning.md", "performance.md", "quickstart.md"}
+# Pages that are reference text with nothing to run: the index, and the contributor's and
+# status pages (tables of modules, tests and limits). Every other page shows runnable code.
+REFERENCE_PAGES = {"index.md", "architecture.md", "reliability.md", "status.md", "testing.md"}
+
+
+# Pages whose blocks took 10 s or more in a run of the whole suite, or that train Hugging
+# Face models end to end (as the slow integration tests do): `make test-fast` skips them.
+SLOW_PAGES = {"checkpoints.md", "integrations.md", "lightning.md", "performance.md",
+              "planning.md", "quickstart.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow)
@@ -78,3 +85,49 @@ def test_code_blocks_run(page: Path, tmp_path):
                               capture_output=True, timeout=300)
         assert done.returncode == 0, (f"{page.name}: `{command}` exited {done.returncode}\n"
                                       f"{done.stdout}\n{done.stderr}")
+
+
+# Pages whose links are checked: the README, the docs, and the benchmark pages they point to.
+LINKED_PAGES = [*PAGES, ROOT / "BENCHMARKS.md", ROOT / "benchmarks" / "HISTORY.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(page: Path) -> str:
+    """The page without its fenced code blocks (a `# comment` in a block is no heading)."""
+    return FENCE.sub("", page.read_text())
+
+
+def anchors(page: Path) -> set[str]:
+    """The #anchors GitHub gives the page's headings (repeats get -1, -2, ...)."""
+    found: set[str] = set()
+    for title in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", _prose(page), re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        repeat = 0
+        while (f"{slug}-{repeat}" if repeat else slug) in found:
+            repeat += 1
+        found.add(f"{slug}-{repeat}" if repeat else slug)
+    return found
+
+
+def test_every_docs_page_is_linked_from_the_index():
+    index = (ROOT / "docs" / "index.md").read_text()
+    targets = {target.split("#")[0] for target in LINK.findall(index)}
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md"))
+               if p.name != "index.md" and p.name not in targets]
+    assert not missing, f"docs pages not linked from docs/index.md: {missing}"
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path):
+    broken = []
+    text = re.sub(r"`[^`\n]*`", "", _prose(page))  # `model.layers[0](x)` is code, no link
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto: ... : not checked offline
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target} (no file {path})")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target} (no heading #{anchor} in {file.name})")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links: {broken}"

@@ -1,6 +1,6 @@
 """Two torchrun agents on loopback (``--nnodes 2``) train exactly as one agent with all
 the processes does: flat (one process each), and hybrid (two processes each, mesh (2, 2)
-with the replicate dim across agents, as on real nodes; README "Across nodes")."""
+with the replicate dim across agents, as on real nodes; docs/multi-node.md)."""
 
 import os
 import re

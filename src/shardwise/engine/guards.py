@@ -268,8 +268,8 @@ def _refuse_factored(optimizer: torch.optim.Optimizer) -> None:
 # Note [parameters nothing synchronises]
 # sw.shard(model.encoder) beside a plain trainable model.head shards the encoder only:
 # the head's gradients are each rank's own, nothing averages them, and the ranks' heads
-# drift apart step by step, silently (FSDP2 too: README's habits table). DDP would have
-# averaged them. So before an optimizer steps shards of a sharded model of
+# drift apart step by step, silently (FSDP2 too: docs/parameters.md's habits table). DDP
+# would have averaged them. So before an optimizer steps shards of a sharded model of
 # several ranks, its other trainable parameters must be synchronised by something: DDP
 # (its constructor marks them), FSDP2 or another DTensor placement, or the user, who
 # says so with sw.per_rank(...). Otherwise the step raises, before anything changes,
