@@ -492,6 +492,39 @@ def test_qlora_shardwise_trainer_matches_ddp_and_saves_adapters(tmp_path):
     assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5, (ours, ddp)
 
 
+def _trainer_at_lr_0(rank, world, root):
+    """One ShardwiseTrainer step at learning rate 0 on a batch of identical rows: the
+    NF4 bytes after it are the freshly quantized model's, and the first loss is what the
+    unsharded quantized model gives for those rows in one process."""
+    from test_trainer import _args, _dataset, _env, _losses
+
+    from shardwise.integrations.transformers import ShardwiseTrainer
+
+    _env(rank, world)
+    row = _dataset(1)[0]
+    ours = ShardwiseTrainer(model=_qlora(), train_dataset=[row] * 8, args=_args(
+        f"{root}/sw", save_strategy="no", max_steps=1, learning_rate=0.0,
+        gradient_accumulation_steps=1))
+    ours.train()
+    assert _nf4_bytes(ours.model) == _nf4_bytes(_qlora())
+    x = row["input_ids"].expand(2, -1)   # this rank's batch: 2 of the identical rows
+    with torch.no_grad():
+        expect = _qlora()(input_ids=x, labels=x).loss.item()
+    return _losses(ours)[0], expect
+
+
+def test_qlora_trainer_step_at_lr_0_keeps_the_nf4_bytes(tmp_path):
+    """Issue 43: a plain DDP Trainer re-quantizes the NF4 weights when it wraps the model
+    (DDP's constructor broadcasts every parameter through torchao's cat and copy_, see
+    docs/qlora.md), so its weights and first loss move at learning rate 0. ShardwiseTrainer
+    never wraps the model in DDP: the bytes stay those quantize_nf4 wrote."""
+    for first, expect in run_ranks(_trainer_at_lr_0, 2, str(tmp_path), timeout=300):
+        # Bit for bit: the Trainer's loss is each rank's token sum over the global token
+        # count times 2 ranks, averaged over ranks; with the same rows on both ranks that
+        # is the rank's own mean exactly (multiplying and dividing by 2 is exact).
+        assert first == expect, (first, expect)
+
+
 def _nf4_bytes(model) -> dict[str, bytes]:
     """Every NF4 weight's inner tensors, whole, as bytes (a collective when sharded)."""
     nf4 = nf4_module().NF4Tensor
