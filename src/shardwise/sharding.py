@@ -291,6 +291,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     for _, mod, _, _ in built:
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
+        mod.register_forward_hook(hooks.forward_raised, always_call=True)
     hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [wrapped roots]
     install_state_dict_hooks(module)
     state = build(module, topo, built, buffer_sync, settings)

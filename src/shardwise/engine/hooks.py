@@ -46,6 +46,15 @@ def post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any
     return unit.model.on_post_forward(unit, output)
 
 
+@torch._dynamo.disable
+def forward_raised(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """Called after every call of a unit, also one that raised (Note [a forward that
+    raised] in engine/state.py); acts only in the latter case."""
+    unit = unit_of(module)
+    assert unit is not None, "a unit's hooks are installed on its module"
+    unit.model.on_forward_raised(unit)
+
+
 # Note [wrapped roots]
 # A root whose forward only hands its inputs to one child (a PEFT ``PeftModel`` wrapping
 # the ``LlamaForCausalLM`` it adapts, through its ``LoraModel``) is not always entered

@@ -26,13 +26,15 @@ checked: ranks may run them different numbers of times (``comm/order_check.py``)
 Note [a forward inside gathered]
 A forward that computes on pinned units alone (the model, or the unit called, whole inside
 ``gathered()``) communicates nothing, so it may run on one rank (the documented one-rank
-evaluation). It must then leave nothing behind that decides later collectives: it runs
-no order check, prefetches nothing, and the order it records is never promoted to the
-previous order, which decides the next forward's prefetches and which unit stays
-gathered for its backward (``_runs_last``). Before, rank 0's evaluation before the first
-training step gave it an order its peers lacked: it prefetched where they gathered on
-demand and kept the last block gathered where they resharded it, so its next forward
-diverged (a hang with the order check off).
+evaluation), also between a training forward and its backward. It must then leave nothing
+behind that decides later collectives: it runs no order check and prefetches nothing, and
+calls of pinned units are never recorded in the order, which becomes the previous order
+that decides the next forward's prefetches and which unit stays gathered for its backward
+(``_runs_last``). Before, rank 0's evaluation before the first training step gave it an
+order its peers lacked: it prefetched where they gathered on demand and kept the last
+block gathered where they resharded it, so its next forward diverged (a hang with the
+order check off). An evaluation joining a forward whose backward was awaited appended its
+calls to that forward's order, with the same result one step later.
 
 Note [a unit called on its own]
 A unit may be called outside the root's forward (``model[0](x)``, a chunked-loss head
@@ -48,19 +50,16 @@ gathered before the entry and before its backward, and stay gathered until the
 iteration ends, as the root does. Every rank must call the same units in the same order,
 as with the root; the order check covers these calls.
 
-Note [returned parameters]
-A unit whose forward returns one of its own full parameters, or a view of one
-(DeepSpeed's ``test_ext_param_return``: ``return out, self.bias``), lends it to the
-caller, who computes with it after the unit returned. Resharding the unit then would
-free the storage under that tensor (Note [freeing full parameters] in engine/unit.py):
-the next read was a segmentation fault. Such a unit stays gathered until its backward
-(as under ``reshard_after_forward=False``) or, without one, the end of the forward. A
-forward that ends without a backward to come releases every unit, so the tensors of its
-output that view a full parameter (the entry's own return, or one it passed on) are
-replaced by copies (``_copy_lent``, in tensors, lists, tuples and mappings; a forward
-awaiting its backward keeps its units gathered, and the output as it is). A returned
-parameter is a leaf: no backward hook is put on it, which would stay on the parameter
-for every later backward.
+Note [a forward that raised]
+A forward whose entry raised (its own code, a unit inside it, a hook: the order check
+finding ranks diverged) never reaches its end. Left so, the phase stayed FORWARD with
+the entry set, so the next call of a unit did not start a forward of its own, and
+DTensor's table kept our handler (Note [a unit's parameter used outside it] in
+engine/mixed.py) for every operation of the process. Every unit's module therefore has
+a forward hook that torch calls also when the call raises (``always_call``):
+``on_forward_raised`` ends the forward that call started, releasing its units, or
+returning to the awaited backward when the forward joined one. The partial order it
+recorded is dropped, so that it decides no prefetch.
 
 Note [buffer sync point]
 BatchNorm saves its running statistics for backward, so overwriting buffers between a
@@ -74,13 +73,11 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .._log import logger
 from .._registry import STATE, attach_to, attached, instance_attribute
@@ -89,7 +86,7 @@ from ..comm.mesh import Topology
 from ..comm.order_check import OrderCheck, order_checks_enabled
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
-from . import mixed
+from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .guards import check_model
 from .running_stats import RunningStats
@@ -138,7 +135,6 @@ class ModelState:
         self._joins_pending = False  # this forward started while a backward was awaited
         self._entry: Unit | None = None  # the unit whose call started the running forward
         self._pinned = False  # the running forward computes on pinned units alone
-        self._order_pinned = False  # _order was recorded by such forwards only
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
@@ -279,8 +275,8 @@ class ModelState:
         if in_backward():  # Note [recompute]
             return None
         hooked = False
-        tensors, opaque = output_tensors(output)
-        opaque &= torch.is_grad_enabled()  # without a gradient no backward can come
+        tensors, unsearched = output_tensors(output)
+        opaque = unsearched and torch.is_grad_enabled()  # without a gradient no backward
         if torch.is_grad_enabled():
             index = unit.call_index
             for t in tensors:
@@ -291,9 +287,9 @@ class ModelState:
                     if not t.is_leaf:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
-            return self._end_forward(hooked, opaque, output, tensors)
-        if self._lends(unit, tensors):
-            unit.drop_kept()  # Note [returned parameters]: stays gathered
+            return self._end_forward(unit, hooked, opaque, output)
+        if self._lends(unit, output, tensors, unsearched):
+            unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
         elif not torch.is_grad_enabled():
             unit.reshard()
         elif unit.reshard_after_forward:
@@ -311,43 +307,20 @@ class ModelState:
             else:
                 unit.drop_kept()
         if unit is self._entry:
-            return self._end_forward(hooked, opaque, output, tensors)
+            return self._end_forward(unit, hooked, opaque, output)
         return None
 
     @staticmethod
-    def _lends(unit: Unit, tensors: list[torch.Tensor]) -> bool:
+    def _lends(unit: Unit, output: Any, tensors: list[torch.Tensor], opaque: bool) -> bool:
         """Whether a forward's output views the unit's full parameters (Note [returned
-        parameters])."""
-        if not tensors or not unit.groups:
+        parameters] in engine/lent.py); what ``output_tensors`` could not open is
+        searched too."""
+        if not unit.groups:
             return False
-        fulls = {g.full.untyped_storage()._cdata for g in unit.groups}
-        return any(t.untyped_storage()._cdata in fulls for t in tensors
-                   if not isinstance(t, DTensor))
-
-    def _copy_lent(self, output: Any, tensors: list[torch.Tensor]) -> Any:
-        """The output of a forward after which every unit reshards, with each tensor
-        that views a full parameter replaced by a copy (Note [returned parameters]);
-        ``None`` when there is none."""
-        fulls = {g.full.untyped_storage()._cdata for u in self.units for g in u.groups}
-        lent = {id(t) for t in tensors if not isinstance(t, DTensor)
-                and t.untyped_storage()._cdata in fulls}
-        if not lent:
-            return None
-
-        def copy(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return x.detach().clone() if id(x) in lent else x
-            if isinstance(x, list):
-                x[:] = [copy(v) for v in x]
-            elif isinstance(x, tuple):
-                items = [copy(v) for v in x]
-                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-            elif isinstance(x, MutableMapping):
-                for k in list(x):
-                    x[k] = copy(x[k])
-            return x
-
-        return copy(output)
+        fulls = lent.full_owners([unit])
+        if any(lent.storage_key(t) in fulls for t in tensors):
+            return True
+        return opaque and bool(lent.find(output, fulls.__contains__))
 
     def _start_forward(self, entry: Unit) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
@@ -356,12 +329,8 @@ class ModelState:
         pinned = self._all_pinned(entry)
         if not pinned:  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
-            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         if self.settings.reproducible and self.root.training and not self._dropout_warned:
             self._warn_dropout()
-        # Note [a forward inside gathered]: no collective, so nothing to check.
-        self.order_check = (OrderCheck(self.comm, self.number)
-                            if order_checks_enabled(self.comm) and not pinned else None)
         if self._epoch != self.comm.channel.epoch:
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
@@ -370,24 +339,34 @@ class ModelState:
             self._prev_order, self._order = [], []
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
+        # Note [a forward inside gathered]: no collective, so nothing to check; joining
+        # an awaited backward, the check of that backward's forward stays.
+        if not pinned:
+            self.order_check = (OrderCheck(self.comm, self.number)
+                                if order_checks_enabled(self.comm) else None)
+        elif not self._joins_pending:
+            self.order_check = None
         if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
-            if self._order and not self._order_pinned:  # Note [a forward inside gathered]
+            if self._order:  # Note [a forward inside gathered]: none recorded there
                 self._prev_order = self._order
             self._order = []
-            self._order_pinned = pinned
             self.release_all()
-        else:
-            self._order_pinned = self._order_pinned and pinned
         self._entry = entry
         self._pinned = pinned
         self.phase = Phase.FORWARD
+        if not pinned:  # last: whatever raised before left the table as it was
+            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
 
     def _record_call(self, unit: Unit) -> None:
-        """Note the call and prefetch the ``prefetch`` units that ran next last time."""
+        """Note the call and prefetch the ``prefetch`` units that ran next last time. The
+        order holds only calls that communicate: not a pinned unit's, nor any call of a
+        forward inside ``gathered()`` (Note [a forward inside gathered])."""
         pos = len(self._order)
         unit.record_call(pos)
+        if self._pinned or unit.pins:
+            return
         self._order.append(unit)
         prev = self._prev_order
         if pos < len(prev) and prev[pos] is unit and not self._pinned:
@@ -406,8 +385,7 @@ class ModelState:
         prev = self._prev_order
         return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
-    def _end_forward(self, hooked: bool, opaque: bool, output: Any,
-                     tensors: list[torch.Tensor]) -> Any:
+    def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
         """The forward's entry unit (Note [a unit called on its own]) returned; what
         replaces its output, or ``None``."""
         self._entry = None
@@ -427,10 +405,32 @@ class ModelState:
             return None
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
-        replaced = None if self._pinned else self._copy_lent(output, tensors)
+        try:
+            if self._pinned:
+                self.release_all()
+                return None
+            # Note [returned parameters] in engine/lent.py; refuses after releasing
+            return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                                  self.release_all)
+        finally:
+            self._sync_buffers_if_due()
+
+    def on_forward_raised(self, unit: Unit) -> None:
+        """``unit``'s call raised (its forward, or a hook before it); the exception goes
+        on. If that call started the running forward (Note [a forward that raised]),
+        end it here."""
+        if unit is not self._entry or self.phase is not Phase.FORWARD:
+            return
+        self._entry = None
+        mixed.forward_ended(self)
+        ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
+        if self._joins_pending:  # the backward awaited before may still come
+            self.phase = Phase.AWAITING_BACKWARD
+            return
+        self.order_check = None
+        self.phase = Phase.IDLE
+        self._order = []  # a partial order must not decide the next prefetches
         self.release_all()
-        self._sync_buffers_if_due()
-        return replaced
 
     def _sync_buffers_if_due(self) -> None:
         if self._buffers_due:
