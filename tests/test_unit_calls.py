@@ -491,3 +491,58 @@ def test_a_parent_using_a_child_units_weight_is_named():
     # Before: DTensor's "aten.mm.default got mixed torch.Tensor and DTensor".
     for r in run_ranks(_child_weight_in_parent, 2):
         assert r == (0.0, 0.0), r  # the same kernels as DDP's at 2 ranks: bit for bit
+
+
+def _table_across_threads(rank, world):
+    import sys
+    import threading
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardwise.engine import mixed
+
+    a = DTensor.from_local(torch.ones(4), init_device_mesh("cpu", (world,)), [Shard(0)])
+    table = dict(DTensor._op_dispatcher._custom_op_handlers)
+    errors, stop = [], threading.Event()
+
+    class _Running:  # what mixed reads of a running model
+        units = []
+
+    def operations():  # DTensor's own arithmetic, through our handler while installed
+        while not stop.is_set():
+            try:
+                a + a
+            except Exception as e:  # noqa: BLE001 - any failure is the finding
+                errors.append(repr(e))
+                return
+
+    def forwards(state):
+        for _ in range(2000):
+            mixed.forward_started(state)
+            a * a
+            mixed.forward_ended(state)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the races are narrow
+    try:
+        threads = [threading.Thread(target=forwards, args=(_Running(),)) for _ in range(2)]
+        others = [threading.Thread(target=operations) for _ in range(3)]
+        for t in threads + others:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        for t in others:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    return errors, DTensor._op_dispatcher._custom_op_handlers == table
+
+
+def test_the_dtensor_table_is_safe_across_threads():
+    # Before (Note [one table for every thread] in engine/mixed.py): KeyError on
+    # aten.add.Tensor in threads falling through at once, and our handler left in
+    # DTensor's table after every forward had ended.
+    for errors, restored in run_ranks(_table_across_threads, 2, timeout=120):
+        assert errors == [] and restored, errors[:3]

@@ -36,29 +36,53 @@ block gathered where they resharded it, so its next forward diverged (a hang wit
 order check off). An evaluation joining a forward whose backward was awaited appended its
 calls to that forward's order, with the same result one step later.
 
-Note [a unit called on its own]
-A unit may be called outside the root's forward (``model[0](x)``, a chunked-loss head
-called on slices of the root's output), as FSDP2 allows: its call then starts a forward
-of its own, with the unit as its *entry*, exactly as the root's call does (order check,
-new iteration or joining one whose backward is awaited, phase), and its return ends it.
-Between, the unit is gathered, prefetches and reshards as inside the root's forward, its
-outputs are hooked and its inputs wrapped, so its backward gathers it again and reduces
-its gradients with the rest. A unit may compute with a parameter owned by a unit
-outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
-the innermost unit holding every use, the root). Those owners (``_borrowed``) are
-gathered before the entry and before its backward, and stay gathered until the
-iteration ends, as the root does. Every rank must call the same units in the same order,
-as with the root; the order check covers these calls.
+Note [forward entries]
+A forward of the model starts at its *entry*, the module whose call starts it while no
+forward of the model runs, and ends when that call returns (or raises, Note [a forward
+that raised]). Every entry runs the same events as the root's call (order check, new
+iteration or joining one whose backward is awaited, phase), so every rank issues the
+same collectives whichever module it called. There are three kinds:
+
+- the root, the usual one;
+- a unit called on its own, outside the root's forward (``model[0](x)``, a chunked-loss
+  head called on slices of the root's output), as FSDP2 allows. Between its call and its
+  return the unit is gathered, prefetches and reshards as inside the root's forward,
+  its outputs are hooked and its inputs wrapped, so its backward gathers it again and
+  reduces its gradients with the rest. It may compute with a parameter owned by a unit
+  outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
+  the innermost unit holding every use, the root). Those owners (``_borrowed``) are
+  gathered before the entry and before its backward, and stay gathered until the
+  iteration ends, as the root does;
+- a module standing for the root of a wrapper: a root whose forward only hands its
+  inputs to one child (a PEFT ``PeftModel`` wrapping the ``LlamaForCausalLM`` it adapts,
+  through its ``LoraModel``) is not always entered through that forward:
+  ``PeftModel.generate`` calls the inner model's ``generate``, whose loop calls the inner
+  model itself. The root unit's parameters (the embedding, the final norm, the head)
+  were then used without the root's forward hook, as DTensor shards, and the first op
+  mixing them with the inputs failed ("got mixed torch.Tensor and DTensor"). So each
+  module of that chain (a module owning no parameter itself whose parameters all live in
+  one child, not a unit, descending from the root; ``engine/hooks.py``,
+  ``wrapped_models``) is an entry for the root unit: its call, outside a forward, is the
+  root's forward. Called inside one (``PeftModel.forward`` calls it), it does nothing.
+  ``generate`` on the inner model sees the markers of ``mark_collective_forward`` and
+  turns on ``synced_gpus``, so ranks whose sequences stop at different lengths run the
+  same number of forwards, as for a sharded model that is not wrapped.
+
+``_entry`` is the unit the running forward started as (the root for the first and the
+last kind) and ``_entry_module`` the module whose call started it: only that call's end
+ends the forward. Every rank must enter through the same modules in the same order; the
+order check covers these calls.
 
 Note [a forward that raised]
 A forward whose entry raised (its own code, a unit inside it, a hook: the order check
 finding ranks diverged) never reaches its end. Left so, the phase stayed FORWARD with
 the entry set, so the next call of a unit did not start a forward of its own, and
 DTensor's table kept our handler (Note [a unit's parameter used outside it] in
-engine/mixed.py) for every operation of the process. Every unit's module therefore has
-a forward hook that torch calls also when the call raises (``always_call``):
-``on_forward_raised`` ends the forward that call started, releasing its units, or
-returning to the awaited backward when the forward joined one. The partial order it
+engine/mixed.py) for every operation of the process. Every entry (a unit's module, or
+a wrapper's, Note [forward entries]) therefore has a forward hook that torch calls also
+when the call raises (``always_call``): ``on_forward_raised`` ends the forward that call
+started, releasing its units, or returning to the awaited backward when the forward
+joined one. The partial order it
 recorded is dropped, so that it decides no prefetch.
 
 Note [buffer sync point]
@@ -133,7 +157,8 @@ class ModelState:
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
-        self._entry: Unit | None = None  # the unit whose call started the running forward
+        self._entry: Unit | None = None  # what the running forward started as
+        self._entry_module: nn.Module | None = None  # whose call started it
         self._pinned = False  # the running forward computes on pinned units alone
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
@@ -199,13 +224,18 @@ class ModelState:
         self.release_all()
 
     # -- forward events ----------------------------------------------------------------
-    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
-        """A unit's forward starts: gather it, prefetch the next, wrap its inputs."""
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict,
+                       module: nn.Module | None = None) -> tuple | None:
+        """A unit's forward starts: gather it, prefetch the next, wrap its inputs.
+        ``module``: the module called, when it stands for the root unit (Note [forward
+        entries]); it counts only outside a forward."""
         if in_backward():  # Note [recompute] in engine/autograd.py
             unit.finish_gather()
             return None
+        if module is not None and self.phase is Phase.FORWARD:
+            return None
         if unit.is_root or self.phase is not Phase.FORWARD:
-            self._start_forward(unit)  # Note [a unit called on its own]
+            self._start_forward(unit, module or unit.module)  # Note [forward entries]
         if self.order_check is not None and self._order_checked(unit):
             self.order_check.unit(unit.index, unit.name)
         if unit is self._entry and not unit.is_root:
@@ -235,7 +265,7 @@ class ModelState:
         """Whether every unit a forward entered at ``entry`` may gather is pinned by
         ``gathered()``: it then runs whole on each rank, without collectives. For the
         root that is every unit holding parameters; for a unit called on its own, the
-        units inside it and those it borrows from (Note [a unit called on its own])."""
+        units inside it and those it borrows from (Note [forward entries])."""
         scope = self.units if entry.is_root else self._nested(entry) + self._borrowed(entry)
         return all(u.pins for u in scope if u.holds_params)
 
@@ -269,11 +299,15 @@ class ModelState:
         pinned whole (then no check runs at all)."""
         return not unit.pins
 
-    def on_post_forward(self, unit: Unit, output: Any) -> Any:
+    def on_post_forward(self, unit: Unit, output: Any,
+                        module: nn.Module | None = None) -> Any:
         """A unit's forward ended: hook its outputs for backward, reshard what may go.
-        Returns what replaces the output, or ``None`` (Note [returned parameters])."""
+        Returns what replaces the output, or ``None`` (Note [returned parameters] in
+        engine/lent.py). ``module``: as for :meth:`on_pre_forward`."""
         if in_backward():  # Note [recompute]
             return None
+        if module is not None and module is not self._entry_module:
+            return None  # an entry called inside the running forward
         hooked = False
         tensors, unsearched = output_tensors(output)
         opaque = unsearched and torch.is_grad_enabled()  # without a gradient no backward
@@ -322,9 +356,9 @@ class ModelState:
             return True
         return opaque and bool(lent.find(output, fulls.__contains__))
 
-    def _start_forward(self, entry: Unit) -> None:
+    def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
-        own (Note [a unit called on its own])."""
+        own (Note [forward entries])."""
         check_model(self.root, self.units)
         pinned = self._all_pinned(entry)
         if not pinned:  # inside gathered(): no collective
@@ -352,7 +386,7 @@ class ModelState:
                 self._prev_order = self._order
             self._order = []
             self.release_all()
-        self._entry = entry
+        self._entry, self._entry_module = entry, module
         self._pinned = pinned
         self.phase = Phase.FORWARD
         if not pinned:  # last: whatever raised before left the table as it was
@@ -386,9 +420,9 @@ class ModelState:
         return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
     def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
-        """The forward's entry unit (Note [a unit called on its own]) returned; what
+        """The forward's entry unit (Note [forward entries]) returned; what
         replaces its output, or ``None``."""
-        self._entry = None
+        self._entry = self._entry_module = None
         mixed.forward_ended(self)
         if self.order_check is not None:
             self.order_check.end_forward(len(self._order))
@@ -415,13 +449,13 @@ class ModelState:
         finally:
             self._sync_buffers_if_due()
 
-    def on_forward_raised(self, unit: Unit) -> None:
-        """``unit``'s call raised (its forward, or a hook before it); the exception goes
-        on. If that call started the running forward (Note [a forward that raised]),
-        end it here."""
-        if unit is not self._entry or self.phase is not Phase.FORWARD:
+    def on_forward_raised(self, module: nn.Module) -> None:
+        """A call of ``module`` (a unit's, or an entry's, Note [forward entries]) raised,
+        in its forward or a hook before it; the exception goes on. If that call started
+        the running forward (Note [a forward that raised]), end it here."""
+        if module is not self._entry_module or self.phase is not Phase.FORWARD:
             return
-        self._entry = None
+        self._entry = self._entry_module = None
         mixed.forward_ended(self)
         ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
         if self._joins_pending:  # the backward awaited before may still come
@@ -450,7 +484,7 @@ class ModelState:
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
         self.ensure_backward_callback()
-        if not unit.is_root:  # Note [a unit called on its own]
+        if not unit.is_root:  # Note [forward entries]
             for owner in self._borrowed(unit):
                 owner.finish_gather()
         unit.finish_gather()
