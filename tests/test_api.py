@@ -256,7 +256,9 @@ def _nonsense(rank, world, root):
         sw.global_mean([])
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(sw.ShardwiseError, match=r"prefetch=1000000000: the model has 3 "
-                                                r"unit\(s\), so at most 2 can be gathered"):
+                                                r"unit\(s\), so prefetch is at most 3 "
+                                                r"\(from 2 on, every other unit is already "
+                                                r"gathered ahead"):
         sw.shard(model, prefetch=10**9)  # the root and each entry
     with pytest.raises(sw.ShardwiseError, match=r"prefetch=3: the model has 2 unit"):
         sw.shard(model, units=lambda name, m: name == "0", prefetch=3)

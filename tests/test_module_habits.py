@@ -315,7 +315,7 @@ class Wrapped(nn.Module):
 
 
 def _inner_model_called_directly(rank, world):
-    # Note [wrapped roots]: the inner model, called outside the wrapper's forward, runs
+    # Note [forward entries]: the inner model, called outside the wrapper's forward, runs
     # as the root (PeftModel.generate calls it so). Before: "aten.embedding.default got
     # mixed torch.Tensor and DTensor" at its first op.
     ref = DDP(Wrapped())

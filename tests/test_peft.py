@@ -91,7 +91,7 @@ def test_lora_trains_like_ddp_and_saves_adapters_peft_loads(tmp_path):
 
 
 def _generate_lora(rank, world):
-    """Note [wrapped roots]: PeftModel.generate runs the inner model's forward, not the
+    """Note [forward entries]: PeftModel.generate runs the inner model's forward, not the
     PeftModel's; it must gather the root unit (embedding, norm, head) all the same."""
     # Untied: this tiny tied model only ever repeats the prompt's last token.
     ref = _lora_model(tie=False).eval()

@@ -591,7 +591,7 @@ def test_qlora_checkpoint_round_trips_the_nf4_base_across_world_sizes(tmp_path):
 
 
 def _qlora_generate(rank, world):
-    """PeftModel.generate on a sharded QLoRA model (Note [wrapped roots]): the inner
+    """PeftModel.generate on a sharded QLoRA model (Note [forward entries]): the inner
     model's forward gathers the root unit and the NF4 bytes, as a call of the root would;
     the tokens are the unsharded quantized model's."""
     ref = _qlora().eval()

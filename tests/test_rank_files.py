@@ -317,3 +317,35 @@ def _hybrid(rank, world):
 
 def test_hybrid_sharding_rows_follow_the_shard_rank():
     run_ranks(_hybrid, 4)
+
+
+def _ranks_load_different_formats(rank, world):
+    """Rank 0 loads the full state dicts (plain tensors), rank 1 its own rows (DTensors):
+    both meet the rows check's agreement, and load the same values."""
+    model = sw.shard(_gpt(0))
+    opt = _opt(model)
+    _steps(model, opt, range(2))
+    full = (sw.full_state_dict(model, rank0_only=False),
+            sw.full_optimizer_state_dict(model, opt, rank0_only=False))
+    own = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    expected = _local_state(model, opt)
+    _steps(model, opt, range(2, 4))  # moves away from what is loaded
+    sd, opt_sd = full if rank == 0 else own
+    model.load_state_dict(sd)
+    opt.load_state_dict(opt_sd)
+    got = _local_state(model, opt)
+    _same(got[0], expected[0])
+    _same(got[1], expected[1])
+    # A dict that does not fit the optimizer, on one rank: refused on every rank.
+    bad = {**opt_sd, "param_groups": opt_sd["param_groups"][:0]} if rank == 1 else opt_sd
+    with pytest.raises(sw.ShardwiseError, match=r"rank\(s\) \[1\]: it holds 0 parameters"):
+        opt.load_state_dict(bad)
+    _steps(model, opt, range(4, 5))  # the ranks are still in step
+    return True
+
+
+def test_ranks_loading_different_formats_meet():
+    # Before: rank 1 waited in the agreement that rank 0, whose dict held no DTensor,
+    # skipped (a hang), and a dict that did not fit the optimizer on one rank alone left
+    # the others waiting the same way.
+    assert run_ranks(_ranks_load_different_formats, 2, timeout=90) == [True, True]

@@ -251,15 +251,17 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             chosen = choose_units(module, units)
         # prefetch=k gathers the k units that ran after (forward) or before (backward) the
         # one computing, so k >= units - 1 already keeps every unit gathered ahead (no
-        # saving over DDP); a larger k is a mistake (a byte count? 10**9?), refused rather
-        # than clamped so that the user learns what the number means. Up to the number
-        # of units is allowed, so that the default 1 holds for a one-unit model.
+        # saving over DDP); a k above the number of units is a mistake (a byte count?
+        # 10**9?), refused rather than clamped so that the user learns what the number
+        # means. Up to the number of units is allowed, so that the default 1 holds for a
+        # one-unit model; the message says so, and why more would gain nothing.
         if prefetch > len(chosen):
             raise ShardwiseError(
-                f"prefetch={prefetch}: the model has {len(chosen)} unit(s), so at most "
-                f"{max(len(chosen) - 1, 0)} can be gathered ahead of the one computing; "
-                f"prefetch counts units, each one more unit of full parameters in memory. "
-                f"Use 1 (the default) or 2 when all-gathers are slow next to compute")
+                f"prefetch={prefetch}: the model has {len(chosen)} unit(s), so prefetch is "
+                f"at most {len(chosen)} (from {max(len(chosen) - 1, 0)} on, every other "
+                f"unit is already gathered ahead of the one computing); prefetch counts "
+                f"units, each one more unit of full parameters in memory. Use 1 (the "
+                f"default) or 2 when all-gathers are slow next to compute")
         records = discover_params(module, [n for n, _ in chosen])
         _check_params(records, comm.rank, src_rank, offload, topo.shard.world_size)
         if any(uses_protocol(r.param) for r in records):
@@ -292,7 +294,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     for _, mod, _, _ in built:
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
-    hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [wrapped roots]
+        mod.register_forward_hook(hooks.forward_raised, always_call=True)
+    hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [forward entries]
     install_state_dict_hooks(module)
     install_step_hooks()  # Note [the optimizer step]
     state = build(module, topo, built, buffer_sync, settings)

@@ -5,7 +5,8 @@ the autograd pieces (the post-backward identity, output search) in ``engine/auto
 Each hook finds its unit through the module it is called on, not through a bound
 argument, so that a deep copy of the model (``engine/clone.py``), whose modules carry copies of
 these hooks, drives its own units. The hooks on a wrapper root's inner models, which run
-them as the root when they are called on their own, are here too (Note [wrapped roots]).
+them as the root when they are called on their own, are here too (Note [forward entries]
+in engine/state.py).
 """
 
 from __future__ import annotations
@@ -46,34 +47,25 @@ def post_forward(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any
     return unit.model.on_post_forward(unit, output)
 
 
-# Note [wrapped roots]
-# A root whose forward only hands its inputs to one child (a PEFT ``PeftModel`` wrapping
-# the ``LlamaForCausalLM`` it adapts, through its ``LoraModel``) is not always entered
-# through that forward: ``PeftModel.generate`` calls the inner model's ``generate``, whose
-# loop calls the inner model itself. The root unit's parameters (the embedding, the final
-# norm, the head) are then used without the root's forward hook, as DTensor shards, and
-# the first op mixing them with the inputs fails ("got mixed torch.Tensor and DTensor").
-# So each module of that chain (a module owning no parameter itself whose parameters all
-# live in one child, not a unit, descending from the root) is an entry of the root: called
-# while no forward of the root or of another entry runs, its forward is the root's forward,
-# with the root's own events (gather the root unit, record the order, release or await the
-# backward), so every rank issues the same collectives as for a call of the root. Called
-# inside the root's forward (``PeftModel.forward`` calls it), it does nothing. ``generate``
-# on the inner model sees the markers of ``mark_collective_forward`` and turns on
-# ``synced_gpus``, so ranks whose sequences stop at different lengths run the same number
-# of forwards, as for a sharded model that is not wrapped.
-class RootEntries:
-    """Which forwards of one model's root and entries are running (Note [wrapped roots]).
+@torch._dynamo.disable
+def forward_raised(module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """Called after every call of a unit, also one that raised (Note [a forward that
+    raised] in engine/state.py); acts only in the latter case."""
+    unit = unit_of(module)
+    assert unit is not None, "a unit's hooks are installed on its module"
+    unit.model.on_forward_raised(module)
 
-    One instance per model, shared by the hooks on its root and entries (a deep copy of
-    the model copies it with them, bound to the copy's root). ``running`` holds, per
-    forward under way, whether it started the root's forward itself."""
+
+class RootOf:
+    """The root of one sharded model, for the hooks of its entries (Note [forward
+    entries] in engine/state.py). One instance per model, shared by those hooks; a deep
+    copy of the model copies it with them, bound to the copy's root."""
 
     def __init__(self, root: torch.nn.Module) -> None:
         self.root = root
-        self.running: list[bool] = []
 
-    def root_unit(self) -> Unit:
+    def unit(self) -> Unit:
+        """The root's unit, which an entry's call runs as."""
         unit = unit_of(self.root)
         assert unit is not None, "entries are installed on sharded models only"
         return unit
@@ -81,9 +73,9 @@ class RootEntries:
 
 def wrapped_models(root: torch.nn.Module,
                    unit_modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The root's entries (Note [wrapped roots]): from the root down, while a module owns
-    no parameter itself and exactly one child holds parameters (and so all of them), that
-    child, unless it is a unit."""
+    """The root's entries besides itself (Note [forward entries]): from the root down,
+    while a module owns no parameter itself and exactly one child holds parameters (and
+    so all of them), that child, unless it is a unit."""
     out: list[torch.nn.Module] = []
     module = root
     while next(module.parameters(recurse=False), None) is None:
@@ -97,44 +89,34 @@ def wrapped_models(root: torch.nn.Module,
 
 def install_entries(root: torch.nn.Module, unit_modules: list[torch.nn.Module]) -> None:
     """Make the modules :func:`wrapped_models` finds run as the root when called outside
-    its forward (Note [wrapped roots]); nothing for a root that is no such wrapper."""
+    its forward (Note [forward entries]); nothing for a root that is no such wrapper."""
     entries = wrapped_models(root, unit_modules)
     if not entries:
         return
-    shared = RootEntries(root)
-    # The pre-hooks come first and the bookkeeping post-hooks are always called, also when
-    # the forward or another hook raises, so that ``running`` never stays stale.
-    root.register_forward_pre_hook(functools.partial(_enter, shared, False), prepend=True)
-    root.register_forward_hook(functools.partial(_leave, shared), always_call=True)
+    shared = RootOf(root)
     for module in entries:
-        module.register_forward_pre_hook(functools.partial(_enter, shared, True),
+        module.register_forward_pre_hook(functools.partial(_entry_pre, shared),
                                          prepend=True, with_kwargs=True)
-        module.register_forward_hook(functools.partial(_entry_end, shared), with_kwargs=True)
-        module.register_forward_hook(functools.partial(_leave, shared), always_call=True)
+        module.register_forward_hook(functools.partial(_entry_post, shared),
+                                     with_kwargs=True)
+        module.register_forward_hook(functools.partial(_entry_raised, shared),
+                                     always_call=True)
 
 
 @torch._dynamo.disable
-def _enter(shared: RootEntries, entry: bool, module: torch.nn.Module, args: tuple,
-           kwargs: dict | None = None) -> tuple[tuple, dict] | None:
-    starts = entry and not shared.running
-    shared.running.append(starts)
-    if not starts:
-        return None
-    unit = shared.root_unit()
-    assert kwargs is not None, "an entry's pre-hook is registered with kwargs"
-    return unit.model.on_pre_forward(unit, args, kwargs)
+def _entry_pre(shared: RootOf, module: torch.nn.Module, args: tuple,
+               kwargs: dict) -> tuple[tuple, dict] | None:
+    unit = shared.unit()
+    return unit.model.on_pre_forward(unit, args, kwargs, module)
 
 
 @torch._dynamo.disable
-def _entry_end(shared: RootEntries, module: torch.nn.Module, args: tuple, kwargs: dict,
-               output: Any) -> Any:
-    if shared.running and shared.running[-1]:
-        unit = shared.root_unit()
-        return unit.model.on_post_forward(unit, output)  # Note [returned parameters]
-    return None
+def _entry_post(shared: RootOf, module: torch.nn.Module, args: tuple, kwargs: dict,
+                output: Any) -> Any:
+    unit = shared.unit()
+    return unit.model.on_post_forward(unit, output, module)  # Note [returned parameters]
 
 
 @torch._dynamo.disable
-def _leave(shared: RootEntries, module: torch.nn.Module, args: tuple, output: Any) -> None:
-    if shared.running:
-        shared.running.pop()
+def _entry_raised(shared: RootOf, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    shared.unit().model.on_forward_raised(module)

@@ -14,14 +14,15 @@ products, embedding, convolution, normalisation, elementwise arithmetic) pass th
 handler in DTensor's table of special operations (consulted before its check, Note
 [rank-local scalars] in comm/scalars.py), which raises a ShardwiseError naming the
 parameter, its unit and the fixes when a shard of a running model meets a plain tensor.
-Anything else goes on to DTensor's own dispatch, with the handler taken out of the table
-for the call. Outside forwards the table is as torch left it: optimizer steps and
-``clip_grad_norm_`` on shards never meet the handler. Operations not in the list still
-get DTensor's message.
+Anything else goes on to DTensor's own dispatch, with torch's table back for the call
+(Note [one table for every thread]). Outside forwards the table is as torch left it:
+optimizer steps and ``clip_grad_norm_`` on shards never meet the handler. Operations not
+in the list still get DTensor's message.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -38,40 +39,62 @@ _OPS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.
 # The ModelStates whose forward runs (a few at most); weakly, so that a model whose
 # forward raised (and never ended) is not kept alive by it.
 _RUNNING: weakref.WeakSet[Any] = weakref.WeakSet()
-_previous: dict[Any, Any] = {}  # the handlers ours stand in front of, while installed
+
+# Note [one table for every thread]
+# DTensor's table is one dict for the whole process (its C++ dispatch reads the
+# dispatcher's attribute at each call), shared by every thread. So ours is a copy of
+# torch's table with our handlers added, put in its place while any forward runs and
+# torch's put back when the last one ends; every swap, and what decides it, happens under
+# one lock. Before, our handlers were written into torch's dict at each forward and
+# deleted after (8.7 us a forward, most of it hashing the ops, which torch does in
+# Python), and a call falling through to DTensor's own dispatch deleted its entry and
+# wrote it back: two threads calling one op met a KeyError, and a call returning after
+# the forward ended put the handler back for good. A call falling through now puts
+# torch's table back while it runs (the lock is not held meanwhile: the op may be a
+# collective another thread's call waits on); ``_falling`` counts such calls, and ours
+# returns when the last one does, if a forward still runs. Another thread's operation in
+# that window meets torch's table: it only misses our clearer error.
+_lock = threading.Lock()
+_torch_table: dict[Any, Any] | None = None  # torch's table, while ours stands in for it
+_ours: dict[Any, Any] = {}  # that table with our handlers, while installed
+_falling = 0  # calls running DTensor's own dispatch, with torch's table back
+
+
+def _table() -> dict[Any, Any]:
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def _set_table(table: dict[Any, Any]) -> None:
+    DTensor._op_dispatcher._custom_op_handlers = table
 
 
 def forward_started(state: Any) -> None:
-    """A forward of ``state``'s model starts (not inside ``gathered()``)."""
-    _RUNNING.add(state)
-    if not _previous:
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        for op in _OPS:
-            _previous[op] = handlers.get(op)
-            handlers[op] = _check
-    # A forward that raised never reached forward_ended; its model's next forward ends
-    # for both.
+    """A forward of ``state``'s model starts (not inside ``gathered()``); our handlers
+    stand in front of torch's while any such forward runs."""
+    global _torch_table, _ours
+    with _lock:
+        _RUNNING.add(state)
+        if _torch_table is None:
+            _torch_table = _table()
+            _ours = {**_torch_table, **_OURS}  # dict copies reuse the stored hashes
+            if not _falling:
+                _set_table(_ours)
 
 
 def forward_ended(state: Any) -> None:
-    """That forward returned: the table goes back to torch's once none runs."""
-    _RUNNING.discard(state)
-    if not _RUNNING and _previous:
-        _restore()
-
-
-def _restore() -> None:
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op, prev in _previous.items():
-        if handlers.get(op) is _check:
-            if prev is None:
-                del handlers[op]
-            else:
-                handlers[op] = prev
-    _previous.clear()
+    """That forward returned, or raised (Note [a forward that raised] in
+    engine/state.py): torch's table goes back once none runs."""
+    global _torch_table
+    with _lock:
+        _RUNNING.discard(state)
+        if not _RUNNING and _torch_table is not None:
+            if _table() is _ours:
+                _set_table(_torch_table)
+            _torch_table = None
 
 
 def _check(op_call: Any, args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
+    global _falling
     flat = [*args, *kwargs.values()]
     if any(isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.numel() > 1
            for t in flat):
@@ -80,17 +103,25 @@ def _check(op_call: Any, args: tuple[object, ...], kwargs: dict[str, object]) ->
                 found = _owner(t)
                 if found is not None:
                     raise _error(op_call, *found)
-    previous = _previous.get(op_call)
-    if previous is not None:
+    torch_table = _torch_table
+    previous = torch_table.get(op_call) if torch_table is not None else None
+    if previous is not None:  # a handler of torch's own (convolution's)
         return previous(op_call, args, kwargs)
-    # DTensor's own dispatch, which the table entry would send back here.
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    del handlers[op_call]
+    # DTensor's own dispatch, which our table would send back here.
+    with _lock:
+        _falling += 1
+        if _torch_table is not None and _table() is _ours:
+            _set_table(_torch_table)
     try:
         return op_call(*args, **kwargs)
     finally:
-        if _previous:
-            handlers[op_call] = _check
+        with _lock:
+            _falling -= 1
+            if not _falling and _torch_table is not None and _table() is _torch_table:
+                _set_table(_ours)
+
+
+_OURS = dict.fromkeys(_OPS, _check)
 
 
 def _owner(t: DTensor) -> tuple[str, str] | None:

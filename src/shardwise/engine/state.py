@@ -26,41 +26,64 @@ checked: ranks may run them different numbers of times (``comm/order_check.py``)
 Note [a forward inside gathered]
 A forward that computes on pinned units alone (the model, or the unit called, whole inside
 ``gathered()``) communicates nothing, so it may run on one rank (the documented one-rank
-evaluation). It must then leave nothing behind that decides later collectives: it runs
-no order check, prefetches nothing, and the order it records is never promoted to the
-previous order, which decides the next forward's prefetches and which unit stays
-gathered for its backward (``_runs_last``). Before, rank 0's evaluation before the first
-training step gave it an order its peers lacked: it prefetched where they gathered on
-demand and kept the last block gathered where they resharded it, so its next forward
-diverged (a hang with the order check off).
+evaluation), also between a training forward and its backward. It must then leave nothing
+behind that decides later collectives: it runs no order check and prefetches nothing, and
+calls of pinned units are never recorded in the order, which becomes the previous order
+that decides the next forward's prefetches and which unit stays gathered for its backward
+(``_runs_last``). Before, rank 0's evaluation before the first training step gave it an
+order its peers lacked: it prefetched where they gathered on demand and kept the last
+block gathered where they resharded it, so its next forward diverged (a hang with the
+order check off). An evaluation joining a forward whose backward was awaited appended its
+calls to that forward's order, with the same result one step later.
 
-Note [a unit called on its own]
-A unit may be called outside the root's forward (``model[0](x)``, a chunked-loss head
-called on slices of the root's output), as FSDP2 allows: its call then starts a forward
-of its own, with the unit as its *entry*, exactly as the root's call does (order check,
-new iteration or joining one whose backward is awaited, phase), and its return ends it.
-Between, the unit is gathered, prefetches and reshards as inside the root's forward, its
-outputs are hooked and its inputs wrapped, so its backward gathers it again and reduces
-its gradients with the rest. A unit may compute with a parameter owned by a unit
-outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
-the innermost unit holding every use, the root). Those owners (``_borrowed``) are
-gathered before the entry and before its backward, and stay gathered until the
-iteration ends, as the root does. Every rank must call the same units in the same order,
-as with the root; the order check covers these calls.
+Note [forward entries]
+A forward of the model starts at its *entry*, the module whose call starts it while no
+forward of the model runs, and ends when that call returns (or raises, Note [a forward
+that raised]). Every entry runs the same events as the root's call (order check, new
+iteration or joining one whose backward is awaited, phase), so every rank issues the
+same collectives whichever module it called. There are three kinds:
 
-Note [returned parameters]
-A unit whose forward returns one of its own full parameters, or a view of one
-(DeepSpeed's ``test_ext_param_return``: ``return out, self.bias``), lends it to the
-caller, who computes with it after the unit returned. Resharding the unit then would
-free the storage under that tensor (Note [freeing full parameters] in engine/unit.py):
-the next read was a segmentation fault. Such a unit stays gathered until its backward
-(as under ``reshard_after_forward=False``) or, without one, the end of the forward. A
-forward that ends without a backward to come releases every unit, so the tensors of its
-output that view a full parameter (the entry's own return, or one it passed on) are
-replaced by copies (``_copy_lent``, in tensors, lists, tuples and mappings; a forward
-awaiting its backward keeps its units gathered, and the output as it is). A returned
-parameter is a leaf: no backward hook is put on it, which would stay on the parameter
-for every later backward.
+- the root, the usual one;
+- a unit called on its own, outside the root's forward (``model[0](x)``, a chunked-loss
+  head called on slices of the root's output), as FSDP2 allows. Between its call and its
+  return the unit is gathered, prefetches and reshards as inside the root's forward,
+  its outputs are hooked and its inputs wrapped, so its backward gathers it again and
+  reduces its gradients with the rest. It may compute with a parameter owned by a unit
+  outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
+  the innermost unit holding every use, the root). Those owners (``_borrowed``) are
+  gathered before the entry and before its backward, and stay gathered until the
+  iteration ends, as the root does;
+- a module standing for the root of a wrapper: a root whose forward only hands its
+  inputs to one child (a PEFT ``PeftModel`` wrapping the ``LlamaForCausalLM`` it adapts,
+  through its ``LoraModel``) is not always entered through that forward:
+  ``PeftModel.generate`` calls the inner model's ``generate``, whose loop calls the inner
+  model itself. The root unit's parameters (the embedding, the final norm, the head)
+  were then used without the root's forward hook, as DTensor shards, and the first op
+  mixing them with the inputs failed ("got mixed torch.Tensor and DTensor"). So each
+  module of that chain (a module owning no parameter itself whose parameters all live in
+  one child, not a unit, descending from the root; ``engine/hooks.py``,
+  ``wrapped_models``) is an entry for the root unit: its call, outside a forward, is the
+  root's forward. Called inside one (``PeftModel.forward`` calls it), it does nothing.
+  ``generate`` on the inner model sees the markers of ``mark_collective_forward`` and
+  turns on ``synced_gpus``, so ranks whose sequences stop at different lengths run the
+  same number of forwards, as for a sharded model that is not wrapped.
+
+``_entry`` is the unit the running forward started as (the root for the first and the
+last kind) and ``_entry_module`` the module whose call started it: only that call's end
+ends the forward. Every rank must enter through the same modules in the same order; the
+order check covers these calls.
+
+Note [a forward that raised]
+A forward whose entry raised (its own code, a unit inside it, a hook: the order check
+finding ranks diverged) never reaches its end. Left so, the phase stayed FORWARD with
+the entry set, so the next call of a unit did not start a forward of its own, and
+DTensor's table kept our handler (Note [a unit's parameter used outside it] in
+engine/mixed.py) for every operation of the process. Every entry (a unit's module, or
+a wrapper's, Note [forward entries]) therefore has a forward hook that torch calls also
+when the call raises (``always_call``): ``on_forward_raised`` ends the forward that call
+started, releasing its units, or returning to the awaited backward when the forward
+joined one. The partial order it
+recorded is dropped, so that it decides no prefetch.
 
 Note [buffer sync point]
 BatchNorm saves its running statistics for backward, so overwriting buffers between a
@@ -74,13 +97,11 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .._log import logger
 from .._registry import STATE, attach_to, attached, instance_attribute
@@ -89,7 +110,7 @@ from ..comm.mesh import Topology
 from ..comm.order_check import OrderCheck, order_checks_enabled
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
-from . import mixed
+from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .guards import check_model
 from .running_stats import RunningStats
@@ -136,9 +157,9 @@ class ModelState:
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
-        self._entry: Unit | None = None  # the unit whose call started the running forward
+        self._entry: Unit | None = None  # what the running forward started as
+        self._entry_module: nn.Module | None = None  # whose call started it
         self._pinned = False  # the running forward computes on pinned units alone
-        self._order_pinned = False  # _order was recorded by such forwards only
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
@@ -203,13 +224,18 @@ class ModelState:
         self.release_all()
 
     # -- forward events ----------------------------------------------------------------
-    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict) -> tuple | None:
-        """A unit's forward starts: gather it, prefetch the next, wrap its inputs."""
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict,
+                       module: nn.Module | None = None) -> tuple | None:
+        """A unit's forward starts: gather it, prefetch the next, wrap its inputs.
+        ``module``: the module called, when it stands for the root unit (Note [forward
+        entries]); it counts only outside a forward."""
         if in_backward():  # Note [recompute] in engine/autograd.py
             unit.finish_gather()
             return None
+        if module is not None and self.phase is Phase.FORWARD:
+            return None
         if unit.is_root or self.phase is not Phase.FORWARD:
-            self._start_forward(unit)  # Note [a unit called on its own]
+            self._start_forward(unit, module or unit.module)  # Note [forward entries]
         if self.order_check is not None and self._order_checked(unit):
             self.order_check.unit(unit.index, unit.name)
         if unit is self._entry and not unit.is_root:
@@ -239,7 +265,7 @@ class ModelState:
         """Whether every unit a forward entered at ``entry`` may gather is pinned by
         ``gathered()``: it then runs whole on each rank, without collectives. For the
         root that is every unit holding parameters; for a unit called on its own, the
-        units inside it and those it borrows from (Note [a unit called on its own])."""
+        units inside it and those it borrows from (Note [forward entries])."""
         scope = self.units if entry.is_root else self._nested(entry) + self._borrowed(entry)
         return all(u.pins for u in scope if u.holds_params)
 
@@ -273,14 +299,18 @@ class ModelState:
         pinned whole (then no check runs at all)."""
         return not unit.pins
 
-    def on_post_forward(self, unit: Unit, output: Any) -> Any:
+    def on_post_forward(self, unit: Unit, output: Any,
+                        module: nn.Module | None = None) -> Any:
         """A unit's forward ended: hook its outputs for backward, reshard what may go.
-        Returns what replaces the output, or ``None`` (Note [returned parameters])."""
+        Returns what replaces the output, or ``None`` (Note [returned parameters] in
+        engine/lent.py). ``module``: as for :meth:`on_pre_forward`."""
         if in_backward():  # Note [recompute]
             return None
+        if module is not None and module is not self._entry_module:
+            return None  # an entry called inside the running forward
         hooked = False
-        tensors, opaque = output_tensors(output)
-        opaque &= torch.is_grad_enabled()  # without a gradient no backward can come
+        tensors, unsearched = output_tensors(output)
+        opaque = unsearched and torch.is_grad_enabled()  # without a gradient no backward
         if torch.is_grad_enabled():
             index = unit.call_index
             for t in tensors:
@@ -291,9 +321,9 @@ class ModelState:
                     if not t.is_leaf:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
-            return self._end_forward(hooked, opaque, output, tensors)
-        if self._lends(unit, tensors):
-            unit.drop_kept()  # Note [returned parameters]: stays gathered
+            return self._end_forward(unit, hooked, opaque, output)
+        if self._lends(unit, output, tensors, unsearched):
+            unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
         elif not torch.is_grad_enabled():
             unit.reshard()
         elif unit.reshard_after_forward:
@@ -311,57 +341,30 @@ class ModelState:
             else:
                 unit.drop_kept()
         if unit is self._entry:
-            return self._end_forward(hooked, opaque, output, tensors)
+            return self._end_forward(unit, hooked, opaque, output)
         return None
 
     @staticmethod
-    def _lends(unit: Unit, tensors: list[torch.Tensor]) -> bool:
+    def _lends(unit: Unit, output: Any, tensors: list[torch.Tensor], opaque: bool) -> bool:
         """Whether a forward's output views the unit's full parameters (Note [returned
-        parameters])."""
-        if not tensors or not unit.groups:
+        parameters] in engine/lent.py); what ``output_tensors`` could not open is
+        searched too."""
+        if not unit.groups:
             return False
-        fulls = {g.full.untyped_storage()._cdata for g in unit.groups}
-        return any(t.untyped_storage()._cdata in fulls for t in tensors
-                   if not isinstance(t, DTensor))
+        fulls = lent.full_owners([unit])
+        if any(lent.storage_key(t) in fulls for t in tensors):
+            return True
+        return opaque and bool(lent.find(output, fulls.__contains__))
 
-    def _copy_lent(self, output: Any, tensors: list[torch.Tensor]) -> Any:
-        """The output of a forward after which every unit reshards, with each tensor
-        that views a full parameter replaced by a copy (Note [returned parameters]);
-        ``None`` when there is none."""
-        fulls = {g.full.untyped_storage()._cdata for u in self.units for g in u.groups}
-        lent = {id(t) for t in tensors if not isinstance(t, DTensor)
-                and t.untyped_storage()._cdata in fulls}
-        if not lent:
-            return None
-
-        def copy(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                return x.detach().clone() if id(x) in lent else x
-            if isinstance(x, list):
-                x[:] = [copy(v) for v in x]
-            elif isinstance(x, tuple):
-                items = [copy(v) for v in x]
-                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-            elif isinstance(x, MutableMapping):
-                for k in list(x):
-                    x[k] = copy(x[k])
-            return x
-
-        return copy(output)
-
-    def _start_forward(self, entry: Unit) -> None:
+    def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
-        own (Note [a unit called on its own])."""
+        own (Note [forward entries])."""
         check_model(self.root, self.units)
         pinned = self._all_pinned(entry)
         if not pinned:  # inside gathered(): no collective
             self.buffers.sync_new(self.number)
-            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         if self.settings.reproducible and self.root.training and not self._dropout_warned:
             self._warn_dropout()
-        # Note [a forward inside gathered]: no collective, so nothing to check.
-        self.order_check = (OrderCheck(self.comm, self.number)
-                            if order_checks_enabled(self.comm) and not pinned else None)
         if self._epoch != self.comm.channel.epoch:
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
@@ -370,24 +373,34 @@ class ModelState:
             self._prev_order, self._order = [], []
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
+        # Note [a forward inside gathered]: no collective, so nothing to check; joining
+        # an awaited backward, the check of that backward's forward stays.
+        if not pinned:
+            self.order_check = (OrderCheck(self.comm, self.number)
+                                if order_checks_enabled(self.comm) else None)
+        elif not self._joins_pending:
+            self.order_check = None
         if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
-            if self._order and not self._order_pinned:  # Note [a forward inside gathered]
+            if self._order:  # Note [a forward inside gathered]: none recorded there
                 self._prev_order = self._order
             self._order = []
-            self._order_pinned = pinned
             self.release_all()
-        else:
-            self._order_pinned = self._order_pinned and pinned
-        self._entry = entry
+        self._entry, self._entry_module = entry, module
         self._pinned = pinned
         self.phase = Phase.FORWARD
+        if not pinned:  # last: whatever raised before left the table as it was
+            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
         ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
 
     def _record_call(self, unit: Unit) -> None:
-        """Note the call and prefetch the ``prefetch`` units that ran next last time."""
+        """Note the call and prefetch the ``prefetch`` units that ran next last time. The
+        order holds only calls that communicate: not a pinned unit's, nor any call of a
+        forward inside ``gathered()`` (Note [a forward inside gathered])."""
         pos = len(self._order)
         unit.record_call(pos)
+        if self._pinned or unit.pins:
+            return
         self._order.append(unit)
         prev = self._prev_order
         if pos < len(prev) and prev[pos] is unit and not self._pinned:
@@ -406,11 +419,10 @@ class ModelState:
         prev = self._prev_order
         return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
-    def _end_forward(self, hooked: bool, opaque: bool, output: Any,
-                     tensors: list[torch.Tensor]) -> Any:
-        """The forward's entry unit (Note [a unit called on its own]) returned; what
+    def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
+        """The forward's entry unit (Note [forward entries]) returned; what
         replaces its output, or ``None``."""
-        self._entry = None
+        self._entry = self._entry_module = None
         mixed.forward_ended(self)
         if self.order_check is not None:
             self.order_check.end_forward(len(self._order))
@@ -427,10 +439,32 @@ class ModelState:
             return None
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
-        replaced = None if self._pinned else self._copy_lent(output, tensors)
+        try:
+            if self._pinned:
+                self.release_all()
+                return None
+            # Note [returned parameters] in engine/lent.py; refuses after releasing
+            return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                                  self.release_all)
+        finally:
+            self._sync_buffers_if_due()
+
+    def on_forward_raised(self, module: nn.Module) -> None:
+        """A call of ``module`` (a unit's, or an entry's, Note [forward entries]) raised,
+        in its forward or a hook before it; the exception goes on. If that call started
+        the running forward (Note [a forward that raised]), end it here."""
+        if module is not self._entry_module or self.phase is not Phase.FORWARD:
+            return
+        self._entry = self._entry_module = None
+        mixed.forward_ended(self)
+        ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
+        if self._joins_pending:  # the backward awaited before may still come
+            self.phase = Phase.AWAITING_BACKWARD
+            return
+        self.order_check = None
+        self.phase = Phase.IDLE
+        self._order = []  # a partial order must not decide the next prefetches
         self.release_all()
-        self._sync_buffers_if_due()
-        return replaced
 
     def _sync_buffers_if_due(self) -> None:
         if self._buffers_due:
@@ -450,7 +484,7 @@ class ModelState:
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
         self.ensure_backward_callback()
-        if not unit.is_root:  # Note [a unit called on its own]
+        if not unit.is_root:  # Note [forward entries]
             for owner in self._borrowed(unit):
                 owner.finish_gather()
         unit.finish_gather()

@@ -26,9 +26,10 @@ silently. So each such value ``state_dict()`` hands out carries a tag, :data:`RO
 ``torch.save`` pickles and ``torch.load`` restores (two ints: ``weights_only`` loads accept
 them). A load compares every tag with the loading rank's place before anything changes,
 and the ranks agree on the verdict (one all-gather), so a mismatch on any rank raises on
-every rank, naming the tensors and the three ways that work. The agreement runs only when
-the loaded dict holds DTensors for shards: a full state dict of plain tensors holds no
-rank's rows, and its load communicates no more than before. Untagged DTensors (a
+every rank, naming the tensors and the three ways that work. Every rank takes part in
+the agreement, whatever its dict holds: a rank loading a full state dict of plain tensors
+(which holds no rank's rows) while another loads its own rows must still meet it, or the
+other would wait for ever; it is one small all-gather per load. Untagged DTensors (a
 ``dcp.load`` into the model's own state dict, files from before the tag, values rebuilt
 by the user) are taken as before. Such a file cannot be made right on another rank: it
 holds no other rank's rows, and a DTensor's rows are whatever its saver held. Full state
@@ -173,14 +174,13 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         return
 
     found: dict[tuple[int, int], list[str]] = {}
-    error, pieces = None, False
+    error = None
     try:
         for name, m in module.named_modules(prefix=prefix.rstrip(".")):
             for pname, t, sp in _sharded(m):
                 key = f"{name}.{pname}" if name else pname
                 value = state_dict.get(key)
                 if t is sp.shard and isinstance(value, DTensor):
-                    pieces = True
                     source = foreign_rows(sp, value)
                     if source is not None:
                         found.setdefault(source, []).append(key)
@@ -191,17 +191,14 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     except ShardwiseError as e:
         error = str(e)
     _verdict(state, "load_state_dict", f"load_state_dict into {type(module).__name__}",
-             pieces, error)
+             error)
 
 
-def _verdict(state: Any, operation: str, what: str, pieces: bool, error: str | None) -> None:
-    """Raise ``error`` of a load's rows check; agreed on every rank when the loaded dict
-    holds sharded values, which only can be another rank's (Note [rows of one rank])."""
-    if pieces:
-        announce(state.comm, operation, state.number)
-        agree(state.comm, error, what)
-    elif error is not None:
-        raise ShardwiseError(f"{what}: {error}")
+def _verdict(state: Any, operation: str, what: str, error: str | None) -> None:
+    """Raise ``error`` of a load's rows check on every rank if any rank has one; every
+    rank takes part, whatever its dict holds (Note [rows of one rank])."""
+    announce(state.comm, operation, state.number)
+    agree(state.comm, error, what)
 
 
 def _at_offset_zero(t: DTensor) -> DTensor:
@@ -379,12 +376,19 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
              if isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
              else None)
     if saved is None or len(saved) != len(params):
-        return None  # torch says what is wrong, on every rank alike
+        # Refused on every rank: another rank may load a dict that fits, and waits in
+        # the agreement (Note [rows of one rank]).
+        _verdict(model, "optimizer.load_state_dict",
+                 f"{type(optimizer).__name__}.load_state_dict",
+                 "its param_groups are not a list of dicts" if saved is None else
+                 f"it holds {len(saved)} parameters and the optimizer {len(params)}: load "
+                 f"the state dict of an optimizer over the same parameters")
+        return None
     id_map = dict(zip(saved, params))
 
     state: dict[Any, Any] = {}
     found: dict[tuple[int, int], list[str]] = {}
-    error, pieces = None, False
+    error = None
     try:
         for idx, st in state_dict.get("state", {}).items():
             p = id_map.get(idx)
@@ -398,7 +402,6 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
                 if not _shaped_like(v, sp):
                     continue
                 if isinstance(v, DTensor):
-                    pieces = True
                     source = foreign_rows(sp, v)
                     if source is not None:
                         found.setdefault(source, []).append(f"{sp.fqns[0]}[{k!r}]")
@@ -412,7 +415,7 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
     except ShardwiseError as e:
         error = str(e)
     _verdict(model, "optimizer.load_state_dict",
-             f"{type(optimizer).__name__}.load_state_dict", pieces, error)
+             f"{type(optimizer).__name__}.load_state_dict", error)
     return {**state_dict, "state": state}
 
 

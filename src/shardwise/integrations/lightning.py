@@ -304,7 +304,8 @@ class ShardwiseStrategy(DDPStrategy):
 @contextlib.contextmanager
 def _without_root_hooks(module: nn.Module) -> Iterator[None]:
     """Hide shardwise's forward hooks on ``module`` (and only those) inside the block."""
-    ours: tuple[Callable, ...] = (engine_hooks.pre_forward, engine_hooks.post_forward)
+    ours: tuple[Callable, ...] = (engine_hooks.pre_forward, engine_hooks.post_forward,
+                                  engine_hooks.forward_raised)
     pre, post = module._forward_pre_hooks, module._forward_hooks
     def theirs(h: Callable) -> bool:
         return h not in ours and getattr(h, "func", None) not in ours
