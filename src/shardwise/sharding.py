@@ -1,13 +1,19 @@
-"""``shard()``: the public entry point, as a sequence of named steps.
+"""``shard()``: the public entry point, as a sequence of named steps, plan then build.
 
-Argument checks, the plan (``planning/units.py``: units, parameters, groups), one flat
-group at a time built and swapped in (``_build_group``), buffers made ``src_rank``'s,
-hooks installed, and the engine built over the groups (``engine/build.py``, shared with
-deep copies). The guards it installs live in ``engine/guards.py``.
+1. ``_check_arguments``, ``_check_settings``: refuse what cannot be sharded, on each rank.
+2. ``_budget``, ``_plan`` (``planning/``): the units, the parameters each owns and their
+   flat groups, a :class:`_Plan`; then the engine's checks of it. Agreed: a failure on
+   one rank fails every rank, before anything changes (Note [agreed failure]).
+3. ``_agree_structure``: every rank planned the same units with the same settings.
+4. ``_build`` (``engine/``): one flat group at a time built and swapped in
+   (``_build_group``), buffers made ``src_rank``'s, hooks installed, and the engine built
+   over the groups (``engine/build.py``, shared with deep copies). The guards it installs
+   live in ``engine/guards.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import socket
@@ -29,7 +35,7 @@ from .comm.order_check import order_checks_enabled
 from .consistency import maybe_check
 from .engine import hooks
 from .engine.alloc import freed, trim
-from .engine.buffers import BufferPolicy, BufferSync
+from .engine.buffers import BufferPolicy, BufferSync, buffer_policy
 from .engine.build import build
 from .engine.clone import guard_model_copies
 from .engine.guards import retire
@@ -47,12 +53,13 @@ from .planning.units import (
     AutoChoice,
     GroupSpec,
     ParamRecord,
+    UnitPlan,
     UnitSpec,
     assign_units,
     auto_units,
     choose_units,
     discover_params,
-    group_specs,
+    plan_units,
     warn_if_one_unit_dominates,
 )
 
@@ -225,71 +232,122 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
         >>> model = sw.shard(GPT(cfg), mesh=init_device_mesh("cuda", (2, 8)))
     """
     topo = _check_arguments(module, group, mesh, src_rank, mixed_precision)
+    mp = mixed_precision or MixedPrecision()
+    _check_settings(topo, reshard_after_forward, reproducible, mixed_precision, prefetch,
+                    offload)
+    device = _device_for(module, topo.world)
+    budget = _budget(module, topo, device, units, memory_budget, mp)  # agreed by all ranks
+    # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
+    # meta tensors, fails every rank here, before the first collective.
+    plan = agreed(topo.world, f"sw.shard({type(module).__name__}) failed",
+                  functools.partial(_plan, module, topo, device, units, budget,
+                                    memory_budget is not None, prefetch,
+                                    reshard_after_forward, mp, src_rank, offload, buffers))
+    buffer_sync = BufferSync(module, topo.world, plan.buffers, src_rank, exact=reproducible)
+    settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
+                        src_rank, offload)
+    _agree_structure(topo.world, plan.chosen, plan.per_unit,
+                     _compared(settings, buffer_sync, mp))
+    _build(module, plan, topo, device, buffer_sync, settings, mp)
+    maybe_check(module)
+    return module
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What ``shard`` decided before changing anything: the same on every rank."""
+
+    chosen: list[tuple[str, nn.Module]]  # the units (name, module), the root first
+    per_unit: list[list[ParamRecord]]  # the parameters each unit owns
+    units: list[UnitPlan]  # each unit's groups
+    placement: Placement | None  # where offloaded states live
+    buffers: BufferPolicy  # how buffers are kept equal
+
+
+def _check_settings(topo: Topology, reshard_after_forward: bool | int, reproducible: object,
+                    mixed_precision: MixedPrecision | None, prefetch: object,
+                    offload: object) -> None:
+    """Refuse settings that are wrong whatever the model."""
     check_secondary(topo, reshard_after_forward)
     _check_reproducible(reproducible, topo, mixed_precision)
-    comm = topo.world
     if type(prefetch) is not int or prefetch < 0:
         raise ShardwiseError(f"prefetch={prefetch!r}: expected a non-negative integer")
-    _check_budget(units, memory_budget)
     if offload is not None and not isinstance(offload, Offload):
         raise ShardwiseError(f"offload={offload!r}: expected sw.Offload(params=..., "
                              f"optimizer=..., folder=...) or None")
-    mp = mixed_precision or MixedPrecision()
-    budget = None
-    if units == AUTO:
-        budget = memory_budget if memory_budget is not None else _default_budget(module, topo,
-                                                                                   mp)
 
-    def choose_and_check() -> tuple[BufferSync, torch.device, list[tuple[str, nn.Module]],
-                                    list[list[ParamRecord]], AutoChoice | None, Placement | None]:
-        auto = None
-        if budget is not None:
-            auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
-                              bool(reshard_after_forward))
-            chosen = auto.chosen
-        else:
-            chosen = choose_units(module, units)
-        # prefetch=k gathers the k units that ran after (forward) or before (backward) the
-        # one computing, so k >= units - 1 already keeps every unit gathered ahead (no
-        # saving over DDP); a k above the number of units is a mistake (a byte count?
-        # 10**9?), refused rather than clamped so that the user learns what the number
-        # means. Up to the number of units is allowed, so that the default 1 holds for a
-        # one-unit model; the message says so, and why more would gain nothing.
-        if prefetch > len(chosen):
-            raise ShardwiseError(
-                f"prefetch={prefetch}: the model has {len(chosen)} unit(s), so prefetch is "
-                f"at most {len(chosen)} (from {max(len(chosen) - 1, 0)} on, every other "
-                f"unit is already gathered ahead of the one computing); prefetch counts "
-                f"units, each one more unit of full parameters in memory. Use 1 (the "
-                f"default) or 2 when all-gathers are slow next to compute")
-        records = discover_params(module, [n for n, _ in chosen])
-        _check_params(records, comm.rank, src_rank, offload, topo.shard.world_size)
-        if any(uses_protocol(r.param) for r in records):
-            shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
-        # Each group releases its originals as it is built (_build_group): only
-        # per_unit may hold the records.
-        device = _device_for(module, comm)
-        return (BufferSync(module, comm, buffers, src_rank, exact=reproducible), device,
-                chosen, assign_units(records, [n for n, _ in chosen]), auto,
-                offload.resolve(device, comm.rank) if offload is not None else None)
 
-    # Note [agreed failure]: a units callable raising on one rank, or src_rank holding
-    # meta tensors, fails every rank here, before the first collective.
-    buffer_sync, device, chosen, per_unit, auto, placement = agreed(
-        comm, f"sw.shard({type(module).__name__}) failed", choose_and_check)
-    settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype, src_rank,
-                        offload)
-    _agree_structure(comm, chosen, per_unit, _compared(settings, buffer_sync, mp))
+def _budget(module: nn.Module, topo: Topology, device: torch.device, units: UnitSpec,
+            memory_budget: int | None, mp: MixedPrecision) -> int | None:
+    """The memory budget ``units="auto"`` plans for (the given one, or the default the
+    ranks agree on); ``None`` for any other ``units``."""
+    _check_budget(units, memory_budget)
+    if units != AUTO:
+        return None
+    if memory_budget is not None:
+        return memory_budget
+    return _default_budget(module, topo, device, mp)
+
+
+def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSpec,
+          budget: int | None, budget_given: bool, prefetch: int,
+          reshard_after_forward: bool | int,
+          mp: MixedPrecision, src_rank: int, offload: Offload | None,
+          buffers: str | BufferPolicy) -> _Plan:
+    """Choose the units, the parameters each owns and their groups (``planning/``), say
+    what was chosen, then check that the engine can take them (``engine/``); nothing
+    changes yet."""
+    auto = None
+    if budget is not None:
+        auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
+                          bool(reshard_after_forward))
+        chosen = auto.chosen
+    else:
+        chosen = choose_units(module, units)
+    _check_prefetch(prefetch, len(chosen))
+    names = [n for n, _ in chosen]
+    records = discover_params(module, names)
+    per_unit = assign_units(records, names)
+    planned = plan_units(chosen, per_unit, mp.param_dtype, mp.reduce_dtype)
     if auto is not None:
-        _report_auto(auto, given=memory_budget is not None)
+        _report_auto(auto, given=budget_given)
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
-                               [n for n, _ in chosen], topo.shard.world_size, units)
-    regather = _regather_group(topo, reshard_after_forward)
-    built = [_build_unit(name, mod, per_unit[i], topo, device, src_rank,
-                         regather if i else None, reproducible, placement, mp)
-             for i, (name, mod) in enumerate(chosen)]
+                               names, topo.shard.world_size, units)
+    # Each group releases its originals as it is built (_build_group): only the plan may
+    # hold the records.
+    _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size)
+    if any(uses_protocol(r.param) for r in records):
+        shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
+    placement = offload.resolve(device, topo.world.rank) if offload is not None else None
+    return _Plan(chosen, per_unit, planned, placement, buffer_policy(buffers))
+
+
+def _check_prefetch(prefetch: int, units: int) -> None:
+    # prefetch=k gathers the k units that ran after (forward) or before (backward) the
+    # one computing, so k >= units - 1 already keeps every unit gathered ahead (no
+    # saving over DDP); a k above the number of units is a mistake (a byte count?
+    # 10**9?), refused rather than clamped so that the user learns what the number
+    # means. Up to the number of units is allowed, so that the default 1 holds for a
+    # one-unit model; the message says so, and why more would gain nothing.
+    if prefetch > units:
+        raise ShardwiseError(
+            f"prefetch={prefetch}: the model has {units} unit(s), so prefetch is "
+            f"at most {units} (from {max(units - 1, 0)} on, every other "
+            f"unit is already gathered ahead of the one computing); prefetch counts "
+            f"units, each one more unit of full parameters in memory. Use 1 (the "
+            f"default) or 2 when all-gathers are slow next to compute")
+
+
+def _build(module: nn.Module, plan: _Plan, topo: Topology, device: torch.device,
+           buffer_sync: BufferSync, settings: Settings, mp: MixedPrecision) -> None:
+    """Build each unit's groups over this rank's rows, make every rank's buffers
+    ``src_rank``'s, install the hooks and build the engine (``engine/``)."""
+    regather = _regather_group(topo, settings.reshard_after_forward)
+    built = [_build_unit(u, topo, device, settings.src_rank, regather if i else None,
+                         settings.reproducible, plan.placement, mp)
+             for i, u in enumerate(plan.units)]
     trim()  # Note [freed memory]
-    _materialise_buffers(module, comm.rank, device, src_rank)
+    _materialise_buffers(module, topo.world.rank, device, settings.src_rank)
     buffer_sync.broadcast_all()
     for _, mod, _, _ in built:
         mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
@@ -301,8 +359,6 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     state = build(module, topo, built, buffer_sync, settings)
     guard_model_copies(module)
     _log_units(state.units, topo)
-    maybe_check(module)
-    return module
 
 
 def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
@@ -376,7 +432,8 @@ def _check_budget(units: UnitSpec, memory_budget: object) -> None:
                              f"memory_budget=4 * 2**30 for 4 GiB), or None for the default")
 
 
-def _default_budget(module: nn.Module, topo: Topology, mp: MixedPrecision) -> int:
+def _default_budget(module: nn.Module, topo: Topology, device: torch.device,
+                    mp: MixedPrecision) -> int:
     """``units="auto"``'s default budget (see :func:`shard`), the same on every rank.
 
     One exchange of every rank's free memory: ranks sharing a device (CPU ranks on one
@@ -384,7 +441,6 @@ def _default_budget(module: nn.Module, topo: Topology, mp: MixedPrecision) -> in
     ranks gather the same units.
     """
     comm = topo.world
-    device = _device_for(module, comm)
     try:
         mine: tuple[str, str, int | str] = (socket.gethostname(), str(device),
                                             free_memory(device))
@@ -546,17 +602,14 @@ def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
     return g
 
 
-def _build_unit(name: str, mod: nn.Module, records: list[ParamRecord], topo: Topology,
-                device: torch.device, src_rank: int, regather: Comm | None, exact: bool,
-                placement: Placement | None, mp: MixedPrecision,
-                ) -> tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]:
+def _build_unit(unit: UnitPlan, topo: Topology, device: torch.device, src_rank: int,
+                regather: Comm | None, exact: bool, placement: Placement | None,
+                mp: MixedPrecision) -> tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]:
     """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
-    plain = [r for r in records if not uses_protocol(r.param)]
-    packed = [r for r in records if uses_protocol(r.param)]
     groups = [_build_group(spec, topo, device, src_rank, regather, exact, placement)
-              for spec in group_specs(plain, mp.param_dtype, mp.reduce_dtype)]
-    return (name, mod, groups,
-            [_build_packed(packed, topo, device, src_rank, mp)] if packed else [])
+              for spec in unit.groups]
+    packed = [_build_packed(unit.packed, topo, device, src_rank, mp)] if unit.packed else []
+    return unit.name, unit.module, groups, packed
 
 
 def _build_packed(records: list[ParamRecord], topo: Topology, device: torch.device,

@@ -101,6 +101,61 @@ class OrderCheck:
             _agree(self.comm, kind, index, what)
 
 
+class ModelChecks:
+    """One sharded model's order checks, forward after forward (Note [collective order]
+    in engine/state.py): an :class:`OrderCheck` for each forward that communicates, none
+    for one inside ``gathered()`` (Note [a forward inside gathered]), which keeps the
+    check of an awaited backward's forward when it joins one.
+
+    ``model`` numbers the model among those on its group (``ModelState.number``)."""
+
+    def __init__(self, comm: Comm, model: int) -> None:
+        self.comm = comm
+        self.model = model
+        self.current: OrderCheck | None = None  # the running (or awaited) forward's
+        self._epoch = comm.channel.epoch  # Note [checks ride the exchanges]
+
+    def diverging(self) -> bool:
+        """Whether ranks diverged since the last :meth:`diverged`, which says it once."""
+        return self.comm.channel.epoch != self._epoch
+
+    def diverged(self) -> bool:
+        """Whether ranks diverged (an order check raised) since the last call: the
+        orders they recorded may differ then, and the engine forgets its own."""
+        epoch = self.comm.channel.epoch
+        if epoch == self._epoch:
+            return False
+        self._epoch = epoch
+        return True
+
+    def start_forward(self, communicates: bool, joins: bool) -> None:
+        """A forward starts; ``joins``: it joins one whose backward is awaited."""
+        if communicates:
+            self.current = (OrderCheck(self.comm, self.model)
+                            if order_checks_enabled(self.comm) else None)
+        elif not joins:
+            self.current = None
+
+    def unit(self, index: int, name: str) -> None:
+        """A unit that communicates is called (see :meth:`OrderCheck.unit`)."""
+        if self.current is not None:
+            self.current.unit(index, name)
+
+    def end_forward(self, calls: int) -> None:
+        """The forward ends after ``calls`` recorded unit calls."""
+        if self.current is not None:
+            self.current.end_forward(calls)
+
+    def backward(self, synced: bool) -> None:
+        """A backward starts (see :meth:`OrderCheck.backward`)."""
+        if self.current is not None:
+            self.current.backward(synced)
+
+    def abandon(self) -> None:
+        """The forward raised and nothing awaits a backward: no check runs on."""
+        self.current = None
+
+
 Announcement = tuple[Comm | None, str, int | None]
 
 

@@ -3,7 +3,7 @@
 Buffers are never sharded. They are synchronised from ``src_rank`` when a model is
 sharded, and after every training-mode step by the model's policy: when the backward of a
 training-mode forward finishes, or right after a training-mode forward that has no backward
-(see Note [buffer sync point] in engine/state.py):
+(Note [buffer sync point]):
 
 - ``"broadcast"``: every rank takes ``src_rank``'s buffers. ``src_rank``'s values evolve
   exactly as under DistributedDataParallel with ``broadcast_buffers=True``.
@@ -25,6 +25,16 @@ parameters does) and, when one is new, every rank takes ``src_rank``'s values of
 ones, under the policy (``"local"``: none). Ranks that changed different buffers would
 meet different collectives: the broadcast is announced to the order check first.
 In-place updates (BatchNorm's statistics) keep the identity and are the policy's to sync.
+
+Note [buffer sync point]
+BatchNorm saves its running statistics for backward, so overwriting buffers between a
+forward and its backward would break autograd's version check (and would change what
+backward reads). Buffers are synchronised when the backward finishes, or right away when
+no backward will come: the engine says when a forward starts, when it ends and when a
+backward finishes (:class:`BufferSync`'s ``forward_started``, ``forward_ended``,
+``step_ended``), and the sync waits in between. A forward inside ``gathered()`` (every
+unit pinned) may run on one rank alone and communicates nothing, buffers included: the
+block's exit makes them agree (the modifier's) or refuses what changed (read-only).
 """
 
 from __future__ import annotations
@@ -58,22 +68,48 @@ def named_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in module.named_buffers() if b is not None]
 
 
+def buffer_policy(policy: object) -> BufferPolicy:
+    """``policy`` as a :class:`BufferPolicy`; a ShardwiseError naming the choices if it
+    is none."""
+    try:
+        return BufferPolicy(policy)
+    except ValueError:
+        raise ShardwiseError(
+            f"buffers={policy!r} is not a buffer policy; choose one of "
+            f"{', '.join(repr(p.value) for p in BufferPolicy)}") from None
+
+
 class BufferSync:
     """Applies one model's buffer policy."""
 
     def __init__(self, root: nn.Module, comm: Comm, policy: str | BufferPolicy,
                  src_rank: int, exact: bool = False) -> None:
-        try:
-            self.policy = BufferPolicy(policy)
-        except ValueError:
-            raise ShardwiseError(
-                f"buffers={policy!r} is not a buffer policy; choose one of "
-                f"{', '.join(repr(p.value) for p in BufferPolicy)}") from None
+        self.policy = buffer_policy(policy)
         self.root = root
         self.comm = comm
         self.src_rank = src_rank
         self._known = self._identities()  # Note [buffers added after shard]
         self.exact = exact  # reproducible mode: "average" sums exactly (exact/reduce.py)
+        self._due = False  # a training forward's sync waits for its backward
+
+    # -- when (Note [buffer sync point]) ----------------------------------------------
+    def forward_started(self, model: int, communicates: bool) -> None:
+        """A forward of the model numbered ``model`` starts; ``communicates``: not one
+        inside ``gathered()``, which may run on one rank alone."""
+        if communicates:
+            self.sync_new(model)
+
+    def forward_ended(self, training: bool, communicates: bool) -> None:
+        """A forward ended: a training-mode one that communicates owes a sync, made by
+        :meth:`step_ended` once its backward finished or none will come."""
+        self._due |= training and communicates
+
+    def step_ended(self) -> None:
+        """A backward finished, or a forward ended that none will follow: sync what is
+        owed."""
+        if self._due:
+            self._due = False
+            self.after_training_forward()
 
     def broadcast_all(self) -> None:
         """Every rank takes ``src_rank``'s buffers, all of them."""

@@ -98,6 +98,18 @@ def find(output: Any, keys: Callable[[int], bool]) -> list[torch.Tensor]:
     return found
 
 
+def lends(unit: Any, output: Any, tensors: list[torch.Tensor], unsearched: bool) -> bool:
+    """Whether a forward's ``output`` views the full parameters of ``unit`` (which then
+    stays gathered). ``tensors``: those ``output_tensors`` found in it; ``unsearched``:
+    whether it met something it could not open, searched here."""
+    if not unit.groups:
+        return False
+    fulls = full_owners([unit])
+    if any(storage_key(t) in fulls for t in tensors):
+        return True
+    return unsearched and bool(find(output, fulls.__contains__))
+
+
 def copy_lent(output: Any, owners: dict[int, Any], entry: str,
               release: Callable[[], None]) -> Any:
     """``output`` with every tensor viewing a full parameter replaced by a copy (Note

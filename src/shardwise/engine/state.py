@@ -82,38 +82,32 @@ engine/mixed.py) for every operation of the process. Every entry (a unit's modul
 a wrapper's, Note [forward entries]) therefore has a forward hook that torch calls also
 when the call raises (``always_call``): ``on_forward_raised`` ends the forward that call
 started, releasing its units, or returning to the awaited backward when the forward
-joined one. The partial order it
+joined one (unless ranks diverged meanwhile: that iteration is abandoned too, as every
+collective it left in flight is). The partial order it
 recorded is dropped, so that it decides no prefetch.
-
-Note [buffer sync point]
-BatchNorm saves its running statistics for backward, so overwriting buffers between a
-forward and its backward would break autograd's version check (and would change what
-backward reads). Buffers are synchronised when the backward finishes, or right away when
-no backward will come.
 """
 
 from __future__ import annotations
 
 import enum
-import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
 
-from .._log import logger
 from .._registry import STATE, attach_to, attached, instance_attribute
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology
-from ..comm.order_check import OrderCheck, order_checks_enabled
+from ..comm.order_check import ModelChecks
 from ..comm.peers import ACTIVITY
 from ..errors import ShardwiseError
 from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
+from .dropout import DropoutWarning
 from .guards import check_model
 from .running_stats import RunningStats
+from .step_log import StepLog
 from .unit import Unit, sharded_param
 
 
@@ -139,7 +133,11 @@ class Settings:
 
 
 class ModelState:
-    """Everything shardwise knows about one sharded model."""
+    """One sharded model's phase and unit order, and its events. What the events also
+    drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
+    engine/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
+    step log (engine/step_log.py), the dropout warning (engine/dropout.py), parameters a
+    forward returns (engine/lent.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
                  buffer_sync: Any, settings: Settings) -> None:
@@ -153,7 +151,6 @@ class ModelState:
         self.in_no_sync = False  # inside sw.no_sync
         self.prefetch = settings.prefetch
         self.phase = Phase.IDLE
-        self.order_check: OrderCheck | None = None  # set per forward (order_checks_enabled)
         self._prev_order: list[Unit] = []
         self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
@@ -161,18 +158,16 @@ class ModelState:
         self._entry_module: nn.Module | None = None  # whose call started it
         self._pinned = False  # the running forward computes on pinned units alone
         self._borrowed_cache: dict[int, list[Unit]] = {}
-        self._buffers_due = False  # a training forward's buffer sync waits for its backward
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
-        self._logged: dict[str, tuple[int, int]] = {}  # comm counters at the last log
-        self._dropout_warned = False  # _warn_dropout said it
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
         channel = self.comm.channel
         self.number = channel.models  # among the models on its group, in creation order
         channel.models += 1
-        self._epoch = channel.epoch  # Note [checks ride the exchanges]
-        self._headers_logged = channel.headers  # the order check's headers at the last log
+        self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
+        self.log = StepLog(topology, units)
+        self.dropout = DropoutWarning(root) if settings.reproducible else None
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -236,30 +231,14 @@ class ModelState:
             return None
         if unit.is_root or self.phase is not Phase.FORWARD:
             self._start_forward(unit, module or unit.module)  # Note [forward entries]
-        if self.order_check is not None and self._order_checked(unit):
-            self.order_check.unit(unit.index, unit.name)
+        if self._order_checked(unit):
+            self.checks.unit(unit.index, unit.name)
         if unit is self._entry and not unit.is_root:
             for owner in self._borrowed(unit):
                 owner.finish_gather()
         unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
-
-    def _warn_dropout(self) -> None:
-        """Reproducible mode: dropout draws its masks from each rank's generator, whose
-        stream depends on how many micro-batches the rank ran before; results then depend
-        on the world size (docs/reproducible.md). Said once per model."""
-        active = [n for n, m in self.root.named_modules()
-                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training]
-        if active:
-            self._dropout_warned = True
-            names = ", ".join(active[:3]) + (", ..." if len(active) > 3 else "")
-            warnings.warn(
-                f"shardwise: reproducible mode with dropout in training mode ({names}): "
-                f"its masks come from each rank's "
-                f"random stream, which depends on the world size, so results will too. "
-                f"Set their p to 0, or seed the generator per micro-batch "
-                f"(docs/reproducible.md)", stacklevel=4)
 
     def _all_pinned(self, entry: Unit) -> bool:
         """Whether every unit a forward entered at ``entry`` may gather is pinned by
@@ -322,7 +301,7 @@ class ModelState:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
             return self._end_forward(unit, hooked, opaque, output)
-        if self._lends(unit, output, tensors, unsearched):
+        if lent.lends(unit, output, tensors, unsearched):
             unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
         elif not torch.is_grad_enabled():
             unit.reshard()
@@ -344,42 +323,24 @@ class ModelState:
             return self._end_forward(unit, hooked, opaque, output)
         return None
 
-    @staticmethod
-    def _lends(unit: Unit, output: Any, tensors: list[torch.Tensor], opaque: bool) -> bool:
-        """Whether a forward's output views the unit's full parameters (Note [returned
-        parameters] in engine/lent.py); what ``output_tensors`` could not open is
-        searched too."""
-        if not unit.groups:
-            return False
-        fulls = lent.full_owners([unit])
-        if any(lent.storage_key(t) in fulls for t in tensors):
-            return True
-        return opaque and bool(lent.find(output, fulls.__contains__))
-
     def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
         own (Note [forward entries])."""
         check_model(self.root, self.units)
         pinned = self._all_pinned(entry)
-        if not pinned:  # inside gathered(): no collective
-            self.buffers.sync_new(self.number)
-        if self.settings.reproducible and self.root.training and not self._dropout_warned:
-            self._warn_dropout()
-        if self._epoch != self.comm.channel.epoch:
+        self.buffers.forward_started(self.number, communicates=not pinned)
+        if self.dropout is not None:
+            self.dropout.forward_started()
+        if self.checks.diverged():
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
             # forward prefetches nothing on every rank.
-            self._epoch = self.comm.channel.epoch
             self._prev_order, self._order = [], []
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
         # Note [a forward inside gathered]: no collective, so nothing to check; joining
         # an awaited backward, the check of that backward's forward stays.
-        if not pinned:
-            self.order_check = (OrderCheck(self.comm, self.number)
-                                if order_checks_enabled(self.comm) else None)
-        elif not self._joins_pending:
-            self.order_check = None
+        self.checks.start_forward(communicates=not pinned, joins=self._joins_pending)
         if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
             if self._order:  # Note [a forward inside gathered]: none recorded there
@@ -424,12 +385,9 @@ class ModelState:
         replaces its output, or ``None``."""
         self._entry = self._entry_module = None
         mixed.forward_ended(self)
-        if self.order_check is not None:
-            self.order_check.end_forward(len(self._order))
-        # Note [buffer sync point]. A forward inside gathered() (every unit pinned) may run
-        # on one rank alone and communicates nothing, buffers included: the block's exit
-        # makes them agree (the modifier's) or refuses what changed (read-only).
-        self._buffers_due |= self.root.training and not self._pinned
+        self.checks.end_forward(len(self._order))
+        # Note [buffer sync point] in engine/buffers.py
+        self.buffers.forward_ended(self.root.training, communicates=not self._pinned)
         if hooked or opaque or self._joins_pending:
             # An output we cannot search may still lead to a backward: keep what it may
             # need gathered rather than free parameters autograd saved.
@@ -447,7 +405,7 @@ class ModelState:
             return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
                                   self.release_all)
         finally:
-            self._sync_buffers_if_due()
+            self.buffers.step_ended()
 
     def on_forward_raised(self, module: nn.Module) -> None:
         """A call of ``module`` (a unit's, or an entry's, Note [forward entries]) raised,
@@ -458,18 +416,13 @@ class ModelState:
         self._entry = self._entry_module = None
         mixed.forward_ended(self)
         ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
-        if self._joins_pending:  # the backward awaited before may still come
-            self.phase = Phase.AWAITING_BACKWARD
+        if self._joins_pending and not self.checks.diverging():
+            self.phase = Phase.AWAITING_BACKWARD  # the awaited backward may still come
             return
-        self.order_check = None
+        self.checks.abandon()
         self.phase = Phase.IDLE
         self._order = []  # a partial order must not decide the next prefetches
         self.release_all()
-
-    def _sync_buffers_if_due(self) -> None:
-        if self._buffers_due:
-            self._buffers_due = False
-            self.buffers.after_training_forward()
 
     # -- backward events ---------------------------------------------------------------
     def ensure_backward_callback(self) -> None:
@@ -478,8 +431,7 @@ class ModelState:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
-            if self.order_check is not None:
-                self.order_check.backward(self.requires_grad_sync)
+            self.checks.backward(self.requires_grad_sync)
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
@@ -541,28 +493,8 @@ class ModelState:
         if self.running_stats is not None and self.requires_grad_sync:
             self.running_stats.replay()
         ACTIVITY.leave(f"the backward of step {self.steps}")
-        self._sync_buffers_if_due()  # Note [buffer sync point]
-        self._log_step()
-
-    def _log_step(self) -> None:
-        """Log this step's communication (bytes fed into each kind of collective)."""
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        now = {}
-        for label, comm in self.comm_groups():
-            stats = comm.stats
-            prefix = f"{label} " if label else ""
-            now.update({prefix + k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes})
-        last = self._logged
-        parts = [f"{k} {(b - last.get(k, (0, 0))[0]) / 2**20:.1f} MiB in "
-                 f"{c - last.get(k, (0, 0))[1]} calls" for k, (b, c) in sorted(now.items())
-                 if c != last.get(k, (0, 0))[1]]
-        self._logged = now
-        channel = self.comm.channel  # Note [checks ride the exchanges]
-        if channel.headers != self._headers_logged:
-            parts.append(f"order-check headers {channel.headers - self._headers_logged}")
-            self._headers_logged = channel.headers
-        logger.info("step communication: %s", ", ".join(parts))
+        self.buffers.step_ended()  # Note [buffer sync point] in engine/buffers.py
+        self.log.step_ended()
 
     def mid_step(self) -> bool:
         """Reproducible mode: whether a step's micro-batches are half summed (exact
@@ -572,23 +504,6 @@ class ModelState:
             return True
         return any(g.exact and g.reduction.has_accumulated()
                    for u in self.units for g in u.trainable_groups)
-
-    def comm_groups(self) -> list[tuple[str, Comm]]:
-        """Every group the model communicates over, each once, labelled for a log: the
-        model's group (hybrid: the shard group and, as "world", every rank), "across
-        replicas" (Note [hybrid sharding]) and "within groups of k" (Note [secondary
-        shards])."""
-        topo = self.topology
-        out = [("", topo.shard)]
-        if self.comm is not topo.shard:
-            out.append(("world", self.comm))
-        if topo.replicate is not None and topo.replicate is not self.comm:
-            out.append(("across replicas", topo.replicate))
-        regather = next((g.regather for u in self.units for g in u.groups
-                         if g.regather is not None), None)
-        if regather is not None:
-            out.append(("within groups of k", regather))
-        return out
 
     def _needs_reduction(self, u: Unit) -> bool:
         if any(g.exact for g in u.trainable_groups):

@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._registry import partitioned_as
 from ..engine.layout import build_layout
+from ..engine.packed import uses_protocol
 from ..errors import ShardwiseError
 
 UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | str | None
@@ -192,6 +193,30 @@ def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
         reduce = (reduce_dtype or dtype) if floating else dtype
         specs.append(GroupSpec(recs, compute, reduce))
     return specs
+
+
+@dataclass
+class UnitPlan:
+    """One unit as planned: its flat groups, and the parameters gathered through FSDP2's
+    extension protocol instead (Note [packed parameters] in engine/packed.py)."""
+
+    name: str
+    module: nn.Module
+    groups: list[GroupSpec]
+    packed: list[ParamRecord]
+
+
+def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRecord]],
+               param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype | None) -> list[UnitPlan]:
+    """Each chosen unit's groups (:func:`group_specs`) and packed parameters."""
+    out = []
+    for (name, module), records in zip(chosen, per_unit):
+        plain = [r for r in records if not uses_protocol(r.param)]
+        packed = [r for r in records if uses_protocol(r.param)]
+        out.append(UnitPlan(name, module, group_specs(plain, param_dtype, reduce_dtype),
+                            packed))
+    return out
 
 
 # -- units="auto" ---------------------------------------------------------------------
