@@ -5,7 +5,8 @@ gradients, unscaled, as exact terms, and whose reduction is an exact exchange of
 sum (Note [reproducible reduction] in exact/reduce.py); the states and their moves are
 the base class's. It also refuses a second synced mean in one step and tells whether
 the gradients it handed out were rescaled by anything but ``sw.clip_grad_norm_``.
-``FlatGroup`` makes one instead of the default when ``shard(reproducible=True)``.
+``flat_group`` (engine/flat.py) gives a group this class instead of the default when
+``shard(reproducible=True)``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .reduce import GradReduction, Group, Reduction
 
 class ExactReduction(GradReduction):
     """The gradient side of a reproducible-mode ``FlatGroup``."""
+
+    exact = True
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)

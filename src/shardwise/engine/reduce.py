@@ -15,7 +15,7 @@ a subclass: this module is the default path only.
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -26,17 +26,24 @@ from .layout import ShardLayout
 
 
 class Group(Protocol):
-    """What a reduction needs of its :class:`~shardwise.engine.unit.FlatGroup` (which owns it;
-    engine/unit.py imports this module, not the other way round)."""
+    """What a reduction needs of its :class:`~shardwise.engine.flat.FlatGroup` (which owns it;
+    engine/flat.py imports this module, not the other way round)."""
 
     params: list[Any]  # the group's ShardedParams: .full, .shard, .local, .slot, .as_dtensor
     layout: ShardLayout
     gaps: Any
     dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    local: torch.Tensor
+
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
+
+    @property
+    def local(self) -> torch.Tensor: ...
+
     device: torch.device  # where reductions run (``local`` may be offloaded)
-    store: Any  # engine/offload/storage.py's GroupStorage, or None
+    # Where the shard lives (engine/group_parts.py's ShardStorage): parks reduced rows
+    # until they are published, and drops an offloaded group's pages.
+    storage: Any
     comm: Comm
     replicate: Comm | None
     unit_name: str
@@ -77,7 +84,9 @@ _ALLOWED = {
 
 
 class GradReduction:
-    """The gradient side of a :class:`~shardwise.engine.unit.FlatGroup` (states: Reduction)."""
+    """The gradient side of a :class:`~shardwise.engine.flat.FlatGroup` (states: Reduction)."""
+
+    exact: ClassVar[bool] = False  # the reproducible mode's (engine/exact_reduction.py)
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -176,13 +185,12 @@ class GradReduction:
             self._reduced()
 
     def _reduced(self) -> None:
-        """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier,
-        so that a backward's worth of them never piles up on the device (or, for the
-        disk tier, in memory) before they are published."""
+        """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier
+        (its storage parks them), so that a backward's worth of them never piles up on
+        the device (or, for the disk tier, in memory) before they are published."""
         self._move(Reduction.REDUCED)
-        store = self.group.store
-        if store is not None and self._out is not None:
-            self._out = store.park(self._out)
+        if self._out is not None:
+            self._out = self.group.storage.park(self._out)
 
     def _replicate(self) -> None:
         g = self.group
@@ -227,8 +235,7 @@ class GradReduction:
                 continue
             rows = out[p.slot.offset:p.slot.offset + p.local.numel()].view(p.local.shape)
             g.publish_grad(p, rows)
-        if g.store is not None:
-            g.store.release()  # Note [the disk tier]: the gradients are written
+        g.storage.release()  # Note [the disk tier]: the gradients are written
         self.used = [False] * len(g.params)
         self._after_publishing(used_anywhere)
 
@@ -237,3 +244,12 @@ class GradReduction:
 
     def _after_publishing(self, used_anywhere: list[bool]) -> None:
         """A mode's note after the reduced rows were handed out (the default: none)."""
+
+    def note_rescaled(self) -> None:
+        """``sw.clip_grad_norm_`` scaled the gradients handed out (the default: nothing
+        to note)."""
+
+    def rescaled_elsewhere(self) -> bool:
+        """Whether the gradients handed out were rescaled by anything but
+        ``sw.clip_grad_norm_`` (the default: never asked, so never)."""
+        return False
