@@ -5,16 +5,21 @@ expression (``a if t else b``) or a comprehension's ``if`` filter that names the
 some identifier in the test (a variable, an attribute, a function called) whose
 lower-cased spelling
 
-- for the reproducible mode, contains ``exact`` or ``reproducible``;
-- for offload, contains ``offload``, ``placement``, ``tier`` or ``disk``, or is ``store``.
+- for the reproducible mode, contains ``exact`` or ``reproducible`` (``g.exact``,
+  ``settings.reproducible``, ``isinstance(r, ExactReduction)``);
+- for offload, contains ``offload``, ``tier``, ``disk`` or ``groupstorage``, or is
+  ``store`` or ``placement`` (``g.store``, ``placement.optimizer``, ``on_disk``; not
+  DTensor's ``placements``, and not ``store`` in ``shardwise/comm/``, where it is the
+  rendezvous store).
 
 A file counts once per mode however many such tests it holds. The mode's own package is
 left out: ``shardwise/exact/`` for the reproducible mode, ``shardwise/engine/offload/`` for
 offload. Docstrings, comments and error messages never count (only test expressions are
 read), and neither does passing a mode on (``exact=exact``): only choosing by it.
 
-Run: ``python benchmarks/mode_branches.py [COMMIT] [-v]`` (the working tree without a
-commit; ``-v`` lists the files).
+It also reports the files that merely *name* the mode in code (any identifier as above,
+a test or not), a looser count. Run: ``python benchmarks/mode_branches.py [COMMIT] [-v]``
+(the working tree without a commit; ``-v`` lists the branching files).
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODES = {
     "reproducible": (("exact", "reproducible"), (), "shardwise/exact/"),
-    "offload": (("offload", "placement", "tier", "disk"), ("store",), "shardwise/engine/offload/"),
+    "offload": (("offload", "tier", "disk", "groupstorage"), ("store", "placement"),
+                "shardwise/engine/offload/"),
 }
+# Where a mode's word means something else.
+ELSEWHERE = {("offload", "store"): "shardwise/comm/"}
 
 
 def _identifiers(node: ast.AST) -> set[str]:
@@ -56,16 +64,23 @@ def _names_mode(ident: str, parts: tuple[str, ...], whole: tuple[str, ...]) -> b
     return low in whole or any(p in low for p in parts)
 
 
-def branching_files(sources: dict[str, str]) -> dict[str, list[str]]:
-    """For each mode, the files (paths under src/) outside its package that branch on it."""
+def _counts(mode: str, ident: str, path: str) -> bool:
+    parts, whole, _ = MODES[mode]
+    other = ELSEWHERE.get((mode, ident.lower()))
+    return _names_mode(ident, parts, whole) and not (other and other in path)
+
+
+def branching_files(sources: dict[str, str], anywhere: bool = False
+                    ) -> dict[str, list[str]]:
+    """For each mode, the files (paths under src/) outside its package that branch on it
+    (``anywhere``: that name it in any code, not only in a test)."""
     found: dict[str, list[str]] = {m: [] for m in MODES}
     for path, text in sorted(sources.items()):
-        tests = _tests(ast.parse(text))
-        idents = [_identifiers(t) for t in tests]
-        for mode, (parts, whole, home) in MODES.items():
-            if home in path:
-                continue
-            if any(_names_mode(i, parts, whole) for ids in idents for i in ids):
+        tree = ast.parse(text)
+        idents = _identifiers(tree) if anywhere else set().union(
+            *(_identifiers(t) for t in _tests(tree)))
+        for mode, (_, _, home) in MODES.items():
+            if home not in path and any(_counts(mode, i, path) for i in idents):
                 found[mode].append(path)
     return found
 
@@ -86,11 +101,13 @@ def sources_at(commit: str | None) -> dict[str, str]:
 def main(argv: list[str]) -> None:
     verbose = "-v" in argv
     args = [a for a in argv if a != "-v"]
-    found = branching_files(sources_at(args[0] if args else None))
-    for mode, files in found.items():
-        print(f"{mode}: {len(files)} files")
+    sources = sources_at(args[0] if args else None)
+    branching, naming = branching_files(sources), branching_files(sources, anywhere=True)
+    for mode in MODES:
+        print(f"{mode}: {len(branching[mode])} files branch on it, "
+              f"{len(naming[mode])} name it")
         if verbose:
-            for f in files:
+            for f in branching[mode]:
                 print(f"  {f}")
 
 

@@ -199,6 +199,17 @@ class FlatGroup:
                 self._hook(p)
         self.requires_grad = any(p.requires_grad for p in self.params)
 
+    def cast_refusal(self) -> str | None:
+        """Why the group cannot be cast to another dtype now that it is at rest (Note
+        [casting after shard] in engine/guards.py), or ``None``."""
+        return self.storage.cast_refusal(self.unit_name) or self.reduction.cast_refusal()
+
+    @property
+    def steps_in_place(self) -> bool:
+        """Whether an optimizer may step its shards' local tensors where they are (Note
+        [plain step] in engine/plain_step.py): not an offloaded group's."""
+        return self.storage.steps_in_place
+
     @staticmethod
     def _hook(p: ShardedParam) -> None:
         """Give ``p``'s full parameter the end-of-backward trigger."""
@@ -462,10 +473,10 @@ class FlatGroup:
         self.storage.release()
 
     @property
-    def state_on_disk(self) -> bool:
+    def streams_state(self) -> bool:
         """Whether its parameters' optimizer state lives in its files, read one tensor
         at a time by a load (Note [streamed load] in checkpoint/io.py)."""
-        return self.storage.state_on_disk
+        return self.storage.streams_state
 
     def adopt_state(self, p: ShardedParam, key: str, value: DTensor) -> DTensor:
         """Parameter ``p``'s optimizer state ``key``, moved to where the group keeps it."""

@@ -13,7 +13,7 @@ shardwise may ask of either:
   ``read_ahead`` and ``start_reduce`` (nothing for a frozen group);
 - a checkpoint's needs: ``page_release``, the callback that drops the group's pages from
   memory once a checkpoint has read or written them (``None`` when it keeps none: only a
-  disk tier does, Note [the disk tier]), and ``state_on_disk`` / ``adopt_state`` for
+  disk tier does, Note [the disk tier]), and ``streams_state`` / ``adopt_state`` for
   optimizer state that lives in the group's files;
 - what ``sw.inspect`` and the memory figures read: ``shard_bytes``, ``full_bytes``,
   ``kept_bytes``, ``bytes_by_tier`` (offloaded storage per tier), ``moved_bytes`` (Note
@@ -85,6 +85,23 @@ class ParamGroup(Protocol):
     def offload_description(self) -> str | None: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+class BufferGroup(ParamGroup, Protocol):
+    """A group whose full parameters view one buffer of the compute dtype (a flat group):
+    what ``gathered()`` reads and writes, and what a full state dict gathers."""
+
+    full: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    def gather_full(self) -> torch.Tensor: ...
+
+    def full_value(self, p: Any, full: torch.Tensor) -> torch.Tensor: ...
+
+    def local_from_full(self, full: torch.Tensor) -> None: ...
 
 
 def tier_totals(groups: Sequence[ParamGroup]) -> dict[str, int]:

@@ -41,7 +41,7 @@ class ShardStorage(Protocol):
         """The group has pages to drop (Note [the disk tier])."""
 
     @property
-    def state_on_disk(self) -> bool:
+    def streams_state(self) -> bool:
         """The optimizer's state of its parameters lives in the group's files."""
 
     def gather_source(self, version: int) -> torch.Tensor: ...
@@ -64,7 +64,12 @@ class ShardStorage(Protocol):
 
     def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str: ...
 
+    def cast_refusal(self, unit_name: str) -> str | None: ...
+
     def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor: ...
+
+    @property
+    def steps_in_place(self) -> bool: ...
 
     def bytes_by_tier(self) -> dict[str, int]: ...
 
@@ -83,7 +88,7 @@ class DeviceStorage:
 
     moved = 0
     on_disk = False
-    state_on_disk = False
+    streams_state = False
 
     def __init__(self, numel: int, dtype: torch.dtype, compute: torch.dtype,
                  device: torch.device) -> None:
@@ -139,6 +144,15 @@ class DeviceStorage:
 
     def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
         return ""
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return None
+
+    @property
+    def steps_in_place(self) -> bool:
+        """Whether an optimizer may step the shard's local tensors where they are (Note
+        [plain step] in engine/plain_step.py)."""
+        return True
 
     def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor:
         return value

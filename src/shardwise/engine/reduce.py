@@ -15,6 +15,7 @@ a subclass: this module is the default path only.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -87,6 +88,9 @@ class GradReduction:
     """The gradient side of a :class:`~shardwise.engine.flat.FlatGroup` (states: Reduction)."""
 
     exact: ClassVar[bool] = False  # the reproducible mode's (engine/exact_reduction.py)
+    # Every backward is a micro-batch of the step's mean, so every unit joins every
+    # reduction, with a zero term if it computed nothing (the reproducible mode's).
+    reduces_every_backward: ClassVar[bool] = False
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -161,6 +165,16 @@ class GradReduction:
     def has_accumulated(self) -> bool:
         """Whether gradients accumulated under ``no_sync`` await their reduction."""
         return self.state is Reduction.ACCUMULATING
+
+    def holds_partial_step(self) -> bool:
+        """Whether it holds part of a step that a copy or a checkpoint would miss (the
+        default: never; ``no_sync`` gradients are the user's to finish)."""
+        return False
+
+    def cast_refusal(self) -> str | None:
+        """Why the group cannot be cast to another dtype (Note [casting after shard]),
+        or ``None``."""
+        return None
 
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
@@ -244,6 +258,21 @@ class GradReduction:
 
     def _after_publishing(self, used_anywhere: list[bool]) -> None:
         """A mode's note after the reduced rows were handed out (the default: none)."""
+
+    @staticmethod
+    def total_norm(comm: Comm, norms: torch.Tensor, grads: list[torch.Tensor],
+                   norm_type: float) -> torch.Tensor:
+        """The norm of every rank's gradients from this rank's: ``norms`` (one per
+        non-empty local gradient in ``grads``), combined over ``comm`` (the shard group):
+        a MAX for the infinity norm, else a sum of powers."""
+        if math.isinf(norm_type):
+            local = norms.max()
+            comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX,
+                            what="clip_grad_norm_'s all-reduce")
+            return local
+        local = norms.pow(norm_type).sum()
+        comm.all_reduce(local, what="clip_grad_norm_'s all-reduce")
+        return local.pow(1.0 / norm_type)
 
     def note_rescaled(self) -> None:
         """``sw.clip_grad_norm_`` scaled the gradients handed out (the default: nothing

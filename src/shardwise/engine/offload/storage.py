@@ -76,7 +76,7 @@ class GroupStorage:
         return bool(self._disk)
 
     @property
-    def state_on_disk(self) -> bool:
+    def streams_state(self) -> bool:
         """Whether the optimizer's state of the group's parameters lives in its files."""
         return self.placement.optimizer == "disk"
 
@@ -98,6 +98,14 @@ class GroupStorage:
         """Note [freezing after shard]: its tiers were planned for a group trainable
         at ``shard``; only freezing or unfreezing all of such a group is followed."""
         return "offload" if changed < total or not trainable_at_build else ""
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return f"unit {unit_name} is offloaded (sw.Offload)"
+
+    @property
+    def steps_in_place(self) -> bool:
+        """No: its step is offload's own (engine/offload/step.py)."""
+        return False
 
     def full_freed(self, nbytes: int) -> None:
         """The group's full parameters' ``nbytes`` were freed."""
