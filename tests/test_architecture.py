@@ -107,6 +107,19 @@ def test_the_layer_test_sees_an_upward_import(tmp_path):
     assert layer_of("shardwise.sharding") > layer_of("shardwise.engine.unit")
 
 
+def test_offload_sits_below_the_groups():
+    """Inside the engine, the offload package is a part the groups are given (engine/
+    group_parts.py): it imports nothing of the engine but the allocator, never the units
+    or groups that use it (issue 42, item 7)."""
+    known = modules()
+    upward = [f"{m} imports {t}" for m, path in known.items()
+              if m.startswith("shardwise.engine.offload")
+              for t in sorted(imports(m, path, known))
+              if t.startswith("shardwise.engine.") and t != "shardwise.engine.alloc"
+              and not t.startswith("shardwise.engine.offload")]
+    assert not upward, "offload reaches up into the engine:\n" + "\n".join(upward)
+
+
 # Issue 42, item 3: the operations on a sharded model ask a unit's groups through their
 # interface (Note [one interface for a group] in engine/group.py), never the engine's
 # internals: a group's offload storage, a tier's placement, the unit's state enum, or

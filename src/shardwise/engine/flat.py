@@ -159,10 +159,13 @@ class FlatGroup:
         """Whether its reduction is the reproducible mode's."""
         return self.reduction.exact
 
+    # TODO(lead): ``exact`` and ``store`` go once engine/guards.py asks cast_refusal()
+    # and engine/state.py the reduction (the groups helper's report lists the lines);
+    # integrations/transformers.py reads ``exact`` too.
     @property
     def store(self) -> GroupStorage | None:
-        """Its offloaded storage, or ``None`` (engine code that steps or casts offloaded
-        state; everything else asks the group)."""
+        """Its offloaded storage, or ``None`` (engine/guards.py's cast check; everything
+        else asks the group)."""
         return self.storage if isinstance(self.storage, GroupStorage) else None
 
     def like(self, members: list[Member]) -> FlatGroup:
