@@ -297,7 +297,7 @@ def _unit_view(u: Unit) -> UnitView:
     groups, packed = [], []
     for g in u.all_groups:
         d = g.describe()
-        if "names" in d:
+        if d.pop("kind") == "packed":
             packed.append(PackedView(**d))
         else:
             groups.append(GroupView(**d, params=tuple(_param_view(p) for p in g.params)))

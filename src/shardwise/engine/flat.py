@@ -514,7 +514,7 @@ class FlatGroup:
         """Plain values for ``sw.inspect``'s ``GroupView`` (its parameters are read
         there, one by one)."""
         params_tier, optimizer_tier = self.storage.tiers()
-        return {"dtype": self.dtype, "compute_dtype": self.compute_dtype,
+        return {"kind": "flat", "dtype": self.dtype, "compute_dtype": self.compute_dtype,
                 "reduce_dtype": self.reduce_dtype, "requires_grad": self.requires_grad,
                 "shard_numel": self.layout.shard_numel, "full_numel": self.layout.full_numel,
                 "gathered_numel": self.layout.gathered_numel,

@@ -17,7 +17,8 @@ shardwise may ask of either:
   optimizer state that lives in the group's files;
 - what ``sw.inspect`` and the memory figures read: ``shard_bytes``, ``full_bytes``,
   ``kept_bytes``, ``bytes_by_tier`` (offloaded storage per tier), ``moved_bytes`` (Note
-  [bytes moved]), ``offload_description`` and ``describe()`` (plain values only).
+  [bytes moved]), ``offload_description`` and ``describe()`` (plain values only, its
+  ``"kind"`` among them: ``"flat"`` or ``"packed"``, which ``inspect`` shows apart).
 
 A unit keeps one list of groups and walks it once per transition; how a group does each
 step (mixed precision, offload, the secondary shard, the reproducible reduction) is an

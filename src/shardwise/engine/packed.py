@@ -370,7 +370,7 @@ class PackedGroup:
 
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
-        return {"names": tuple(p.fqns[0] for p in self.params),
+        return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
                 "types": tuple(type(p.local).__name__ for p in self.params),
                 "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
                 "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
