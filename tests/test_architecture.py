@@ -107,6 +107,71 @@ def test_the_layer_test_sees_an_upward_import(tmp_path):
     assert layer_of("shardwise.sharding") > layer_of("shardwise.engine.unit")
 
 
+def test_offload_sits_below_the_groups():
+    """Inside the engine, the offload package is a part the groups are given (engine/
+    group_parts.py): it imports nothing of the engine but the allocator, never the units
+    or groups that use it (issue 42, item 7)."""
+    known = modules()
+    upward = [f"{m} imports {t}" for m, path in known.items()
+              if m.startswith("shardwise.engine.offload")
+              for t in sorted(imports(m, path, known))
+              if t.startswith("shardwise.engine.") and t != "shardwise.engine.alloc"
+              and not t.startswith("shardwise.engine.offload")]
+    assert not upward, "offload reaches up into the engine:\n" + "\n".join(upward)
+
+
+# Issue 42, item 3: the operations on a sharded model ask a unit's groups through their
+# interface (Note [one interface for a group] in engine/group.py), never the engine's
+# internals: a group's offload storage, a tier's placement, the unit's state enum, or
+# which kind of group it is.
+GROUP_INTERNALS = {"store", "UnitState", "FlatGroup", "PackedGroup", "GroupStorage",
+                   "placement", "Placement"}
+THROUGH_THE_INTERFACE = ["shardwise.checkpoint", "shardwise.inspection", "shardwise.grads",
+                         "shardwise.gather", "shardwise.consistency"]
+# TODO(lead): two spots of checkpoint/io.py read a group's storage; drop this entry once
+# the replacements the groups helper listed are applied there.
+NOT_YET_THROUGH_THE_INTERFACE = {"shardwise.checkpoint.io"}
+
+
+def internals_named(path: pathlib.Path) -> set[str]:
+    """The group internals (GROUP_INTERNALS) ``path``'s code names: as a variable, an
+    attribute (``x.store``) or an imported name; strings and comments do not count."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.split(".")[-1])
+    return found & GROUP_INTERNALS
+
+
+def test_operations_ask_the_groups_not_their_internals():
+    named = {m: sorted(internals_named(p)) for m, p in modules().items()
+             if any(m == t or m.startswith(t + ".") for t in THROUGH_THE_INTERFACE)
+             and m not in NOT_YET_THROUGH_THE_INTERFACE}
+    offenders = {m: n for m, n in named.items() if n}
+    assert len(named) >= 10, f"the modules to check were not found: {sorted(named)}"
+    assert not offenders, f"modules naming a group's internals: {offenders}"
+
+
+def test_the_internals_test_sees_a_planted_name(tmp_path):
+    """The check above can fail: a checkpoint module reading a group's storage, its
+    tier, the unit's state enum, or importing a group class, is caught; a docstring
+    saying so is not."""
+    fake = tmp_path / "io.py"
+    fake.write_text('"""Reads group.store."""\n'
+                    "from ..engine.unit import FlatGroup, UnitState\n"
+                    "def f(t):\n"
+                    "    if t.sharded.group.store is not None:\n"
+                    "        return t.sharded.group.placement.optimizer\n")
+    assert internals_named(fake) == {"FlatGroup", "UnitState", "store", "placement"}
+    clean = tmp_path / "clean.py"
+    clean.write_text('"""Never names group.store."""\nx = "FlatGroup"\n')
+    assert internals_named(clean) == set()
+
+
 def summary(path: pathlib.Path) -> str:
     """The docstring's first paragraph, in Markdown."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""

@@ -29,8 +29,9 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.buffers import named_buffers
+from .engine.group import BufferGroup
 from .engine.packed import packed_param
-from .engine.unit import FlatGroup, ShardedParam, Unit, UnitState, sharded_param
+from .engine.unit import ShardedParam, Unit, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
 
@@ -42,7 +43,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
-def _written_params(comm: Comm, groups: list[FlatGroup], suspects: list[bool]) -> list[str]:
+def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool]) -> list[str]:
     """What was written among the gathered parameters (error path): the parameters whose
     full values no longer match the shards, or, for a group written without any value
     changing (``add_(0.0)``), every parameter of the group, for its version counter is
@@ -158,7 +159,7 @@ class _GatherSession:
                                  f"gathered. docs/qlora.md lists what works with them")
         self.plain: list[tuple[str, torch.Tensor]] = [
             (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
-        self.groups = [g for u in self.units for g in u.groups]
+        self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
         self.ended = False
@@ -197,7 +198,7 @@ class _GatherSession:
                 raise ShardwiseError("gathered(..., modifier_rank=...) is not supported "
                                      "with mixed_precision: full parameters are in "
                                      "param_dtype")
-        self.newly = [u for u in self.units if u.state is not UnitState.GATHERED]
+        self.newly = [u for u in self.units if not u.is_gathered()]
         for u in self.newly:
             u.finish_gather()
         for u in self.units:
@@ -320,7 +321,7 @@ def gathered(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]
         session.exit()
 
 
-def _apply_modifications(comm: Comm, groups: list[FlatGroup], replaced: list[_Slot],
+def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_Slot],
                          module: nn.Module | None, plain: list[tuple[str, torch.Tensor]],
                          src: int) -> None:
     """Make rank ``src``'s full parameters and buffers everyone's, and reshard them."""

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
-from .engine.exact_reduction import ExactReduction
+from .engine.reduce import GradReduction
 from .engine.state import model_state
 from .errors import ShardwiseError
-from .exact.reduce import exact_total
 
 
 def _require_state(module: nn.Module, what: str):
@@ -93,7 +90,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     groups = [g for u in state.units for g in u.groups]
     grads = [cast(DTensor, p.shard.grad).to_local() for g in groups for p in g.params
              if p.shard.grad is not None]
-    device = state.units[0].groups[0].device if state.units[0].groups else \
+    device = groups[0].device if groups else \
         (grads[0].device if grads else torch.device("cpu"))
     # A rank's piece of a parameter may be empty, and the infinity norm of nothing is
     # undefined; empty pieces contribute nothing to any norm.
@@ -103,35 +100,18 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     else:
         norms = torch.zeros(1, device=device)
     # Over the shard group only: replicas (Note [hybrid sharding]) hold the same rows, and
-    # summing over them too would count each row once per replica.
-    shards = state.topology.shard
-    if not math.isinf(norm_type) and any(g.exact for u in state.units for g in u.groups):
-        # Reproducible mode: the sum of |g|^p over every element, exact (Note [exact
-        # sums]), so the norm does not depend on how rows are split over ranks. The
-        # infinity norm's MAX needs nothing more.
-        powered = [g.float().abs().pow(norm_type) for g in nonempty]
-        value = exact_total(shards, powered) ** (1.0 / norm_type)
-        total = torch.tensor(value, dtype=torch.float32, device=device)
-    elif math.isinf(norm_type):
-        local = norms.max()
-        shards.all_reduce(local, op=dist.ReduceOp.MAX, what="clip_grad_norm_'s all-reduce")
-        total = local
-    else:
-        local = norms.pow(norm_type).sum()
-        shards.all_reduce(local, what="clip_grad_norm_'s all-reduce")
-        total = local.pow(1.0 / norm_type)
+    # summing over them too would count each row once per replica. The model's reduction
+    # sums the norms (the reproducible mode's exactly: Note [exact sums]).
+    reduction = next((type(g.reduction) for g in groups), GradReduction)
+    total = reduction.total_norm(state.topology.shard, norms, nonempty, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for group in groups:
         for p in group.params:
             if p.shard.grad is not None:
                 grad = cast(DTensor, p.shard.grad).to_local()
                 grad.mul_(coef.to(grad.dtype))
-        if group.store is not None:
-            group.store.release()  # Note [the disk tier]: one unit's pages at a time
-    for u in state.units:
-        for group in u.groups:
-            if isinstance(group.reduction, ExactReduction):
-                group.reduction.note_rescaled()
+        group.release_pages()  # Note [the disk tier]: one unit's pages at a time
+        group.reduction.note_rescaled()
     return total
 
 
@@ -144,8 +124,7 @@ def _norms(groups: list, norm_type: float) -> list[torch.Tensor]:
             if p.shard.grad is not None and p.shard.grad.to_local().numel():
                 out.append(torch.linalg.vector_norm(cast(DTensor, p.shard.grad).to_local(),
                                                     norm_type, dtype=torch.float32))
-        if group.store is not None:
-            group.store.release()
+        group.release_pages()
     return out
 
 

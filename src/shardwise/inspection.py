@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ._args import require_module
 from .comm.collectives import CommStats
+from .engine.group import ParamGroup, tier_totals
 from .engine.layout import ALIGN
 from .engine.state import model_state
 from .engine.unit import sharded_param, unit_of
@@ -30,8 +31,7 @@ from .errors import ShardwiseError
 from .planning.memory import unique_bytes
 
 if TYPE_CHECKING:
-    from .engine.packed import PackedGroup
-    from .engine.unit import FlatGroup, ShardedParam, Unit
+    from .engine.unit import ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
 # so that a count can be read before the first collective of its kind.
@@ -291,28 +291,19 @@ def _param_view(sp: ShardedParam) -> ParamView:
                      held=_held(sp), has_full_grad=sp.full.grad is not None)
 
 
-def _group_view(g: FlatGroup) -> GroupView:
-    return GroupView(dtype=g.dtype, compute_dtype=g.compute_dtype, reduce_dtype=g.reduce_dtype,
-                     requires_grad=g.requires_grad, shard_numel=g.layout.shard_numel,
-                     full_numel=g.layout.full_numel, gathered_numel=g.layout.gathered_numel,
-                     full_allocated=g.full_is_allocated(),
-                     params=tuple(_param_view(p) for p in g.params),
-                     params_tier=g.placement.params if g.placement else "device",
-                     optimizer_tier=g.placement.optimizer if g.placement else "device")
-
-
-def _packed_view(g: PackedGroup) -> PackedView:
-    return PackedView(names=tuple(p.fqns[0] for p in g.params),
-                      types=tuple(type(p.local).__name__ for p in g.params),
-                      numel=sum(p.numel for p in g.params), shard_bytes=g.shard_bytes,
-                      full_bytes=g.full_bytes, full_allocated=g.full_is_allocated())
-
-
 def _unit_view(u: Unit) -> UnitView:
+    # Each group describes itself (Note [one interface for a group]); a flat group's
+    # parameters are read here, one view each.
+    groups, packed = [], []
+    for g in u.all_groups:
+        d = g.describe()
+        if d.pop("kind") == "packed":
+            packed.append(PackedView(**d))
+        else:
+            groups.append(GroupView(**d, params=tuple(_param_view(p) for p in g.params)))
     return UnitView(name=u.name, module_type=type(u.module).__name__, is_root=u.is_root,
                     state=u.state.value, reshard_after_forward=u.reshard_after_forward,
-                    pins=u.pins, groups=tuple(_group_view(g) for g in u.groups),
-                    packed=tuple(_packed_view(g) for g in u.packed))
+                    pins=u.pins, groups=tuple(groups), packed=tuple(packed))
 
 
 def _comm_view(backend: str, stats: CommStats) -> CommView:
@@ -360,19 +351,16 @@ def inspect(module: nn.Module) -> ModelView:
         raise ShardwiseError(f"this {name} is not sharded: sw.inspect takes the module "
                              f"sw.shard returned")
     units = tuple(_unit_view(u) for u in state.units)
-    groups = [g for u in state.units for g in u.groups]
-    params = [p for g in groups for p in g.params]
-    packed = [g for u in state.units for g in u.packed]
-    managed = {id(t) for sp in params for t in (sp.shard, sp.full)}
-    managed |= {id(t) for g in packed for pp in g.params for t in (pp.shard, pp.full)}
-    packed_bytes = sum(g.shard_bytes for g in packed)
+    groups: list[ParamGroup] = [g for u in state.units for g in u.all_groups]
+    params = [p for u in state.units for p in u.params]
+    managed = {id(t) for g in groups for p in g.params for t in (p.shard, p.full)}
+    packed_bytes = sum(pv.shard_bytes for u in units for pv in u.packed)
     return ModelView(
         rank=state.comm.rank, world_size=state.comm.world_size, phase=state.phase.value,
         steps=state.steps, prefetch=state.prefetch, src_rank=state.src_rank,
         buffers=state.buffers.policy.value, grad_sync=state.requires_grad_sync,
         align=ALIGN,
-        param_bytes=sum(g.local.numel() * g.local.element_size() for g in groups)
-        + packed_bytes, packed_bytes=packed_bytes,
+        param_bytes=sum(g.shard_bytes for g in groups), packed_bytes=packed_bytes,
         grad_bytes=unique_bytes(sp.shard.grad for sp in params if sp.shard.grad is not None),
         full_bytes=sum(gv.full_bytes for u in units for gv in u.groups if gv.full_allocated)
         + sum(pv.full_bytes for u in units for pv in u.packed if pv.full_allocated),
@@ -384,19 +372,10 @@ def inspect(module: nn.Module) -> ModelView:
         comm_across=(None if (across := state.topology.replicate) is None
                      else _comm_view(across.backend, across.stats)),
         comm_regather=(None if (regather := next(
-            (g.regather for g in groups if g.regather is not None), None)) is None
-            else _comm_view(regather.backend, regather.stats)),
+            (g.regather for u in state.units for g in u.groups if g.regather is not None),
+            None)) is None else _comm_view(regather.backend, regather.stats)),
         kept_bytes=sum(g.kept_bytes for g in groups),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
-        offload=next((g.placement.describe() for g in groups if g.placement), None),
-        tier_bytes=_tier_bytes(groups),
-        moved_bytes=sum(g.store.moved for g in groups if g.store is not None), units=units)
-
-
-def _tier_bytes(groups: list[FlatGroup]) -> dict[str, int]:
-    out = {"device": 0, "cpu": 0, "disk": 0}
-    for g in groups:
-        if g.store is not None:
-            for tier, n in g.store.bytes_by_tier().items():
-                out[tier] += n
-    return out
+        offload=next(filter(None, (g.offload_description() for g in groups)), None),
+        tier_bytes=tier_totals(groups),
+        moved_bytes=sum(g.moved_bytes for g in groups), units=units)

@@ -38,6 +38,7 @@ from .engine.alloc import freed, trim
 from .engine.buffers import BufferPolicy, BufferSync, buffer_policy
 from .engine.build import build
 from .engine.clone import guard_model_copies
+from .engine.flat import flat_group
 from .engine.guards import retire
 from .engine.offload import Offload, Placement
 from .engine.packed import PackedGroup, refusal, shard_mesh, split, uses_protocol
@@ -582,9 +583,9 @@ def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
     """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
     place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
-    g = FlatGroup([r.fqns for r in spec.records], [r.slots for r in spec.records],
-                  originals, topo, device, spec.compute_dtype, spec.reduce_dtype,
-                  regather, exact, placement)
+    g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
+                   originals, topo, device, spec.compute_dtype, spec.reduce_dtype,
+                   regather, exact, placement)
     # Parameters partitioned by sharded_init are gathered one group at a time, so no
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]

@@ -15,7 +15,7 @@ from ..engine.alloc import freed
 from ..engine.packed import PackedParam, packed_param
 from ..engine.sharded_init import init_piece
 from ..engine.state import owning_state
-from ..engine.unit import ShardedParam, UnitState, sharded_param
+from ..engine.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
 from ._format import dtype_name, summary
 
@@ -66,6 +66,31 @@ class ParamTarget:
             else:
                 assert self.plain is not None
                 self.plain.copy_(values.reshape(self.shape))
+
+    # What a checkpoint asks of the parameter's group (Note [one interface for a group]
+    # in engine/group.py): never which tier it is on.
+    def page_release(self) -> Callable[[], None] | None:
+        """What drops the pages of this parameter's group once a checkpoint has read or
+        written its rows (Note [the disk tier]); ``None`` when there are none."""
+        group = self.sharded.group if self.sharded is not None else None
+        return group.page_release() if group is not None else None
+
+    @property
+    def streams_state(self) -> bool:
+        """Whether its optimizer state lives in its group's files: a load reads it one
+        tensor at a time (Note [streamed load] in io.py)."""
+        group = self.sharded.group if self.sharded is not None else None
+        return group is not None and group.streams_state
+
+    def adopt_state(self, key: str, values: torch.Tensor) -> torch.Tensor:
+        """Optimizer state ``key`` of this parameter, ``values`` being this rank's rows,
+        as a DTensor where its group keeps such state; the group's pages are then
+        dropped."""
+        sp = self.sharded
+        assert sp is not None and sp.group is not None
+        out = sp.group.adopt_state(sp, key, sp.as_dtensor(values.view(sp.local.shape)))
+        sp.group.release_pages()
+        return out
 
 
 @dataclass
@@ -120,9 +145,26 @@ def packed_targets(module: nn.Module) -> list[PackedTarget]:
     return list(out.values())
 
 
+def abandon_unfinished(module: nn.Module) -> None:
+    """Before a checkpoint reads or writes a sharded model: abandon an iteration that
+    cannot complete (an aborted backward, a forward whose backward never came), as the
+    next forward would (``ModelState.recover``); nothing for other modules. The one
+    change of state on a checkpoint's way in: :func:`module_targets` only reads."""
+    state = owning_state(module)
+    if state is not None:
+        state.recover()
+
+
 def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:
     """The parameters (each once, with all its names) and persistent buffers of ``module``;
-    quantized ones are :func:`packed_targets`'."""
+    quantized ones are :func:`packed_targets`'. Changes nothing (call
+    :func:`abandon_unfinished` first).
+
+    Raises:
+        ShardwiseError: a parameter is not materialised; the model is between a
+            reproducible step's micro-batches, or inside its forward or backward or a
+            ``gathered()`` block.
+    """
     params: dict[int, ParamTarget] = {}
     buffers: dict[str, torch.Tensor] = {}
     param_ids = {id(p) for p in module.parameters()}
@@ -148,7 +190,6 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
         params[key].names.append(name)
     state = owning_state(module)
     if state is not None:
-        state.recover()
         if state.mid_step():
             raise ShardwiseError(
                 "cannot save or load a reproducible model between the micro-batches of a "
@@ -156,7 +197,7 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
                 "step's last (synced) backward")
     for t in params.values():
         unit = t.sharded.unit if t.sharded is not None else None
-        if unit is not None and unit.state is not UnitState.SHARDED:
+        if unit is not None and not unit.is_sharded():
             raise ShardwiseError("cannot load or save state while the model is inside its "
                                  "forward/backward or a gathered() block")
     return list(params.values()), buffers
@@ -180,10 +221,9 @@ def apply_values(values: list[tuple[ParamTarget | InnerTarget, Value]],
     for t, v in values:
         value = v() if callable(v) else v
         t.write_local(value)
-        store = t.sharded.group.store if isinstance(t, ParamTarget) and t.sharded is not None \
-            and t.sharded.group is not None else None
-        if store is not None and store.on_disk:
-            store.release()
+        release = t.page_release() if isinstance(t, ParamTarget) else None
+        if release is not None:
+            release()
             if callable(v):  # read one at a time: Note [freed memory]
                 freed(value.numel() * value.element_size())
     with torch.no_grad():

@@ -14,7 +14,13 @@ from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.state import owning_state, refuse_packed
 from ..errors import ShardwiseError
-from ._targets import apply_values, comm_of, match_targets, module_targets
+from ._targets import (
+    abandon_unfinished,
+    apply_values,
+    comm_of,
+    match_targets,
+    module_targets,
+)
 from .sources import Rename, open_source, renamer
 
 
@@ -28,6 +34,7 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
             raise ShardwiseError(f"{src.description}: keys {key_of[name]!r} and {k!r} both "
                                  f"become {name!r} after renaming")
         key_of[name] = k
+    abandon_unfinished(module)
     params, buffers = module_targets(module)
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
     match = match_targets(params, buffers, saved, key_of, "source")

@@ -27,8 +27,8 @@ def build(root: nn.Module, topology: Topology,
           buffers: BufferSync, settings: Settings) -> ModelState:
     """The engine of ``root``'s sharded model: ``units`` are ``(name, module, groups,
     packed groups)``, the root's first, in module order."""
-    built = [Unit(module, name, groups, settings.reshard_after_forward, is_root=(i == 0),
-                  cast_inputs=settings.cast_inputs, packed=packed)
+    built = [Unit(module, name, [*groups, *packed], settings.reshard_after_forward,
+                  is_root=(i == 0), cast_inputs=settings.cast_inputs)
              for i, (name, module, groups, packed) in enumerate(units)]
     state = ModelState(root, topology, built, buffers, settings)
     for unit in built:

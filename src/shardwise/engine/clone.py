@@ -38,9 +38,9 @@ from .._registry import remove_instance_method, set_instance_method
 from ..errors import ShardwiseError
 from .buffers import BufferSync
 from .build import build
+from .flat import FlatGroup, Member
 from .packed import PackedGroup
 from .state import ModelState, model_state, refuse_packed
-from .unit import FlatGroup
 
 
 def guard_model_copies(root: nn.Module) -> None:
@@ -106,11 +106,9 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
     twins: dict[int, FlatGroup] = {}
     for u in state.units:
         for g in u.groups:
-            # Note [secondary shards]: the same groups of k ranks as the original's.
-            twin = FlatGroup([list(p.fqns) for p in g.params], [p.slots for p in g.params],
-                             [p.shard for p in g.params], g.topology, g.device,
-                             g.compute_dtype, g.reduce_dtype, g.regather, g.exact,
-                             g.placement)
+            # The same kinds of storage, precision, reduction and secondary shard (Note
+            # [secondary shards]: the same groups of k ranks) as the original's.
+            twin = g.like([Member(list(p.fqns), p.slots, p.shard) for p in g.params])
             with torch.no_grad():
                 twin.local.copy_(g.local)
             for old, new in zip(g.params, twin.params):

@@ -5,19 +5,22 @@ gradients, unscaled, as exact terms, and whose reduction is an exact exchange of
 sum (Note [reproducible reduction] in exact/reduce.py); the states and their moves are
 the base class's. It also refuses a second synced mean in one step and tells whether
 the gradients it handed out were rescaled by anything but ``sw.clip_grad_norm_``.
-``FlatGroup`` makes one instead of the default when ``shard(reproducible=True)``.
+``flat_group`` (engine/flat.py) gives a group this class instead of the default when
+``shard(reproducible=True)``.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import cast
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from ..exact.reduce import ExactExchange, exchange
+from ..exact.reduce import ExactExchange, exact_total, exchange
 from ..exact.sums import Binned, add_, encode
 from .copies import write_rank_major
 from .reduce import GradReduction, Group, Reduction
@@ -25,6 +28,17 @@ from .reduce import GradReduction, Group, Reduction
 
 class ExactReduction(GradReduction):
     """The gradient side of a reproducible-mode ``FlatGroup``."""
+
+    exact = True
+    reduces_every_backward = True
+
+    def holds_partial_step(self) -> bool:
+        """A step's micro-batches half summed: their exact sum is in no checkpoint."""
+        return self.has_accumulated()
+
+    def cast_refusal(self) -> str | None:
+        return ("the model is reproducible (sw.shard(reproducible=True)), whose exact sums "
+                "are of float32")
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)
@@ -90,6 +104,18 @@ class ExactReduction(GradReduction):
         ``torch.nn.utils.clip_grad_norm_``, whose norm depends on the world size. Told by
         their values: DTensor's in-place arithmetic bumps no version counter."""
         return self._handed is not None and self._grad_fingerprint() != self._handed
+
+    @staticmethod
+    def total_norm(comm: Comm, norms: torch.Tensor, grads: list[torch.Tensor],
+                   norm_type: float) -> torch.Tensor:
+        """Reproducible mode: the sum of |g|^p over every element, exact (Note [exact
+        sums]), so the norm does not depend on how rows are split over ranks. The
+        infinity norm's MAX needs nothing more."""
+        if math.isinf(norm_type):
+            return GradReduction.total_norm(comm, norms, grads, norm_type)
+        powered = [g.float().abs().pow(norm_type) for g in grads]
+        value = exact_total(comm, powered) ** (1.0 / norm_type)
+        return torch.tensor(value, dtype=torch.float32, device=norms.device)
 
     def note_rescaled(self) -> None:
         """``sw.clip_grad_norm_`` scaled the gradients handed out, exactly: not a change

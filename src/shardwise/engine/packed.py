@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect as pyinspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,6 +319,61 @@ class PackedGroup:
             attach_to(pp.shard, PACKED, pp)
             for m, attr in pp.slots:
                 m._parameters[attr] = pp.shard
+
+    # -- as a group (Note [one interface for a group] in engine/group.py) --------------
+    requires_grad = False  # frozen: never reduced
+
+    def expose(self, full: bool) -> None:
+        """Register the full tensors (``full``) or the shards on their modules (Note
+        [what the module sees] in engine/unit.py)."""
+        for pp in self.params:
+            tensor = pp.full if full else pp.shard
+            assert tensor is not None, "a packed group's full tensors exist once gathered"
+            for module, attr in pp.slots:
+                module._parameters[attr] = tensor
+
+    def free(self, keep_grads: bool = False) -> None:
+        """Free the gathered form (its tensors have no gradients)."""
+        self._free_full()
+
+    def drop_kept(self) -> None:
+        pass
+
+    def read_ahead(self) -> None:
+        pass
+
+    def start_reduce(self, sync: bool) -> None:
+        pass
+
+    def is_stale(self) -> bool:
+        return False  # frozen: no optimizer step changes its shard
+
+    def page_release(self) -> Callable[[], None] | None:
+        return None  # never offloaded
+
+    def release_pages(self) -> None:
+        pass
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0
+
+    @property
+    def moved_bytes(self) -> int:
+        return 0
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {}
+
+    def offload_description(self) -> str | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for ``sw.inspect``'s ``PackedView``."""
+        return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
+                "types": tuple(type(p.local).__name__ for p in self.params),
+                "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
+                "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
 
     # -- gather ------------------------------------------------------------------------
     def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:

@@ -119,7 +119,7 @@ def _local(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | 
     sp = sharded_param(p)
     if sp is None or sp.shard is not p or not isinstance(p, DTensor):
         return None
-    if sp.group is None or sp.group.store is not None:
+    if sp.group is None or not sp.group.steps_in_place:
         return None
     if p.grad is not None and not isinstance(p.grad, DTensor):
         return None

@@ -15,7 +15,8 @@ a subclass: this module is the default path only.
 from __future__ import annotations
 
 import enum
-from typing import Any, Protocol
+import math
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -26,17 +27,24 @@ from .layout import ShardLayout
 
 
 class Group(Protocol):
-    """What a reduction needs of its :class:`~shardwise.engine.unit.FlatGroup` (which owns it;
-    engine/unit.py imports this module, not the other way round)."""
+    """What a reduction needs of its :class:`~shardwise.engine.flat.FlatGroup` (which owns it;
+    engine/flat.py imports this module, not the other way round)."""
 
     params: list[Any]  # the group's ShardedParams: .full, .shard, .local, .slot, .as_dtensor
     layout: ShardLayout
     gaps: Any
     dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    local: torch.Tensor
+
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
+
+    @property
+    def local(self) -> torch.Tensor: ...
+
     device: torch.device  # where reductions run (``local`` may be offloaded)
-    store: Any  # engine/offload/storage.py's GroupStorage, or None
+    # Where the shard lives (engine/group_parts.py's ShardStorage): parks reduced rows
+    # until they are published, and drops an offloaded group's pages.
+    storage: Any
     comm: Comm
     replicate: Comm | None
     unit_name: str
@@ -77,7 +85,12 @@ _ALLOWED = {
 
 
 class GradReduction:
-    """The gradient side of a :class:`~shardwise.engine.unit.FlatGroup` (states: Reduction)."""
+    """The gradient side of a :class:`~shardwise.engine.flat.FlatGroup` (states: Reduction)."""
+
+    exact: ClassVar[bool] = False  # the reproducible mode's (engine/exact_reduction.py)
+    # Every backward is a micro-batch of the step's mean, so every unit joins every
+    # reduction, with a zero term if it computed nothing (the reproducible mode's).
+    reduces_every_backward: ClassVar[bool] = False
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -153,6 +166,16 @@ class GradReduction:
         """Whether gradients accumulated under ``no_sync`` await their reduction."""
         return self.state is Reduction.ACCUMULATING
 
+    def holds_partial_step(self) -> bool:
+        """Whether it holds part of a step that a copy or a checkpoint would miss (the
+        default: never; ``no_sync`` gradients are the user's to finish)."""
+        return False
+
+    def cast_refusal(self) -> str | None:
+        """Why the group cannot be cast to another dtype (Note [casting after shard]),
+        or ``None``."""
+        return None
+
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
         across replicas without waiting for it."""
@@ -176,13 +199,12 @@ class GradReduction:
             self._reduced()
 
     def _reduced(self) -> None:
-        """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier,
-        so that a backward's worth of them never piles up on the device (or, for the
-        disk tier, in memory) before they are published."""
+        """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier
+        (its storage parks them), so that a backward's worth of them never piles up on
+        the device (or, for the disk tier, in memory) before they are published."""
         self._move(Reduction.REDUCED)
-        store = self.group.store
-        if store is not None and self._out is not None:
-            self._out = store.park(self._out)
+        if self._out is not None:
+            self._out = self.group.storage.park(self._out)
 
     def _replicate(self) -> None:
         g = self.group
@@ -227,8 +249,7 @@ class GradReduction:
                 continue
             rows = out[p.slot.offset:p.slot.offset + p.local.numel()].view(p.local.shape)
             g.publish_grad(p, rows)
-        if g.store is not None:
-            g.store.release()  # Note [the disk tier]: the gradients are written
+        g.storage.release()  # Note [the disk tier]: the gradients are written
         self.used = [False] * len(g.params)
         self._after_publishing(used_anywhere)
 
@@ -237,3 +258,27 @@ class GradReduction:
 
     def _after_publishing(self, used_anywhere: list[bool]) -> None:
         """A mode's note after the reduced rows were handed out (the default: none)."""
+
+    @staticmethod
+    def total_norm(comm: Comm, norms: torch.Tensor, grads: list[torch.Tensor],
+                   norm_type: float) -> torch.Tensor:
+        """The norm of every rank's gradients from this rank's: ``norms`` (one per
+        non-empty local gradient in ``grads``), combined over ``comm`` (the shard group):
+        a MAX for the infinity norm, else a sum of powers."""
+        if math.isinf(norm_type):
+            local = norms.max()
+            comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX,
+                            what="clip_grad_norm_'s all-reduce")
+            return local
+        local = norms.pow(norm_type).sum()
+        comm.all_reduce(local, what="clip_grad_norm_'s all-reduce")
+        return local.pow(1.0 / norm_type)
+
+    def note_rescaled(self) -> None:
+        """``sw.clip_grad_norm_`` scaled the gradients handed out (the default: nothing
+        to note)."""
+
+    def rescaled_elsewhere(self) -> bool:
+        """Whether the gradients handed out were rescaled by anything but
+        ``sw.clip_grad_norm_`` (the default: never asked, so never)."""
+        return False

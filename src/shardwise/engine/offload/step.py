@@ -24,11 +24,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..._registry import OFFLOAD_GRADS, attach_to, attached, detach_from
+from ..._registry import OFFLOAD_GRADS, PARAM, attach_to, attached, detach_from
 from ...errors import ShardwiseError
 from ..alloc import trim
-from ..unit import sharded_param
 from .storage import OPTIMIZER_TIERS_USED, GroupStorage
+
+
+def _storage(p: torch.Tensor) -> tuple[Any, GroupStorage | None]:
+    """The sharded parameter behind ``p`` (engine/flat.py's ShardedParam, found through
+    the registry: this package sits below the groups that use it) and its group's
+    offloaded storage, or ``None``."""
+    sp = attached(p, PARAM)
+    storage = getattr(sp.group, "storage", None) if sp is not None else None
+    return sp, storage if isinstance(storage, GroupStorage) else None
 
 # torch.optim optimizers whose update of a parameter reads only that parameter, its
 # gradient, its own state and the group's hyperparameters.
@@ -43,15 +51,15 @@ def _buckets(optimizer: torch.optim.Optimizer
     rest: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
-            sp = sharded_param(p)
-            store = sp.group.store if sp is not None and sp.group is not None else None
+            sp, store = _storage(p)
             unit = sp.unit if sp is not None else None
             if store is None or store.placement.optimizer != "disk" or unit is None:
                 rest.add(id(p))
                 continue
             key = (unit.model.number, unit.index)
             if key not in by_unit:
-                stores = [g.store for g in unit.groups if g.store is not None]
+                stores = [s for g in unit.all_groups
+                          if isinstance(s := getattr(g, "storage", None), GroupStorage)]
                 by_unit[key] = (stores, set())
             by_unit[key][1].add(id(p))
     return [by_unit[k] for k in sorted(by_unit)], rest
@@ -157,10 +165,9 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = N
 def _count(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
            tier: str | None = None) -> None:
     for p in params:
-        sp = sharded_param(p)
-        if p.grad is None or sp is None or sp.group is None or sp.group.store is None:
+        sp, store = _storage(p)
+        if p.grad is None or store is None:
             continue
-        store = sp.group.store
         if tier is None or store.placement.optimizer == tier:
             store.count_step(sp, optimizer.state.get(p, {}))
 
@@ -170,11 +177,10 @@ def _adopt(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
     tensors moved."""
     moved = 0
     for p in params:
-        sp = sharded_param(p)
+        sp, store = _storage(p)
         st = optimizer.state.get(p)
-        if sp is None or sp.group is None or sp.group.store is None or not st:
+        if store is None or not st:
             continue
-        store = sp.group.store
         for k, v in list(st.items()):
             if isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape):
                 st[k] = store.adopt_state(sp, k, v)

@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..alloc import freed
 from .disk import DiskBuffer
 from .placement import TIERS, Placement
 
@@ -32,12 +33,14 @@ class GroupStorage:
 
     ``master`` is the shard buffer (``FlatGroup.local``: the DTensor parameters view it);
     ``copy`` the parameters tier's copy in the compute dtype, or ``None`` when gathers
-    read the master itself.
+    read the master itself. It answers what a flat group asks of its storage
+    (``ShardStorage`` in engine/group_parts.py), as the device's storage does.
     """
 
     def __init__(self, placement: Placement, numel: int, dtype: torch.dtype,
                  compute_dtype: torch.dtype) -> None:
         self.placement = placement
+        self.device = placement.device  # where gathers and reductions run
         OPTIMIZER_TIERS_USED.add(placement.optimizer)
         self.numel = numel
         self.dtype = dtype
@@ -71,6 +74,61 @@ class GroupStorage:
     @property
     def on_disk(self) -> bool:
         return bool(self._disk)
+
+    @property
+    def streams_state(self) -> bool:
+        """Whether the optimizer's state of the group's parameters lives in its files."""
+        return self.placement.optimizer == "disk"
+
+    def like(self) -> GroupStorage:
+        """A storage of its own for a copy of the group (``copy.deepcopy``)."""
+        return GroupStorage(self.placement, self.numel, self.dtype, self.compute_dtype)
+
+    def recast(self, dtype: torch.dtype, compute: torch.dtype) -> None:
+        raise AssertionError("an offloaded group is never cast: guards refuse it")
+
+    def tiers(self) -> tuple[str, str]:
+        """(the parameters tier, the optimizer tier)."""
+        return self.placement.params, self.placement.optimizer
+
+    def describe(self) -> str | None:
+        return self.placement.describe()
+
+    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
+        """Note [freezing after shard]: its tiers were planned for a group trainable
+        at ``shard``; only freezing or unfreezing all of such a group is followed."""
+        return "offload" if changed < total or not trainable_at_build else ""
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return f"unit {unit_name} is offloaded (sw.Offload)"
+
+    @property
+    def steps_in_place(self) -> bool:
+        """No: its step is offload's own (engine/offload/step.py)."""
+        return False
+
+    def full_freed(self, nbytes: int) -> None:
+        """The group's full parameters' ``nbytes`` were freed."""
+        if self.on_disk:
+            # Note [a fixed mmap threshold]: free chunks left in the heap from before the
+            # threshold was fixed would keep what each unit frees.
+            freed(nbytes)
+
+    # -- initial values, whole reads -------------------------------------------------
+    def receiving(self) -> torch.Tensor:
+        """Where initial shards are received: a device buffer (:meth:`received`)."""
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def received(self, into: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.master.copy_(into)
+        self.release()
+
+    def readable(self) -> torch.Tensor:
+        """The master shard, copied to the device for a collective."""
+        out = self.master.to(self.device, copy=True)
+        self.release()
+        return out
 
     # -- gathers ---------------------------------------------------------------------
     def gather_source(self, version: int) -> torch.Tensor:
