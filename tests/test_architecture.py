@@ -128,9 +128,6 @@ GROUP_INTERNALS = {"store", "UnitState", "FlatGroup", "PackedGroup", "GroupStora
                    "placement", "Placement"}
 THROUGH_THE_INTERFACE = ["shardwise.checkpoint", "shardwise.inspection", "shardwise.grads",
                          "shardwise.gather", "shardwise.consistency"]
-# TODO(lead): two spots of checkpoint/io.py read a group's storage; drop this entry once
-# the replacements the groups helper listed are applied there.
-NOT_YET_THROUGH_THE_INTERFACE = {"shardwise.checkpoint.io"}
 
 
 def internals_named(path: pathlib.Path) -> set[str]:
@@ -149,8 +146,7 @@ def internals_named(path: pathlib.Path) -> set[str]:
 
 def test_operations_ask_the_groups_not_their_internals():
     named = {m: sorted(internals_named(p)) for m, p in modules().items()
-             if any(m == t or m.startswith(t + ".") for t in THROUGH_THE_INTERFACE)
-             and m not in NOT_YET_THROUGH_THE_INTERFACE}
+             if any(m == t or m.startswith(t + ".") for t in THROUGH_THE_INTERFACE)}
     offenders = {m: n for m, n in named.items() if n}
     assert len(named) >= 10, f"the modules to check were not found: {sorted(named)}"
     assert not offenders, f"modules naming a group's internals: {offenders}"
@@ -297,7 +293,7 @@ def test_every_note_mentioned_is_named():
     tests = [p for p in sorted((SRC.parent / "tests").glob("*.py"))
              if p.name != "test_architecture.py"]  # this file's examples name none
     others = [p.read_text() for p in [*tests, *sorted((SRC.parent / "docs").glob("*.md")),
-                                      README]]
+                                      SRC.parent / "README.md"]]
     missing = unnamed_notes(sources, sources + others)
     assert not missing, f"Notes mentioned but named nowhere in src/shardwise: {missing}"
 

@@ -17,7 +17,6 @@ import torch.nn as nn
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..engine.alloc import freed
-from ..engine.offload.storage import GroupStorage
 from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,
@@ -35,6 +34,7 @@ from ._targets import (
     PackedTarget,
     ParamTarget,
     Value,
+    abandon_unfinished,
     apply_values,
     comm_of,
     match_targets,
@@ -117,6 +117,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
 def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
     """(digest of the metadata read, the values read), or None when a save replaced the
     checkpoint while it was being read (the caller starts again)."""
+    abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)
     ck = VerifiedCheckpoint(path, expect=len(params) + len(packed) + len(buffers))
@@ -149,7 +150,7 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
         lo, n = t.local_range()
         read = functools.partial(ck.assemble, f"param/{main}", entry["pieces"], lo, n,
                                  t.dtype)
-        values.append((t, read if _disk_store(t) is not None else read()))  # Note [streamed load]
+        values.append((t, read if t.streams_state else read()))  # Note [streamed load]
     inner_values, packed_names = _read_packed(ck, packed)
     values += inner_values
     buffer_values = []
@@ -261,7 +262,7 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
                     key = f"optim/{main}/{k}"
                     if info["kind"] == "value":
                         st[k] = info["value"]
-                    elif info["kind"] == "sharded" and _disk_store(t) is not None:
+                    elif info["kind"] == "sharded" and t.streams_state:
                         read = functools.partial(ck.assemble, key, entry["pieces"], lo, n,
                                                  dtype_from_name(info["dtype"]))
                         deferred.append(functools.partial(_adopt_state, optimizer, p, t, k,
@@ -289,23 +290,12 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
 # [streamed save]). What is checked before anything changes is unchanged: the files were
 # verified (sizes, SHA-256, pieces) and stay open, so a save replacing the checkpoint
 # meanwhile cannot change what is read.
-def _disk_store(t: ParamTarget) -> GroupStorage | None:
-    """The storage of ``t``'s group when its optimizer tier is the disk."""
-    sp = t.sharded
-    store = sp.group.store if sp is not None and sp.group is not None else None
-    return store if store is not None and store.placement.optimizer == "disk" else None
-
-
 def _adopt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, t: ParamTarget,
                  key: str, read: Callable[[], torch.Tensor]) -> None:
     """Read one optimizer state tensor of ``p`` into its tier's file (Note [streamed
     load])."""
-    sp, store = t.sharded, _disk_store(t)
-    assert sp is not None and store is not None
     flat = read()
-    optimizer.state[p][key] = store.adopt_state(sp, key, sp.as_dtensor(flat.view(
-        sp.local.shape)))
-    store.release()
+    optimizer.state[p][key] = t.adopt_state(key, flat)
     freed(flat.numel() * flat.element_size())  # Note [freed memory]
 
 

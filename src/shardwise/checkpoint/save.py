@@ -49,6 +49,7 @@ from ._schema import CHECKSUM, canonical_sha256
 from ._targets import (
     PackedTarget,
     ParamTarget,
+    abandon_unfinished,
     comm_of,
     module_targets,
     packed_targets,
@@ -289,6 +290,7 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
              rank: int):
     """This rank's view of what to save (checks included); nothing is written."""
     _json_ok(extra, "extra", exact=True)
+    abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)
     unsaveable = [t.packed.unsaveable for t in packed if t.packed.unsaveable]
@@ -374,16 +376,15 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     writer = SafetensorsStreamWriter(
         os.path.join(data_dir, fname),
         [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata=header)
-    on_disk = {t.names[0]: t.sharded.group.store for t in params
-               if t.sharded is not None and t.sharded.group is not None
-               and t.sharded.group.store is not None and t.sharded.group.store.on_disk}
+    releases = {t.names[0]: release for t in params
+                if (release := t.page_release()) is not None}
     try:
         for k, v in tensors.items():
             writer.write(k, v)
             kind, _, rest = k.partition("/")
-            store = on_disk.get(rest.split("/")[0]) if kind in ("param", "optim") else None
-            if store is not None:
-                store.release()  # its pages, read for the file, leave the process again
+            release = releases.get(rest.split("/")[0]) if kind in ("param", "optim") else None
+            if release is not None:
+                release()  # its pages, read for the file, leave the process again
     except BaseException:
         writer.abort()
         raise

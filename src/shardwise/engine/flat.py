@@ -154,20 +154,6 @@ class FlatGroup:
         """The group of k ranks its backward gathers in (Note [secondary shards])."""
         return self.secondary.comm
 
-    @property
-    def exact(self) -> bool:
-        """Whether its reduction is the reproducible mode's."""
-        return self.reduction.exact
-
-    # TODO(lead): ``exact`` and ``store`` go once engine/guards.py asks cast_refusal()
-    # and engine/state.py the reduction (the groups helper's report lists the lines);
-    # integrations/transformers.py reads ``exact`` too.
-    @property
-    def store(self) -> GroupStorage | None:
-        """Its offloaded storage, or ``None`` (engine/guards.py's cast check; everything
-        else asks the group)."""
-        return self.storage if isinstance(self.storage, GroupStorage) else None
-
     def like(self, members: list[Member]) -> FlatGroup:
         """A new group for ``members`` (a deep copy's), given the same kinds of objects."""
         return FlatGroup(members, self.topology, self.layout, self.storage.like(),

@@ -44,7 +44,6 @@ from .._registry import (
     synchronised_by,
 )
 from ..errors import ShardwiseError
-from .exact_reduction import ExactReduction
 from .packed import packed_param
 from .unit import Unit, sharded_param
 
@@ -394,8 +393,7 @@ def _loose_params(params: list[torch.Tensor]) -> Any:
                   if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
     if model is None:
         return [], None, 1, []
-    exact = [g.reduction for u in model.units for g in u.groups
-             if isinstance(g.reduction, ExactReduction) and g.requires_grad]
+    exact = [g.reduction for u in model.units for g in u.trainable_groups]
     if model.comm.world_size == 1:
         return [], None, 1, exact
     loose = [p for p in params if p.requires_grad and sharded_param(p) is None
@@ -592,11 +590,8 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
         elif g.reduction.has_accumulated():
             problems.append(f"unit {unit.name} holds gradients accumulated under "
                             f"sw.no_sync")
-        elif g.store is not None:
-            problems.append(f"unit {unit.name} is offloaded (sw.Offload)")
-        elif g.exact:
-            problems.append("the model is reproducible (sw.shard(reproducible=True)), "
-                            "whose exact sums are of float32")
+        elif (why := g.cast_refusal()) is not None:
+            problems.append(why)
         if unit.packed:
             problems.append(f"unit {unit.name} holds quantized parameters")
     if problems:

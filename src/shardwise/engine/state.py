@@ -502,11 +502,11 @@ class ModelState:
         copy or a checkpoint now would miss them."""
         if self.running_stats is not None and self.running_stats.pending():
             return True
-        return any(g.exact and g.reduction.has_accumulated()
+        return any(g.reduction.holds_partial_step()
                    for u in self.units for g in u.trainable_groups)
 
     def _needs_reduction(self, u: Unit) -> bool:
-        if any(g.exact for g in u.trainable_groups):
+        if any(g.reduction.reduces_every_backward for g in u.trainable_groups):
             return True  # every backward is a micro-batch of every unit's mean (a zero term)
         # A unit whose backward never ran here may have run on another rank, so it joins
         # the reduction with zero gradients (Note [collective order]). So do units whose

@@ -182,7 +182,7 @@ class ShardwiseTrainer(Trainer):
 
 def _is_reproducible(model: nn.Module) -> bool:
     state = model_state(model)
-    return state is not None and any(g.exact for u in state.units for g in u.groups)
+    return state is not None and state.settings.reproducible
 
 
 def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
