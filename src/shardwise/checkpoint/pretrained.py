@@ -53,8 +53,8 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
     match.params = [(t, key) for t, key in match.params if id(t) not in of_stand_in]
     for _, key in quantized:
-        if not src.read_flat(key, 0, 0).dtype.is_floating_point:
-            problems.append(f"{key}: the source holds {src.read_flat(key, 0, 0).dtype}, not "
+        if not src.dtype(key).is_floating_point:
+            problems.append(f"{key}: the source holds {src.dtype(key)}, not "
                             f"floating-point weights to quantize")
     if problems:
         hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
