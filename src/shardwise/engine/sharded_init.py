@@ -57,7 +57,7 @@ from .._registry import (
 )
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from .alloc import freed
+from .alloc import bound_heap, freed
 from .layout import ShardLayout, build_layout
 from .quantize import NF4, guard_forward, mark_awaiting, resolve
 from .quantize import is_adapter as is_adapter_path
@@ -403,6 +403,10 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0,
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
     rule = resolve(quantize)
+    if rule is not None:
+        # A model loaded quantized promises a peak that does not grow with its depth, as
+        # an offloaded one does: Note [a fixed mmap threshold] in engine/alloc.py.
+        bound_heap()
     ctx = _ShardedInit(comm, src_rank, rule)
     handle = torch_module.register_module_module_registration_hook(ctx.on_module_registered)
     ok = False
