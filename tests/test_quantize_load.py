@@ -196,6 +196,10 @@ def _refusals(rank, world, folder):
         with pytest.raises(sw.ShardwiseError, match=match):
             with sw.sharded_init(quantize=rule):
                 LlamaForCausalLM(_config())
+    with pytest.raises(sw.ShardwiseError, match=r"chose q\.lora_A, a PEFT adapter"):
+        with sw.sharded_init(quantize=NF4(where=lambda n, m: isinstance(m, nn.Linear),
+                                          block_size=32, scaler_block_size=2)):
+            nn.ModuleDict({"q": nn.ModuleDict({"lora_A": nn.Linear(64, 64)})})
     # Loading into the stand-ins of a model not sharded yet.
     with sw.sharded_init(quantize=BLOCKS):
         base = LlamaForCausalLM(_config())

@@ -223,12 +223,20 @@ class _ShardedInit:
         children = set(self.registered)
         roots = {id(p): p for p, _ in self.registered.values() if id(p) not in children}
         names: dict[int, str] = {}
+        deferred = {id(mod) for mod, _, _, _ in self.deferred}
         for root in roots.values():
             for name, mod in root.named_modules():
                 names.setdefault(id(mod), name)
                 w = mod._parameters.get("weight")
-                if w is None or isinstance(mod, nn.Linear) or not rule.chooses(name, mod):
+                if w is None or id(mod) in deferred or not rule.chooses(name, mod):
                     continue
+                if isinstance(mod, nn.Linear):  # not deferred: an adapter, or lm_head
+                    why = ("a PEFT adapter: adapters are trained, not quantized"
+                           if is_adapter_path(name) else
+                           "whose weight was kept when it was registered (lm_head under "
+                           "the default rule)")
+                    raise ShardwiseError(f"the quantize rule chose {name}, {why}; make "
+                                         f"the rule return False for it")
                 raise ShardwiseError(
                     f"the quantize rule chose {name} ({type(mod).__name__}, weight "
                     f"{list(w.shape)}): only nn.Linear weights (2-D) are quantized to NF4; "
@@ -241,9 +249,6 @@ class _ShardedInit:
                     f"replaced inside the block; Hugging Face from_pretrained loads this way. "
                     f"Build the model from its config inside the block, then sw.shard it "
                     f"and sw.load_pretrained(model, folder)")
-            if is_adapter_path(name):
-                raise ShardwiseError(f"the quantize rule chose {name}, a PEFT adapter: "
-                                     f"adapters are trained, not quantized")
             if rule.chooses(name, mod):
                 rule.check(f"{name}.{pname}", meta.shape)
                 mod._parameters[pname] = nn.Parameter(
