@@ -226,6 +226,15 @@ def _refusals(rank, world, folder):
               "model.norm.weight"):
         assert torch.equal(got[k], want[k]), k
     model(input_ids=torch.randint(0, 64, (1, 4)))  # loaded: runs
+    # strict=False and a quantized weight missing from the source: the forward says which.
+    with sw.sharded_init(quantize=BLOCKS):
+        base = LlamaForCausalLM(_config())
+    model = sw.shard(base)
+    partial = {k: v for k, v in want.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    sw.load_pretrained(model, partial, strict=False)
+    with pytest.raises(sw.ShardwiseError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight "
+                                                r"\(1 weights\).*hold no values yet"):
+        model(input_ids=torch.randint(0, 64, (1, 4)))
     return True
 
 
