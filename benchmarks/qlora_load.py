@@ -22,6 +22,13 @@ decoder layer in full precision (bf16), and the target: NF4 share + that layer +
 constant + this rank's share of the full-precision parameters (embeddings, head, norms)
 and of the adapters' training state. Times: build (sharded_init), shard, load, each step.
 
+The run of issue 43, on a quiet machine (bf16 weights larger than its memory at 40
+layers; 12.4 + 24.2 GiB of files, about an hour or more in all, most of it loading and
+the steps):
+
+    OMP_NUM_THREADS=1 python benchmarks/qlora_load.py sweep /work/qlora-13b \
+        --preset 13b --layers 20 40 --steps 2
+
 Presets (Llama shapes, untied head, vocabulary 32000):
   small: hidden 2048, intermediate 5632, 16 heads      (0.34B at 4 layers, 0.54B at 8)
   13b:   hidden 5120, intermediate 13824, 40 heads     (13.0B at 40 layers: 26.0 GB bf16)
