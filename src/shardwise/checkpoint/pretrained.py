@@ -9,22 +9,29 @@ import torch
 import torch.nn as nn
 
 from .._args import require_bool
-from ..comm.agree import agreed
+from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
-from ..engine.state import owning_state, refuse_packed
+from ..engine.alloc import freed
+from ..engine.packed import packed_param, uses_protocol
+from ..engine.quantize import NF4, awaiting, mark_loaded, nf4_module
+from ..engine.state import owning_state
 from ..errors import ShardwiseError
 from ._targets import (
+    PackedTarget,
+    ParamTarget,
     abandon_unfinished,
     apply_values,
     comm_of,
     match_targets,
     module_targets,
+    packed_targets,
 )
-from .sources import Rename, open_source, renamer
+from .sources import Rename, Source, open_source, renamer
 
 
 def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename):
+    _check_quantized(module)
     src = open_source(source)
     to_module = renamer(rename)
     key_of: dict[str, str] = {}
@@ -36,9 +43,21 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         key_of[name] = k
     abandon_unfinished(module)
     params, buffers = module_targets(module)
+    packed = packed_targets(module)
+    # Quantized weights match as the full weights they stand for, and are loaded last,
+    # one at a time (Note [quantize while loading] in engine/quantize.py).
+    stand_ins = [ParamTarget(t.names, tuple(t.packed.shape), t.packed.dtype, None, None)
+                 for t in packed]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
-    match = match_targets(params, buffers, saved, key_of, "source")
+    match = match_targets(params + stand_ins, buffers, saved, key_of, "source")
     problems = match.problems("source", strict)
+    of_stand_in = {id(s): t for s, t in zip(stand_ins, packed)}
+    quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
+    match.params = [(t, key) for t, key in match.params if id(t) not in of_stand_in]
+    for _, key in quantized:
+        if not src.dtype(key).is_floating_point:
+            problems.append(f"{key}: the source holds {src.dtype(key)}, not "
+                            f"floating-point weights to quantize")
     if problems:
         hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
                 "prefix, or strict=False to ignore missing and unexpected keys)")
@@ -51,7 +70,100 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         values.append((t, _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)))
     buffer_values = [(b, _cast(src.read(key), b.dtype, key, casts))
                      for b, key in match.buffers]
-    return (src.description, src.fingerprint()), values, buffer_values, casts
+    loaded = {n for t, _ in match.params for n in t.names}
+    loaded |= {n for t, _ in quantized for n in t.names}
+    return ((src.description, src.fingerprint()), values, buffer_values, casts, src,
+            quantized, loaded)
+
+
+def _nf4_chunks(t: PackedTarget, src: Source, key: str, n: int,
+                casts: Counter[tuple[torch.dtype, torch.dtype]]) -> list[torch.Tensor]:
+    """Source weight ``key`` quantized as ``t``'s shards were (its block sizes), then split
+    as ``sw.shard`` splits it: each rank's chunk's inner tensors, as one byte row each."""
+    pp = t.packed
+    local = pp.local
+    rule = NF4(block_size=local.block_size,  # type: ignore[attr-defined]
+               scaler_block_size=local.scaler_block_size)  # type: ignore[attr-defined]
+    full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(local.device)
+    q = rule.quantize(full)
+    released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
+    del full
+    freed(released)  # Note [freed memory] in engine/alloc.py
+    out = []
+    for chunk in torch.chunk(q, n, dim=0):
+        parts = [getattr(chunk, name) for name in pp.inner]
+        mine = [getattr(local, name) for name in pp.inner]
+        if [(p.shape, p.dtype) for p in parts] != [(m.shape, m.dtype) for m in mine]:
+            raise ShardwiseError(f"{t.names[0]}: quantizing {key} gave shards of another "
+                                 f"layout than the model's")
+        out.append(torch.cat([p.detach().contiguous().view(-1).view(torch.uint8)
+                              for p in parts]))
+    return out
+
+
+def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
+                    casts: Counter[tuple[torch.dtype, torch.dtype]]) -> None:
+    """Each quantized weight read, quantized and shared out, in rounds of N weights: in
+    a round rank r quantizes the r-th and scatters its chunks (Note [quantize while
+    loading] in engine/quantize.py). A rank holds one weight in full precision at a time."""
+    if not items:
+        return
+    group = items[0][0].packed.group
+    assert group is not None
+    comm = group.comm
+    n, rank = comm.world_size, comm.rank
+    for start in range(0, len(items), n):
+        batch = items[start:start + n]
+        send, error = None, None
+        if rank < len(batch):
+            try:
+                send = _nf4_chunks(batch[rank][0], src, batch[rank][1], n, casts)
+            except Exception as e:  # noqa: BLE001 - fail on every rank, not in the scatter
+                error = f"{batch[rank][0].names[0]}: {type(e).__name__}: {e}"
+        agree(comm, error, "load_pretrained failed while quantizing", changed=True)
+        for j, (t, _) in enumerate(batch):
+            pp = t.packed
+            inner = [getattr(pp.local, name) for name in pp.inner]
+            if n == 1:
+                assert send is not None
+                got = send[0]
+            else:
+                got = torch.empty(sum(x.nbytes for x in inner), dtype=torch.uint8,
+                                  device=pp.local.device)
+                comm.scatter(got, send if j == rank else None, j,
+                             what=f"the scatter of {t.names[0]}'s quantized shards")
+            offset = 0
+            with torch.no_grad():
+                for x in inner:
+                    x.view(-1).view(torch.uint8).copy_(got[offset:offset + x.nbytes])
+                    offset += x.nbytes
+        del send
+
+
+def _check_quantized(module: nn.Module) -> None:
+    """Refuse quantized weights of a model not sharded yet: their stand-ins (built under
+    ``sharded_init(quantize=)``) or whole ``NF4Tensor`` s, which would be rewritten as if
+    they were plain tensors."""
+    state = owning_state(module)
+    pending = awaiting(module) if state is None else []
+    whole = [n for n, p in module.named_parameters()
+             if uses_protocol(p) and packed_param(p) is None]
+    if pending or whole:
+        names = pending or whole
+        raise ShardwiseError(
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} are quantized "
+            f"weights of a model not sharded yet; load_pretrained quantizes into each "
+            f"rank's share of them: call model = sw.shard(model) first (or load, then "
+            f"quantize_nf4, then shard)")
+    packed = packed_targets(module) if state is not None else []
+    other = [t.names[0] for t in packed if not isinstance(t.packed.local,
+                                                           nf4_module().NF4Tensor)]
+    if other:
+        raise ShardwiseError(
+            f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
+            f"quantized {other[0]} is a {type(packed[0].packed.local).__qualname__}"
+            f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
+            f"Load the full-precision model, quantize it, then shard it")
 
 
 def _cast(value: torch.Tensor, dtype: torch.dtype, key: str,
@@ -106,10 +218,9 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     require_bool(strict, "load_pretrained", "strict")
-    refuse_packed(module, "sw.load_pretrained")
     comm = comm_of(module)
     what = "load_pretrained failed"
-    source_id, values, buffer_values, casts = agreed(
+    source_id, values, buffer_values, casts, src, quantized, loaded = agreed(
         comm, what, lambda: _read_source(module, source, strict, rename))
     if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
         ids = comm.all_gather_object(source_id)
@@ -120,6 +231,9 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
                                  f"different weights (names, shapes, sizes or data "
                                  f"differ):\n{listed}")
     apply_values(values, buffer_values)
+    del values
+    _load_quantized(quantized, src, casts)
+    mark_loaded(module, loaded)
     if casts and (comm is None or comm.rank == 0):
         said = ", ".join(f"{n} from {a} to {b}".replace("torch.", "")
                          for (a, b), n in sorted(casts.items(), key=str))

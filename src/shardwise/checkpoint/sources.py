@@ -32,6 +32,10 @@ class Source:
     def read(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype ``key`` is stored in, without reading its data."""
+        return self.read(key).dtype
+
     def read_flat(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor, reading as little as possible."""
         return self.read(key).reshape(-1)[lo:hi]
@@ -58,6 +62,9 @@ class DictSource(Source):
 
     def read(self, key: str) -> torch.Tensor:
         return self._t[key].detach().to("cpu")
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._t[key].dtype
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -89,6 +96,8 @@ class SafetensorsSource(Source):
         super().__init__(description)
         self._file_of = files  # key -> path
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, dict] = {}
+        self._data_start: dict[str, int] = {}
 
     def _h(self, key: str):
         path = self._file_of[key]
@@ -106,7 +115,35 @@ class SafetensorsSource(Source):
         return tuple(self._h(key).get_slice(key).get_shape())
 
     def read(self, key: str) -> torch.Tensor:
-        return self._h(key).get_tensor(key)
+        """The whole tensor, read with plain file reads, not through a memory map: a
+        mapped file's pages count in the reading process's RSS for as long as the file
+        stays open, so reading a model weight by weight through one would grow a rank's
+        RSS by everything it read (Note [quantize while loading] in engine/quantize.py)."""
+        entry = self._header(self._file_of[key]).get(key)
+        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry, dict) else None
+        if dtype is None or entry is None:
+            return self._h(key).get_tensor(key)
+        path = self._file_of[key]
+        start, end = entry["data_offsets"]
+        out = torch.empty(end - start, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(self._data_start[path] + start)
+            if f.readinto(out.numpy()) != end - start:  # type: ignore[arg-type]
+                raise ShardwiseError(f"{path}: {key} is cut short (the file is truncated)")
+        return out.view(dtype).reshape(entry["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        entry = self._header(self._file_of[key]).get(key)
+        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry, dict) else None
+        return dtype if dtype is not None else self._h(key).get_tensor(key).dtype
+
+    def _header(self, path: str) -> dict:
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._headers[path] = json.loads(f.read(n))
+            self._data_start[path] = 8 + n
+        return self._headers[path]
 
     def read_flat(self, key: str, lo: int, hi: int) -> torch.Tensor:
         shape = self.shape(key)
@@ -121,6 +158,13 @@ class SafetensorsSource(Source):
             h.update(f"{os.path.basename(path)}|".encode())
             h.update(_file_sample(path))
         return h.hexdigest()[:16]
+
+
+# safetensors' dtype names, for the plain reads of SafetensorsSource.read (any other is
+# read through safetensors itself).
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def _file_sample(path: str) -> bytes:

@@ -27,12 +27,15 @@ is the innermost ``sharded_init`` on the *calling thread*, which it learns from 
 thread-local function-mode stack: a model built in another thread, or after the block,
 is never touched. Nested blocks: the innermost block wins (its group and ``src_rank``).
 Leaving the block, normally or by an exception, removes the hooks and the mode.
+
+With ``quantize=``, linear weights are deferred rather than partitioned: Note [quantize
+while loading] in engine/quantize.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,8 +57,10 @@ from .._registry import (
 )
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from .alloc import freed
+from .alloc import bound_heap, freed
 from .layout import ShardLayout, build_layout
+from .quantize import NF4, guard_forward, mark_awaiting, resolve
+from .quantize import is_adapter as is_adapter_path
 from .unit import sharded_param
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
@@ -124,12 +129,17 @@ class _InitMode(TorchFunctionMode):
 class _ShardedInit:
     """One open ``sharded_init`` block: its hooks, its mode and its pending write-back."""
 
-    def __init__(self, comm: Comm, src_rank: int) -> None:
+    def __init__(self, comm: Comm, src_rank: int, quantize: NF4 | None = None) -> None:
         self.comm = comm
         self.src_rank = src_rank
+        self.quantize = quantize
         self.mode = _InitMode(self)
         self._pending: tuple[nn.Parameter, torch.Tensor] | None = None
         self.partitioned: list[tuple[nn.Module, str]] = []  # every slot given a stand-in
+        # quantize=: where each module was registered (its path while building), and the
+        # weights left without values (Note [quantize while loading] in quantize.py).
+        self.registered: dict[int, tuple[nn.Module, str]] = {}
+        self.deferred: list[tuple[nn.Module, str, nn.Parameter, torch.device]] = []
 
     # -- scope -----------------------------------------------------------------------
     def innermost_here(self) -> bool:
@@ -167,12 +177,91 @@ class _ShardedInit:
         if child is None or not self.innermost_here():
             return None
         self.flush()
-        for mod in child.modules():
+        base = ""
+        if self.quantize is not None:
+            self.registered[id(child)] = (parent, name)
+            base = self.path_of(child)
+        for sub, mod in child.named_modules():
             for pname, p in list(mod._parameters.items()):
-                if p is not None:
-                    mod._parameters[pname] = self.partition(p)  # type: ignore[assignment]
-                    self.partitioned.append((mod, pname))
+                if p is None or _is_deferred(p):
+                    continue
+                if self.quantize is not None and pname == "weight" and \
+                        self.quantize.defers(f"{base}.{sub}" if sub else base, mod):
+                    mod._parameters[pname] = self.defer(mod, pname, p)
+                    continue
+                mod._parameters[pname] = self.partition(p)
+                self.partitioned.append((mod, pname))
         return None
+
+    # -- quantize= (Note [quantize while loading] in engine/quantize.py) -----------------
+    def path_of(self, mod: nn.Module) -> str:
+        """``mod``'s path from the outermost module it is registered under so far."""
+        parts = []
+        while id(mod) in self.registered:
+            mod, name = self.registered[id(mod)]
+            parts.append(name)
+        return ".".join(reversed(parts))
+
+    def defer(self, mod: nn.Module, pname: str, p: nn.Parameter) -> nn.Parameter:
+        """A meta stand-in for ``p``, without values: they come from the source."""
+        meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                            requires_grad=p.requires_grad)
+        attach_to(meta, _DEFERRED, True)
+        self.deferred.append((mod, pname, meta, p.device))
+        released = p.numel() * p.element_size() if p.device.type == "cpu" else 0
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        freed(released)  # Note [freed memory] in engine/alloc.py
+        return meta
+
+    def finish_quantize(self) -> None:
+        """Apply the rule, by qualified name, to the deferred weights: NF4 placeholders
+        for those it picks, zeros partitioned as usual for the others; all await
+        ``load_pretrained``, and their models refuse to run forward until then."""
+        rule = self.quantize
+        if rule is None:
+            return
+        children = set(self.registered)
+        roots = {id(p): p for p, _ in self.registered.values() if id(p) not in children}
+        names: dict[int, str] = {}
+        deferred = {id(mod) for mod, _, _, _ in self.deferred}
+        for root in roots.values():
+            for name, mod in root.named_modules():
+                names.setdefault(id(mod), name)
+                w = mod._parameters.get("weight")
+                if w is None or id(mod) in deferred or not rule.chooses(name, mod):
+                    continue
+                if isinstance(mod, nn.Linear):  # not deferred: an adapter, or lm_head
+                    why = ("a PEFT adapter: adapters are trained, not quantized"
+                           if is_adapter_path(name) else
+                           "whose weight was kept when it was registered (lm_head under "
+                           "the default rule)")
+                    raise ShardwiseError(f"the quantize rule chose {name}, {why}; make "
+                                         f"the rule return False for it")
+                raise ShardwiseError(
+                    f"the quantize rule chose {name} ({type(mod).__name__}, weight "
+                    f"{list(w.shape)}): only nn.Linear weights (2-D) are quantized to NF4; "
+                    f"make the rule return False for it")
+        for mod, pname, meta, home in self.deferred:
+            name = names.get(id(mod), type(mod).__name__)
+            if mod._parameters.get(pname) is not meta:
+                raise ShardwiseError(
+                    f"{name}.{pname} was deferred by sw.sharded_init(quantize=...) and then "
+                    f"replaced inside the block; Hugging Face from_pretrained loads this way. "
+                    f"Build the model from its config inside the block, then sw.shard it "
+                    f"and sw.load_pretrained(model, folder)")
+            if rule.chooses(name, mod):
+                rule.check(f"{name}.{pname}", meta.shape)
+                mod._parameters[pname] = nn.Parameter(
+                    rule.placeholder(meta.shape, meta.dtype, home), requires_grad=False)
+            else:
+                zeros = nn.Parameter(torch.zeros(meta.shape, dtype=meta.dtype, device=home),
+                                     requires_grad=meta.requires_grad)
+                mod._parameters[pname] = self.partition(zeros)  # type: ignore[assignment]
+                self.partitioned.append((mod, pname))
+            mark_awaiting(mod, pname)
+        for root in roots.values():
+            if self.deferred:
+                guard_forward(root)
 
     def check_not_replaced(self) -> None:
         """Raise if partitioned parameters were later replaced by whole tensors.
@@ -265,7 +354,9 @@ class _ShardedInit:
 
 
 @contextlib.contextmanager
-def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> Iterator[None]:
+def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0,
+                 quantize: str | Callable[[str, nn.Module], bool] | NF4 | None = None,
+                 ) -> Iterator[None]:
     """Partition modules as they are built, so no rank ever holds the whole model.
 
     Inside the block, each submodule is partitioned when it is registered on its parent
@@ -277,6 +368,14 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
     see Note [init after registration]. The result equals building on ``src_rank`` and
     calling ``sw.shard``.
 
+    With ``quantize``, the linear layers it picks get a 4-bit NF4 base with no rank ever
+    holding their full-precision weights: they hold no values until
+    ``sw.load_pretrained(model, source)`` (after ``sw.shard``) reads, quantizes and
+    shares them out weight by weight; the model refuses to run forward before. Linear
+    weights the rule leaves out (the head) are loaded the same way; other parameters
+    (norms, embeddings) are partitioned as usual (Note [quantize while loading] in
+    engine/quantize.py).
+
     Scope: only modules built by this thread inside the block are affected; nested blocks
     use the innermost block's group and ``src_rank``; torch's hook registries are left as
     they were on exit, exception or not (Note [scope]).
@@ -284,10 +383,16 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
     Args:
         group: process group to partition over (default: the world).
         src_rank: rank (in ``group``) whose construction is kept.
+        quantize: ``"nf4"`` (every ``nn.Linear`` but adapters and ``lm_head``), a callable
+            ``(qualified_name, module) -> bool`` choosing the layers, or
+            ``shardwise.integrations.quant.NF4(where=..., block_size=...,
+            scaler_block_size=...)``; ``None``: no quantization.
 
     Raises:
-        ShardwiseError: when torch.distributed is not initialised or ``src_rank`` is out
-            of range.
+        ShardwiseError: when torch.distributed is not initialised, ``src_rank`` is out
+            of range, ``quantize`` is not one of the above (or torchao is missing), or, at
+            the end of the block, the rule picks a weight NF4 cannot hold (not an
+            ``nn.Linear``, an adapter, a size not in whole blocks), naming it.
 
     Example:
         >>> with sw.sharded_init():
@@ -302,7 +407,12 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
     if not 0 <= src_rank < comm.world_size:
         raise ShardwiseError(f"src_rank={src_rank} is not a rank of a group of "
                              f"{comm.world_size}")
-    ctx = _ShardedInit(comm, src_rank)
+    rule = resolve(quantize)
+    if rule is not None:
+        # A model loaded quantized promises a peak that does not grow with its depth, as
+        # an offloaded one does: Note [a fixed mmap threshold] in engine/alloc.py.
+        bound_heap()
+    ctx = _ShardedInit(comm, src_rank, rule)
     handle = torch_module.register_module_module_registration_hook(ctx.on_module_registered)
     ok = False
     try:
@@ -313,7 +423,16 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0) -> I
         handle.remove()
         if ok:
             ctx.flush()
+    ctx.finish_quantize()
     ctx.check_not_replaced()
+
+
+# Deferred stand-ins (quantize=) are never partitioned, whatever registers them again.
+_DEFERRED = "_shardwise_deferred"
+
+
+def _is_deferred(p: torch.Tensor) -> bool:
+    return bool(attached(p, _DEFERRED))
 
 
 def init_piece(t: torch.Tensor) -> InitPiece | None:

@@ -6,64 +6,23 @@ packed bytes (Note [packed parameters] in engine/packed.py). torchao is imported
 on a machine without CUDA its CUDA-only extension libraries are not loaded at all
 (``TORCHAO_FORCE_SKIP_LOADING_SO_FILES``), so they print no "Failed to load" warnings,
 and nothing NF4 needs lives in them.
+
+To quantize while loading, with no rank ever holding the full-precision weights, build
+under ``sw.sharded_init(quantize="nf4")`` (or ``quantize=NF4(...)``), shard, then
+``sw.load_pretrained``: Note [quantize while loading] in engine/quantize.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
+from ..engine.quantize import NF4, default_choice, nf4_module
 from ..engine.sharded_init import init_piece
 from ..engine.unit import sharded_param
 from ..errors import ShardwiseError
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    # torchao logs each CUDA library it fails to load, and torch's pytree logs a
-    # deprecation for an enum torchao registers: neither concerns the user.
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    skip = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
-    forced = skip not in os.environ and not torch.cuda.is_available()
-    if forced:
-        os.environ[skip] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        if forced:
-            del os.environ[skip]
-
-
-def nf4_module() -> Any:
-    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported without its CUDA noise.
-
-    Raises:
-        ShardwiseError: torchao is not installed.
-
-    Example:
-        >>> to_nf4 = nf4_module().to_nf4
-    """
-    try:
-        with _quiet_import():
-            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError as err:
-        raise ShardwiseError("quantized bases need torchao: pip install 'shardwise[quant]' "
-                             "(after torch, as the README says)") from err
-    return nf4_tensor
 
 
 def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: int = 256,
@@ -130,5 +89,7 @@ def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: 
 
 
 def _default_choice(name: str, mod: nn.Linear) -> bool:
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf != "lm_head" and ".lora_" not in f".{name}" and not leaf.startswith("lora_")
+    return default_choice(name, mod)
+
+
+__all__ = ["NF4", "nf4_module", "quantize_nf4"]
