@@ -184,6 +184,41 @@ def test_a_unit_returning_its_own_parameter_equals_ddp():
         assert all(d == 0.0 for d in r["loss"]), r
 
 
+class _ReturnsLossAndBias(nn.Linear):
+    def forward(self, x):
+        return F.linear(x, self.weight).pow(2).mean(), self.bias
+
+
+def _returned_to_the_caller(rank, world):
+    torch.manual_seed(0)
+    base = _ReturnsLossAndBias(4, 4)
+    ddp, ours = DDP(copy.deepcopy(base)), sw.shard(copy.deepcopy(base))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ours)]
+    out = {"bias": [], "loss": []}
+    for step in range(3):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+        (loss, bias), (ref_loss, ref_bias) = ours(x), ddp(x)
+        for total in (ref_loss + ref_bias.pow(2).sum(), loss + bias.pow(2).sum()):
+            total.backward()  # the returned bias's gradient reaches the parameter
+        # Read after the backward, which released the model's full parameters.
+        out["bias"].append((bias - ref_bias).abs().max().item())
+        out["loss"].append(abs(loss.item() - ref_loss.item()))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert_at_rest(ours)
+    out["params"] = _max_diff(ours, ddp.module.state_dict())
+    return out
+
+
+def test_a_parameter_returned_to_the_caller_outlives_the_backward():
+    # Before: both ranks died with SIGSEGV reading the bias after the backward (the
+    # backward's end freed the full parameter the caller held).
+    for r in run_ranks(_returned_to_the_caller, 2):
+        assert r["params"] == 0.0, r  # DDP's ops on the same values
+        assert all(d == 0.0 for d in r["bias"] + r["loss"]), r
+
+
 # -- a parameter returned inside an object --------------------------------------------
 class _Box:
     def __init__(self, bias):

@@ -9,9 +9,12 @@ the next read was a segmentation fault. Such a unit stays gathered until its bac
 (as under ``reshard_after_forward=False``) or, without one, the end of the forward. A
 forward that ends without a backward to come releases every unit, so the tensors of its
 output that view a full parameter (the entry's own return, or one it passed on) are
-replaced by copies (:func:`copy_lent`; a forward awaiting its backward keeps its units
-gathered, and the output as it is). A returned parameter is a leaf: no backward hook is
-put on it, which would stay on the parameter for every later backward.
+replaced by copies (:func:`copy_lent`). So are they when a backward is awaited, since its
+end releases every unit too: the units stay gathered until then, and a copy of a tensor
+that requires grad stays in the graph (``clone``), so a loss computed with the returned
+parameter still reaches it. Before, ``out, bias = model(x)`` read after the backward was
+a segmentation fault. A returned parameter is a leaf: no backward hook is put on it,
+which would stay on the parameter for every later backward.
 
 The search must see every tensor the output holds, not only those of tuples, lists and
 mappings: a parameter inside a custom object, a dataclass, a read-only mapping or a
@@ -111,17 +114,19 @@ def lends(unit: Any, output: Any, tensors: list[torch.Tensor], unsearched: bool)
 
 
 def copy_lent(output: Any, owners: dict[int, Any], entry: str,
-              release: Callable[[], None]) -> Any:
+              release: Callable[[], None] | None) -> Any:
     """``output`` with every tensor viewing a full parameter replaced by a copy (Note
     [returned parameters]), or ``None`` when none does; calls ``release`` once the
-    copies are made.
+    copies are made. A copy of a tensor that requires grad, under grad mode, stays in
+    the graph: gradients reach the parameter through it.
 
     Args:
         output: what the forward entered at unit ``entry`` returned.
         owners: the flat groups of the gathered units, by their full buffer's storage
             key (:func:`full_owners`).
         entry: the name of that unit, for the error.
-        release: frees the full parameters.
+        release: frees the full parameters; ``None`` when a backward is awaited (they
+            are freed when it ends).
 
     Raises:
         ShardwiseError: a lent tensor sits where it cannot be replaced (a closure, an
@@ -129,20 +134,22 @@ def copy_lent(output: Any, owners: dict[int, Any], entry: str,
     """
     lent = {id(t) for t in find(output, owners.__contains__)}
     if not lent:
-        release()
+        if release is not None:
+            release()
         return None
     seen: dict[int, Any] = {}
     replaced = _replace(output, lent, seen)
     left = find(replaced, owners.__contains__)
-    release()
+    if release is not None:
+        release()
     if left:
         raise ShardwiseError(
             f"the forward of unit {entry!r} returned {_name(owners, left[0])} "
             f"inside an object shardwise cannot rebuild with a copy of it "
-            f"({_holder(replaced, left[0])}), and no backward follows: the unit's full "
-            f"parameters were freed when the forward ended, so reading it would read freed "
-            f"memory. Return the parameter in a tensor, list, tuple, dict or dataclass, "
-            f"return parameter.detach().clone(), or run the forward inside "
+            f"({_holder(replaced, left[0])}): the full parameters are freed when the "
+            f"forward ends (or its backward, when one follows), so reading it then would "
+            f"read freed memory. Return the parameter in a tensor, list, tuple, dict or "
+            f"dataclass, return parameter.detach().clone(), or run the forward inside "
             f"`with sw.gathered(model):`")
     return replaced
 
@@ -156,7 +163,12 @@ def _replace(x: Any, lent: set[int], seen: dict[int, Any]) -> Any:
         return seen[id(x)]
     seen[id(x)] = x  # a cycle leads back to the object itself
     if isinstance(x, torch.Tensor):
-        out: Any = x.detach().clone() if id(x) in lent else x
+        if id(x) not in lent:
+            out: Any = x
+        elif x.requires_grad and torch.is_grad_enabled():
+            out = x.clone()  # in the graph: a gradient through it reaches the parameter
+        else:
+            out = x.detach().clone()
     elif isinstance(x, _CLOSED):
         out = x
     elif isinstance(x, list):

@@ -394,7 +394,10 @@ class ModelState:
             self.phase = Phase.AWAITING_BACKWARD
             ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
                                     f"backward")
-            return None
+            if self._pinned:
+                return None
+            # Note [returned parameters] in engine/lent.py: the backward's end frees them
+            return lent.copy_lent(output, lent.full_owners(self.units), entry.name, None)
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
         try:
