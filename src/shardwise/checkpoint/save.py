@@ -56,8 +56,8 @@ from ._targets import (
 )
 
 
-def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
-    """``obj`` must serialise to JSON; with ``exact``, come back exactly as it is."""
+def _json_ok(obj: Any, what: str, round_trip: bool = False) -> None:
+    """``obj`` must serialise to JSON; with ``round_trip``, come back exactly as it is."""
     try:
         # NaN and infinity are not JSON: Python would write them anyway, as tokens other
         # readers refuse.
@@ -67,7 +67,7 @@ def _json_ok(obj: Any, what: str, exact: bool = False) -> None:
                              f"them as strings or None") from e
     except TypeError as e:
         raise ShardwiseError(f"{what} must be JSON-serialisable: {e}") from e
-    if exact and not same:
+    if round_trip and not same:
         raise ShardwiseError(f"{what} would not come back from JSON as saved (tuples become "
                              f"lists, non-string keys become strings): {obj!r:.200}")
 
@@ -289,7 +289,7 @@ def _committed_data(path: str) -> str | None:
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
              rank: int):
     """This rank's view of what to save (checks included); nothing is written."""
-    _json_ok(extra, "extra", exact=True)
+    _json_ok(extra, "extra", round_trip=True)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)
