@@ -8,15 +8,19 @@ step, cut into ``--micro`` micro-batches per rank: all but the last backward und
 ``sw.no_sync`` (DDP: ``no_sync()``), the last one reducing. Systems, in interleaved
 rounds (step_time.py's ``run_rounds``): ``ddp``, ``shardwise`` (default mode, each
 micro-batch's loss divided by their number), ``reproducible`` (``shard(...,
-reproducible=True)``, Note [reproducible reduction]). Printed: step times and their
-ratios, the bytes each rank fed into collectives per step (``sw.inspect``), and the bytes
-the gradient accumulators held just before the reducing backward (read from the engine's
-own buffers: fp32 rank-major buffers by default, index + bins in the reproducible mode).
+reproducible=True)``, Note [reproducible reduction]), ``reproducible_wide`` (the same
+with the wide accumulator of before Note [narrow accumulator], ``SHARDWISE_NARROW=0``).
+Printed: step times and their ratios, the bytes each rank fed into collectives per step
+(``sw.inspect``), the bytes the gradient accumulators held just before the reducing
+backward (read from the engine's own buffers: fp32 rank-major buffers by default, the
+exact accumulators in the reproducible mode), and whether both reproducible systems'
+losses are bit-identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -39,15 +43,20 @@ def accumulator_bytes(model) -> int:
             if r._buf is not None:
                 total += r._buf.numel() * r._buf.element_size()
             acc = getattr(r, "_acc", None)  # the reproducible mode's ExactReduction
-            if acc is not None:
-                total += acc.index.numel() + acc.bins.numel() * 8
+            if acc is not None:  # narrow (index, float64 value, carry) or wide (index, bins)
+                total += sum(t.numel() * t.element_size() for t in (
+                    (acc.index, acc.value, acc.carry) if hasattr(acc, "value")
+                    else (acc.index, acc.bins)))
     return total
 
 
-def make_loss(micro: int, reproducible: bool, held: list[int]):
+def make_loss(micro: int, reproducible: bool, held: list[int], narrow: str = "1"):
     """A step_time loss function that runs ``micro`` micro-batches and returns the last
-    one's loss (whose backward, run by System.run, reduces)."""
+    one's loss (whose backward, run by System.run, reduces). ``narrow`` is
+    ``SHARDWISE_NARROW`` for this system's step (read at each accumulation, so systems
+    interleaved in one process can differ)."""
     def loss_fn(model, batch):
+        os.environ["SHARDWISE_NARROW"] = narrow
         parts = list(zip(*(t.chunk(micro) for t in batch)))
         sync_off = model.no_sync if isinstance(model, DDP) else (lambda: sw.no_sync(model))
         for x, y in parts[:-1]:
@@ -78,13 +87,17 @@ def main() -> None:
         x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
         data.append((x, torch.roll(x, -1, dims=1)))
     device = torch.device("cpu")
-    held: dict[str, list[int]] = {"shardwise": [], "reproducible": []}
+    held: dict[str, list[int]] = {"shardwise": [], "reproducible": [], "reproducible_wide": []}
     systems = [
         System("ddp", DDP(build(cfg)), device, make_loss(args.micro, False, [])),
         System("shardwise", sw.shard(build(cfg)), device,
                make_loss(args.micro, False, held["shardwise"])),
         System("reproducible", sw.shard(build(cfg), reproducible=True), device,
                make_loss(args.micro, True, held["reproducible"])),
+        # The same mode with the wide accumulator (SHARDWISE_NARROW=0): before/after
+        # Note [narrow accumulator] in one run, the same bits.
+        System("reproducible_wide", sw.shard(build(cfg), reproducible=True), device,
+               make_loss(args.micro, True, held["reproducible_wide"], narrow="0")),
     ]
     counted = {}
     for s in systems[1:]:
@@ -116,6 +129,10 @@ def main() -> None:
         acc = f"{max(held[s.name]) / 2**20:.0f} MiB" if s.name in held else ""
         print(f"| {s.name} | {' '.join(f'{med(s, r):.3f}' for r in range(args.rounds))} | "
               f"{statistics.median(ratios):.3f} | {moved} | {acc} |")
+    narrow, wide = systems[2], systems[3]
+    same = [float(a) for a in narrow.losses] == [float(b) for b in wide.losses]
+    print(f"\nreproducible and reproducible_wide losses bit-identical on all "
+          f"{len(narrow.losses)} steps: {same}")
     dist.destroy_process_group()
 
 
