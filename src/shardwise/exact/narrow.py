@@ -89,13 +89,15 @@ class Narrow:
 
 def wanted(n: int) -> bool:
     """Whether a unit of ``n`` elements accumulates narrowly. ``SHARDWISE_NARROW``: ``0``
-    never; ``1`` (default) from ``fused.FUSE_MIN`` elements on, with the fused kernels on
-    (below that, the wide eager ops are as fast); ``all`` at every size (the eager passes
-    below ``FUSE_MIN``: tests run the engine's small models through this path so)."""
+    never; ``1`` (default) from ``fused.FUSE_MIN`` elements on, where the passes compile
+    (the eager passes are slower than the wide form's eager ops); ``all`` at every size,
+    eagerly below ``FUSE_MIN`` (tests run the engine's small models through it so)."""
     mode = os.environ.get("SHARDWISE_NARROW", "1")
     if mode == "all":
         return True
-    return mode != "0" and n >= fused.FUSE_MIN and fused.enabled()
+    # Compiled, or not at all: the eager passes are slower than the wide eager ops.
+    return (mode != "0" and n >= fused.FUSE_MIN and fused.enabled()
+            and _run("step", _step, n) is not _step)
 
 
 # -- the passes, as plain torch ops (the specification; compiled by _kernel) ------------------
