@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ShardwiseError
 from . import fused
 from .sums import DEFAULT, INDEX_DTYPE, Binned, add_, check_terms, encode
 
@@ -223,7 +224,8 @@ def accumulate(acc: Narrow | Binned | None, x: torch.Tensor, *, final: bool) -> 
     """
     x = x.reshape(-1)
     if x.dtype != torch.float32:
-        raise TypeError(f"accumulate takes fp32, got {x.dtype}")
+        raise ShardwiseError(f"exact accumulate: gradients reach it as fp32 (the engine's "
+                             f"rank-major buffer), got {x.dtype}; pass x.float()")
     if acc is None:
         if final or not wanted(x.numel()):
             return encode(x)
