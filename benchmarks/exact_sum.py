@@ -18,8 +18,9 @@ sum is formed by:
 Each is compared with the fp64 sum of the same fp32 terms (exact for 8 terms unless they span
 more than 29 binades; the table gives how many elements differ from the fp64 sum rounded to
 fp32). Cost: encode/align/add/decode time per element on this CPU (one thread), with the eager
-ops and with the fused kernels (``--timings-only`` prints just that table), and bytes per
-element on the wire.
+ops and with the fused kernels (``--timings-only`` prints just that table), including the
+narrow accumulator's passes (Note [narrow accumulator]) against the wide encode + add_ of
+a micro-batch, and bytes per element on the wire.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 
 import torch
 
+from shardwise.exact import narrow as nw
 from shardwise.exact import sums as es
 from shardwise.models import GPT, GPTConfig
 
@@ -131,9 +133,11 @@ def timings(n: int, repeat: int) -> dict[str, float]:
     a, b = es.encode(x), es.encode(y)
     index = torch.maximum(a.index, b.index)
     s = es.add(a, b)
+    n0 = nw.start(x)
+    assert n0 is not None
     per_m = 1e3 / (n / 1e6)
     return {
-        "fp32 add (today)": median_time(lambda: x + y, repeat) * per_m,
+        "fp32 add (the default mode)": median_time(lambda: x + y, repeat) * per_m,
         "encode": median_time(lambda: es.encode(x), repeat) * per_m,
         "align (to the MAX of two)": median_time(lambda: es.align(a, index), repeat) * per_m,
         "add (indices differ)": median_time(lambda: es.add(a, b), repeat) * per_m,
@@ -142,6 +146,17 @@ def timings(n: int, repeat: int) -> dict[str, float]:
         )
         * per_m,
         "decode": median_time(lambda: es.decode(s), repeat) * per_m,
+        # A micro-batch under no_sync: the wide form encodes and adds (before Note
+        # [narrow accumulator]); the narrow one adds in one pass.
+        "wide: encode + add_ (a micro-batch)": median_time(
+            lambda: es.add_(es.Binned(s.index, s.bins.clone(), 2), es.encode(y)), repeat)
+        * per_m,
+        "narrow: start (the first micro-batch)": median_time(lambda: nw.start(x), repeat)
+        * per_m,
+        "narrow: add (a micro-batch)": median_time(lambda: nw.add(n0, y), repeat) * per_m,
+        "narrow: add + widen (the last micro-batch)": median_time(
+            lambda: nw.add_widen(n0, y), repeat) * per_m,
+        "narrow: widen": median_time(lambda: nw.widen(n0), repeat) * per_m,
     }
 
 

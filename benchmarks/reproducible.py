@@ -1,31 +1,38 @@
 """What the reproducible mode costs against the default, on the reference workload.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/reproducible.py \\
-        [--rounds 3 --steps 4 --micro 4]
+        [--rounds 3 --steps 4 --micro 4 --model gpt|llama --systems ddp,reproducible,...]
 
-The reference GPT (6 layers, d_model 512, sequence 256) with 4 sequences per rank and
+The reference GPT (6 layers, d_model 512, sequence 256), or with ``--model llama``
+workloads.py's small Hugging Face Llama (sequences of 64 tokens), with 4 sequences per rank and
 step, cut into ``--micro`` micro-batches per rank: all but the last backward under
 ``sw.no_sync`` (DDP: ``no_sync()``), the last one reducing. Systems, in interleaved
 rounds (step_time.py's ``run_rounds``): ``ddp``, ``shardwise`` (default mode, each
 micro-batch's loss divided by their number), ``reproducible`` (``shard(...,
-reproducible=True)``, Note [reproducible reduction]). Printed: step times and their
-ratios, the bytes each rank fed into collectives per step (``sw.inspect``), and the bytes
-the gradient accumulators held just before the reducing backward (read from the engine's
-own buffers: fp32 rank-major buffers by default, index + bins in the reproducible mode).
+reproducible=True)``, Note [reproducible reduction]), ``reproducible_wide`` (the same
+with the wide accumulator of before Note [narrow accumulator], ``SHARDWISE_NARROW=0``).
+Printed: step times and their ratios, the bytes each rank fed into collectives per step
+(``sw.inspect``), the bytes the gradient accumulators held just before the reducing
+backward (read from the engine's own buffers: fp32 rank-major buffers by default, the
+exact accumulators in the reproducible mode), and whether both reproducible systems'
+losses are bit-identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
 import torch.distributed as dist
+import workloads
 from step_time import System, build, run_rounds
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
 from shardwise.engine.state import model_state
+from shardwise.integrations._units import no_split_units
 from shardwise.models import GPTConfig
 
 
@@ -39,25 +46,36 @@ def accumulator_bytes(model) -> int:
             if r._buf is not None:
                 total += r._buf.numel() * r._buf.element_size()
             acc = getattr(r, "_acc", None)  # the reproducible mode's ExactReduction
-            if acc is not None:
-                total += acc.index.numel() + acc.bins.numel() * 8
+            if acc is not None:  # narrow (index, float64 value, carry) or wide (index, bins)
+                total += sum(t.numel() * t.element_size() for t in (
+                    (acc.index, acc.value, acc.carry) if hasattr(acc, "value")
+                    else (acc.index, acc.bins)))
     return total
 
 
-def make_loss(micro: int, reproducible: bool, held: list[int]):
+def _call(model, x, y):
+    """The reference GPT's loss, or (``y`` None) a Hugging Face causal LM's."""
+    return model(x, y) if y is not None else model(input_ids=x, labels=x).loss
+
+
+def make_loss(micro: int, reproducible: bool, held: list[int], narrow: str = "1"):
     """A step_time loss function that runs ``micro`` micro-batches and returns the last
-    one's loss (whose backward, run by System.run, reduces)."""
+    one's loss (whose backward, run by System.run, reduces). ``narrow`` is
+    ``SHARDWISE_NARROW`` for this system's step (read at each accumulation, so systems
+    interleaved in one process can differ)."""
     def loss_fn(model, batch):
-        parts = list(zip(*(t.chunk(micro) for t in batch)))
+        os.environ["SHARDWISE_NARROW"] = narrow
+        parts = [p if len(p) == 2 else (p[0], None)
+                 for p in zip(*(t.chunk(micro) for t in batch))]
         sync_off = model.no_sync if isinstance(model, DDP) else (lambda: sw.no_sync(model))
         for x, y in parts[:-1]:
             with sync_off():
-                loss = model(x, y)
+                loss = _call(model, x, y)
                 (loss if reproducible else loss / micro).backward()
         if not isinstance(model, DDP):
             held.append(accumulator_bytes(model))
         x, y = parts[-1]
-        loss = model(x, y)
+        loss = _call(model, x, y)
         return loss if reproducible else loss / micro
     return loss_fn
 
@@ -68,24 +86,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro", type=int, default=4, help="micro-batches per rank")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "llama"],
+                        help="llama: workloads.py's small Hugging Face Llama, 4 sequences "
+                             "of 64 tokens per rank and step")
+    parser.add_argument("--systems", default="ddp,shardwise,reproducible,reproducible_wide",
+                        help="which to run (ddp always runs: the ratios are to it)")
     args = parser.parse_args()
     sw.init_distributed(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(n_layer=6, d_model=512, seq_len=256)
     g = torch.Generator().manual_seed(100 + rank)
-    data = []
+    data: list[tuple[torch.Tensor, ...]] = []
     for _ in range(args.rounds * args.steps):
-        x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
-        data.append((x, torch.roll(x, -1, dims=1)))
+        if args.model == "llama":
+            data.append((workloads.tokens(g, 4, 64),))
+        else:
+            x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=g)
+            data.append((x, torch.roll(x, -1, dims=1)))
+    units = no_split_units if args.model == "llama" else (lambda model: None)
+
+    def model() -> torch.nn.Module:
+        return workloads.llama() if args.model == "llama" else build(cfg)
+
+    def shard(reproducible: bool):
+        m = model()
+        return sw.shard(m, units=units(m), reproducible=reproducible)
+
     device = torch.device("cpu")
-    held: dict[str, list[int]] = {"shardwise": [], "reproducible": []}
+    held: dict[str, list[int]] = {"shardwise": [], "reproducible": [], "reproducible_wide": []}
     systems = [
-        System("ddp", DDP(build(cfg)), device, make_loss(args.micro, False, [])),
-        System("shardwise", sw.shard(build(cfg)), device,
+        System("ddp", DDP(model()), device, make_loss(args.micro, False, [])),
+        System("shardwise", shard(False), device,
                make_loss(args.micro, False, held["shardwise"])),
-        System("reproducible", sw.shard(build(cfg), reproducible=True), device,
+        System("reproducible", shard(True), device,
                make_loss(args.micro, True, held["reproducible"])),
+        # The same mode with the wide accumulator (SHARDWISE_NARROW=0): before/after
+        # Note [narrow accumulator] in one run, the same bits.
+        System("reproducible_wide", shard(True), device,
+               make_loss(args.micro, True, held["reproducible_wide"], narrow="0")),
     ]
+    wanted = set(args.systems.split(",")) | {"ddp"}
+    systems = [s for s in systems if s.name in wanted]
     counted = {}
     for s in systems[1:]:
         before = sw.inspect(s.model).comm
@@ -102,7 +143,7 @@ def main() -> None:
     def med(s: System, r: int) -> float:
         return statistics.median(s.times[r][args.warmup:] if r == 0 else s.times[r])
 
-    print(f"\nworld {world}, {args.micro} micro-batches of 1 sequence per rank, "
+    print(f"\n{args.model}, world {world}, {args.micro} micro-batches per rank, "
           f"{args.rounds} interleaved rounds of {args.steps} steps")
     ddp = systems[0]
     print("| system | median s/step per round | median ratio to DDP | collective input per "
@@ -116,6 +157,12 @@ def main() -> None:
         acc = f"{max(held[s.name]) / 2**20:.0f} MiB" if s.name in held else ""
         print(f"| {s.name} | {' '.join(f'{med(s, r):.3f}' for r in range(args.rounds))} | "
               f"{statistics.median(ratios):.3f} | {moved} | {acc} |")
+    by_name = {s.name: s for s in systems}
+    if "reproducible" in by_name and "reproducible_wide" in by_name:
+        narrow, wide = by_name["reproducible"], by_name["reproducible_wide"]
+        same = [float(a) for a in narrow.losses] == [float(b) for b in wide.losses]
+        print(f"\nreproducible and reproducible_wide losses bit-identical on all "
+              f"{len(narrow.losses)} steps: {same}")
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from shardwise.errors import ShardwiseError
+from shardwise.exact import narrow as nw
 from shardwise.exact import sums as es
 
 M = 12
@@ -458,3 +459,218 @@ def _fused_kernels() -> None:
     big.bins[::3, 0] = 2**60
     assert torch.equal(es.decode(big).view(torch.int32),
                        es._decode_eager(big, "propagate").view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# The narrow accumulator (Note [narrow accumulator]): the wide state, bit for bit.
+
+
+def _wide_sum(terms: list[torch.Tensor]) -> es.Binned:
+    acc = es.encode(terms[0])
+    for t in terms[1:]:
+        es.add_(acc, es.encode(t))
+    return acc
+
+
+def _narrow_sum(terms: list[torch.Tensor]) -> es.Binned:
+    """What the engine does on one rank: every term accumulated, the last one widened."""
+    acc = None
+    for i, t in enumerate(terms):
+        acc = nw.accumulate(acc, t, final=i == len(terms) - 1)
+    assert isinstance(acc, es.Binned)
+    return acc
+
+
+def _adversarial(kind: str, seed: int = 0) -> list[torch.Tensor]:
+    """Terms aimed at the narrow form's checks and at its arithmetic."""
+    g = torch.Generator().manual_seed(seed)
+    n = N_ELEM
+    if kind == "bin_edges":  # leads at and next to every bin boundary, both signs, ties
+        edges = torch.tensor([-126 + 40 * k for k in range(7)], dtype=torch.float64)
+        out = []
+        for _ in range(M):
+            e = edges[torch.randint(0, 7, (n,), generator=g)] + torch.randint(-2, 24, (n,),
+                                                                             generator=g)
+            frac = torch.randint(0, 4, (n,), generator=g).double() * 0.25 + 1.0
+            sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+            out.append((sign * frac * torch.exp2(e.clamp(-149, 127))).float())
+        return out
+    if kind == "ties":  # x / 2**P_t exactly k + 1/2: every per-term rounding is a tie
+        t = torch.randint(2, 6, (n,), generator=g).double()
+        unit = torch.exp2(es.DEFAULT.base + t * es.DEFAULT.W)
+        return [((torch.randint(-50, 50, (n,), generator=g).double() + 0.5) * unit).float()
+                for _ in range(M)]
+    if kind == "denormal_mix":  # subnormals, the smallest normals and zeros of both signs
+        out = []
+        for _ in range(M):
+            bits = torch.randint(0, 1 << 24, (n,), generator=g, dtype=torch.int64)
+            bits = torch.where(torch.rand(n, generator=g) < 0.5, bits, bits | (1 << 31))
+            x = bits.to(torch.int32).view(torch.float32).clone()
+            pick = torch.rand(n, generator=g)
+            x = torch.where(pick < 0.2, torch.full_like(x, -0.0), x)
+            out.append(torch.where(pick > 0.9, torch.zeros_like(x), x))
+        return out
+    if kind == "huge_and_tiny":  # terms 2**35 apart (F is not exact) and 2**100 (dropped)
+        big = torch.randn(n, generator=g) * 1e10
+        return [big * 2.0 ** -(0, 35, 100)[m % 3] for m in range(M)]
+    if kind == "late_fallback":  # narrow for 7 terms, then one element spans > 53 bits
+        out = [torch.randn(n, generator=g) for _ in range(M)]
+        for x in out:
+            x[5] *= 2.0**20  # high in its bin (2**-6 to 2**34): more terms below fit one bin
+        out[7][5] = out[0][5] * 2.0**-35  # one bin down, kept to 2**-46: 2**67 > 2**53 apart
+        return out
+    if kind == "cancel_exact":  # x, -x, tiny: F passes through exact zeros
+        x = torch.randn(n, generator=g) * 2.0**20
+        return [x, -x, x * 2.0**-20, -x, x] + [x * 2.0**-10] * (M - 5)
+    if kind == "nonfinite":  # inf, -inf, NaN arriving after finite terms
+        out = [torch.randn(n, generator=g) for _ in range(M)]
+        for m, v in ((3, math.inf), (4, -math.inf), (6, math.nan), (9, math.inf)):
+            out[m] = out[m].clone()
+            out[m][m::50] = v
+        return out
+    if kind == "near_max":
+        return _terms("near_max", n, seed)
+    raise ValueError(kind)
+
+
+NARROW_KINDS = KINDS + ("bin_edges", "ties", "denormal_mix", "huge_and_tiny", "late_fallback",
+                        "cancel_exact", "nonfinite")
+
+
+@pytest.fixture
+def narrow_everywhere(monkeypatch):
+    """The narrow path at every size (the engine uses it from fused.FUSE_MIN elements)."""
+    monkeypatch.setenv("SHARDWISE_NARROW", "all")
+
+
+def _any_terms(kind: str) -> list[torch.Tensor]:
+    return _terms(kind) if kind in KINDS else _adversarial(kind)
+
+
+@pytest.mark.parametrize("kind", NARROW_KINDS)
+def test_the_narrow_accumulator_gives_the_wide_state(kind, narrow_everywhere):
+    # Note [narrow accumulator]: after every term that passes the checks, widen() is the
+    # wide form's state (index and both bins, not just the decoded bits); a term that fails
+    # them falls back to the wide form, and the end result is the wide one either way.
+    terms = _any_terms(kind)
+    acc = nw.start(terms[0])
+    narrow_terms = 0 if acc is None else 1
+    if acc is not None:
+        for k in range(1, M):
+            nxt = nw.add(acc, terms[k])
+            if nxt is None:
+                break
+            acc = nxt
+            narrow_terms += 1
+            want, got = _wide_sum(terms[:k + 1]), nw.widen(acc)
+            assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins), k
+    assert _state(_narrow_sum(terms)) == _state(_wide_sum(terms))
+    # The checks fire where they must, and only there: so both paths are tested.
+    expect_fallback = kind in ("wide", "straddle", "huge_and_tiny", "late_fallback", "nonfinite",
+                               "subnormal", "denormal_mix")
+    if kind not in ("subnormal", "denormal_mix", "bin_edges"):
+        assert (narrow_terms < M) == expect_fallback, narrow_terms
+    if kind == "late_fallback":
+        assert narrow_terms == 7
+
+
+@pytest.mark.parametrize("kind", ["normal", "straddle", "bin_edges", "ties", "late_fallback",
+                                  "nonfinite", "zeros", "cancel"])
+def test_narrow_and_wide_ranks_reduce_to_the_same_bits_at_every_world_size(kind,
+                                                                          narrow_everywhere):
+    # Each rank accumulates its micro-batches narrowly (falling back on its own terms or
+    # not), widens the last one, and the exchange aligns and sums the wide forms: the
+    # state equals the one-rank wide sum for every world size, grouping and order.
+    terms = _any_terms(kind)
+    reference = _state(_exact_grouped([es.encode(t) for t in terms], [list(range(M))], [0]))
+    rng = random.Random(kind)
+    for world in WORLDS:
+        for groups in _assignments(world, rng):
+            parts = [_narrow_sum([terms[m] for m in rng.sample(g, len(g))]) for g in groups]
+            assert _state(_reduce_scatter(parts, rng.sample(range(world), world))) == reference
+
+
+def test_the_narrow_carry_is_checked(narrow_everywhere):
+    # Terms 1.5 * 2**P_t round (ties to even) to 2 each: the top slot runs ahead of the
+    # rounded value by half a unit a term, past int8 after 254 terms. The check must catch
+    # it and fall back, and the sum stays the wide one.
+    unit = 2.0 ** (es.DEFAULT.base + 4 * es.DEFAULT.W)
+    terms = [torch.full((N_ELEM,), 1.5 * unit)] * 300
+    acc = nw.start(terms[0])
+    count = 1
+    while acc is not None and count < len(terms):
+        acc = nw.add(acc, terms[count])
+        count += 1
+    assert acc is None and 250 < count < 300
+    assert _state(_narrow_sum(terms)) == _state(_wide_sum(terms))
+
+
+def test_the_narrow_path_is_off_below_fuse_min_and_with_the_switch(monkeypatch):
+    small = torch.randn(100)
+    assert isinstance(nw.accumulate(None, small, final=False), es.Binned)  # kernels off here
+    monkeypatch.setenv("SHARDWISE_NARROW", "all")
+    assert isinstance(nw.accumulate(None, small, final=False), nw.Narrow)
+    assert isinstance(nw.accumulate(None, small, final=True), es.Binned)
+    monkeypatch.setenv("SHARDWISE_NARROW", "0")
+    assert not nw.wanted(1 << 30)
+
+
+def test_the_narrow_kernels_give_the_eager_bits():
+    # Compiled passes (Note [fused kernels]): checked on the probe before first use, and
+    # here on sums of every kind of value above FUSE_MIN, against the wide eager code.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_sum; "
+            "test_exact_sum._narrow_kernels()")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
+                         env=dict(os.environ, SHARDWISE_FUSED="1", SHARDWISE_NARROW="1"),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+def _narrow_kernels() -> None:
+    import warnings
+
+    from shardwise.exact import fused
+
+    n = 3 * fused.FUSE_MIN + 11  # uneven: the vectorized loops' tails run too
+    probe = fused.probe(n_random=n)
+    probe = torch.where(torch.isfinite(probe), probe, torch.zeros_like(probe))[:n]
+    g = torch.Generator().manual_seed(8)
+    terms = [probe, probe.roll(5) * 2.0**-3, torch.randn(n, generator=g) * 1e-3,
+             probe.flip(0), torch.randn(n, generator=g)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a failed compile or mismatch warns
+        acc = nw.start(terms[0])
+        assert acc is not None
+        for name in ("start", "step", "step_widen", "widen"):
+            assert fused._kernels.get(f"narrow {name}", 1) is not None, name
+        wide = es._encode_eager(terms[0], es.DEFAULT)
+        for t in terms[1:]:
+            fails = nw._step_elementwise(acc.index, acc.value, acc.carry, t)[3]
+            keep = ~fails  # elementwise: compare where the check passes, the rest falls back
+            nxt = nw._run("step", nw._step, n)(acc.index, acc.value, acc.carry, t)
+            eager = nw._step(acc.index, acc.value, acc.carry, t)
+            assert all(torch.equal(a.view(torch.int64) if a.dtype == torch.float64 else a,
+                                   b.view(torch.int64) if b.dtype == torch.float64 else b)
+                       for a, b in zip(nxt, eager))
+            wide = es._add_eager(wide, es._encode_eager(t, es.DEFAULT))
+            acc = nw.Narrow(torch.where(keep, nxt[0], acc.index),
+                            torch.where(keep, nxt[1], acc.value),
+                            torch.where(keep, nxt[2], acc.carry), acc.terms + 1)
+            widened = nw.widen(acc)
+            assert torch.equal(widened.index[keep], wide.index[keep])
+            assert torch.equal(widened.bins[keep], wide.bins[keep])
+            wide = es.Binned(widened.index, widened.bins, wide.terms)  # continue from here
+    # The public path, falling back or not, gives the wide eager sum.
+    got = None
+    for i, t in enumerate(terms):
+        got = nw.accumulate(got, t, final=i == len(terms) - 1)
+    want = _wide_sum(terms)
+    assert isinstance(got, es.Binned)
+    assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins)
+    smooth = [torch.randn(n, generator=g) * 2.0 ** (-k) for k in range(4)]
+    got = None
+    for i, t in enumerate(smooth):
+        got = nw.accumulate(got, t, final=i == 3)
+        assert isinstance(got, es.Binned if i == 3 else nw.Narrow)  # no fallback here
+    want = _wide_sum(smooth)
+    assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins)

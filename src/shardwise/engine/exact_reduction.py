@@ -20,8 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
+from ..exact.narrow import Narrow, accumulate
 from ..exact.reduce import ExactExchange, exact_total, exchange
-from ..exact.sums import Binned, add_, encode
+from ..exact.sums import Binned
 from .copies import write_rank_major
 from .reduce import GradReduction, Group, Reduction
 
@@ -42,7 +43,7 @@ class ExactReduction(GradReduction):
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)
-        self._acc: Binned | None = None  # ACCUMULATING: the exact sum so far
+        self._acc: Binned | Narrow | None = None  # ACCUMULATING: the exact sum so far
         self._exchange: ExactExchange | None = None  # REDUCING
         # Each .grad handed out, and its version then (_before_publishing).
         self._published: dict[int, tuple[weakref.ref, int]] = {}
@@ -60,9 +61,8 @@ class ExactReduction(GradReduction):
                 if grad is not None:
                     write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
                     self.used[i] = True
-        term = encode(buf)
+        self._acc = accumulate(self._acc, buf, final=sync)  # Note [narrow accumulator]
         del buf
-        self._acc = term if self._acc is None else add_(self._acc, term)
         if not sync:
             self._move(Reduction.ACCUMULATING)
             return

@@ -15,7 +15,8 @@ were spread over ranks, nor of the order ranks add. So at any world size dividin
 number of micro-batches the gradient shards hold the same bits, element for element,
 and an elementwise optimizer step keeps parameters and optimizer state identical too.
 
-Costs: the accumulator holds 17 bytes per parameter element (index + two int64 bins)
+Costs: the accumulator holds 10 bytes per parameter element (Note [narrow accumulator] in
+exact/narrow.py: top bin, float64 value, int8 carry; 17 in the wide form it falls back to)
 from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
 reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding,
 adding and decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import Comm, unflatten_into
 from ..errors import ShardwiseError
+from .narrow import Narrow, widen
 from .sums import (
     DEFAULT,
     INDEX_DTYPE,
@@ -72,12 +74,16 @@ class ExactExchange:
             self.work = self.sending = None
 
 
-def exchange(comm: Comm, acc: Binned, what: str) -> ExactExchange:
-    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``.
+def exchange(comm: Comm, acc: Binned | Narrow, what: str) -> ExactExchange:
+    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``. A
+    narrow accumulator is widened first: the wire carries the wide form, whichever form
+    each rank accumulated in (Note [narrow accumulator] in exact/narrow.py).
 
     Raises:
         ShardwiseError: ranks accumulated different numbers of micro-batches.
     """
+    if isinstance(acc, Narrow):
+        acc = widen(acc)
     n, world = acc.numel, comm.world_size
     if world == 1:
         return ExactExchange(None, acc.index, acc.bins, acc.terms)
