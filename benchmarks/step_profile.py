@@ -90,6 +90,12 @@ def main() -> None:
                         help="also profile shardwise with SHARDWISE_CHECK=0")
     parser.add_argument("--functions", action="store_true",
                         help="also time shardwise's parts with cProfile (see above)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="--functions: CPU time (time.process_time: every thread of the "
+                             "process, waits for peers not counted), not wall time; robust "
+                             "to a loaded machine")
+    parser.add_argument("--no-ops", action="store_true",
+                        help="skip the torch.profiler table (with --functions)")
     parser.add_argument("--micro", type=int, default=4,
                         help="accum: micro-batches under no_sync before the synced one")
     args = parser.parse_args()
@@ -130,7 +136,7 @@ def main() -> None:
     calls: dict[str, collections.Counter] = {n: collections.Counter() for n in systems}
     others: dict[str, collections.Counter] = {n: collections.Counter() for n in systems}
     walls: dict[str, float] = collections.Counter()
-    for i in range(args.steps):
+    for i in range(0 if args.no_ops else args.steps):
         for name in (list(systems) if i % 2 == 0 else list(reversed(systems))):
             dist.barrier()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -144,7 +150,7 @@ def main() -> None:
                     calls[name][e.key] += e.count
                 if cat == "other ops":
                     others[name][e.key] += e.self_cpu_time_total / 1e3
-    if rank == 0:
+    if rank == 0 and not args.no_ops:
         n = args.steps
         print(f"{args.workload}, {dist.get_world_size()} ranks, {n} profiled steps each, "
               f"rank 0, milliseconds per step")
@@ -163,33 +169,35 @@ def main() -> None:
             top = ", ".join(f"{k} {v / n:.1f} ms" for k, v in others[name].most_common(5))
             print(f"{name} largest other ops per step: {top}")
     if args.functions:
-        functions(systems, step, args.steps, micro, rank)
+        functions(systems, step, args.steps, micro, rank, args.cpu)
     dist.destroy_process_group()
 
 
-def functions(systems: dict, step, steps: int, micro: int, rank: int) -> None:
+def functions(systems: dict, step, steps: int, micro: int, rank: int, cpu: bool) -> None:
     """Time shardwise's parts with cProfile, per micro-batch (see the module's text)."""
-    profiles = {n: cProfile.Profile() for n in systems if n != "ddp"}
+    clock = time.process_time if cpu else time.perf_counter
+    profiles = {n: cProfile.Profile(clock) for n in systems if n != "ddp"}
     walls: dict[str, float] = collections.Counter()
     for i in range(steps):
         for name in (list(systems) if i % 2 == 0 else list(reversed(systems))):
             dist.barrier()
             prof = profiles.get(name)
-            start = time.perf_counter()
+            start = clock()
             if prof is not None:
                 prof.enable()
             step(name)
             if prof is not None:
                 prof.disable()
-            walls[name] += time.perf_counter() - start
+            walls[name] += clock() - start
     if rank != 0:
         return
     per = steps * micro
-    print(f"\ncProfile, rank 0, {steps} steps of {micro} micro-batches, milliseconds per "
-          f"micro-batch (ddp unprofiled: {walls['ddp'] * 1e3 / per:.1f} ms wall)")
+    kind = "CPU" if cpu else "wall"
+    print(f"\ncProfile, rank 0, {steps} steps of {micro} micro-batches, {kind} milliseconds "
+          f"per micro-batch (ddp unprofiled: {walls['ddp'] * 1e3 / per:.1f} ms)")
     names = list(profiles)
     print("| part | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
-    print("| wall (profiled) | " + " | ".join(f"{walls[n] * 1e3 / per:.1f}" for n in names)
+    print(f"| {kind} (profiled) | " + " | ".join(f"{walls[n] * 1e3 / per:.1f}" for n in names)
           + " |")
     tables = {n: pstats.Stats(p).stats for n, p in profiles.items()}  # type: ignore[attr-defined]
 

@@ -30,7 +30,8 @@ rotating). Systems: ``ddp``, ``fsdp2`` (``fully_shard`` on each block, then the 
 steps: the cost of the collective-order check), and, when asked for with ``--systems``,
 ``shardwise_auto`` (``units="auto"``, with ``--budget BYTES`` as its ``memory_budget``, else
 the default budget) and ``shardwise_reproducible`` (``reproducible=True``: one micro-batch
-per rank, the mean over ranks as DDP's); rank 0 prints the units each shardwise system
+per rank, the mean over ranks as DDP's) and ``shardwise_kept`` (``reshard_after_forward=False``: no
+gather in the backward, what re-gathering costs); rank 0 prints the units each shardwise system
 chose. Printed per workload: each round's medians, then a Markdown table of the median
 step time over all timed steps, the ratio to DDP per round and the median of those
 ratios, and the largest loss difference from DDP.
@@ -55,7 +56,7 @@ from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
 SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked", "shardwise_auto",
-           "shardwise_reproducible")
+           "shardwise_reproducible", "shardwise_kept")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 VOCAB = 8192
 
@@ -185,6 +186,8 @@ def make(name: str, w: Workload, device: torch.device, budget: int | None = None
         model = sw.shard(model, units="auto", memory_budget=budget)
     elif name == "shardwise_reproducible":
         model = sw.shard(model, units=units, reproducible=True)
+    elif name == "shardwise_kept":
+        model = sw.shard(model, units=units, reshard_after_forward=False)
     else:
         model = sw.shard(model, units=units)
     return System(name, model, device, w.loss_fn, unchecked=name == "shardwise_unchecked")
