@@ -16,7 +16,7 @@ communication calls. The last column is wall time minus all operators' self time
 time the process was not scheduled (2 ranks share 2 cores).
 
 ``--unchecked`` also profiles shardwise with ``SHARDWISE_CHECK=0`` (the collective-order
-check's share). ``--functions`` runs the same steps again under ``cProfile`` instead of
+check's share), ``--kept`` with ``reshard_after_forward=False`` (no gather in the backward). ``--functions`` runs the same steps again under ``cProfile`` instead of
 ``torch.profiler`` and prints, per shardwise system and per micro-batch (a step of the
 ``accum`` workload runs ``--micro`` + 1 of them), the time spent in each part of
 shardwise's step: the hooks as a whole, the order check (posting headers; waiting for
@@ -90,6 +90,8 @@ def main() -> None:
                         help="also profile shardwise with SHARDWISE_CHECK=0")
     parser.add_argument("--functions", action="store_true",
                         help="also time shardwise's parts with cProfile (see above)")
+    parser.add_argument("--kept", action="store_true",
+                        help="also profile shardwise with reshard_after_forward=False")
     parser.add_argument("--cpu", action="store_true",
                         help="--functions: CPU time (time.process_time: every thread of the "
                              "process, waits for peers not counted), not wall time; robust "
@@ -116,6 +118,9 @@ def main() -> None:
     if args.unchecked:
         model = w.build()
         systems["unchecked"] = sw.shard(model, units=w.units(model))
+    if args.kept:
+        model = w.build()
+        systems["kept"] = sw.shard(model, units=w.units(model), reshard_after_forward=False)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in systems.items()}
     g = torch.Generator().manual_seed(1 + rank)
     batch = w.batch(g)
