@@ -20,8 +20,8 @@ check's share), ``--kept`` with ``reshard_after_forward=False`` (no gather in th
 backward). ``--functions`` runs the same steps again under ``cProfile`` instead of
 ``torch.profiler`` (``--no-ops``: only that; ``--cpu``: CPU time of the process, robust to
 a loaded machine, instead of wall time) and prints, per shardwise system and per
-micro-batch (a step of the ``accum`` workload runs ``--micro`` + 1 of them), the time spent in each part of
-shardwise's step: the hooks as a whole, the order check (posting headers; waiting for
+micro-batch (a step of the ``accum`` workload runs ``--micro`` + 1 of them), the time
+spent in each part of shardwise's step: the hooks as a whole, the order check (posting headers; waiting for
 and comparing the peers' headers, which includes waiting for a peer that is behind), the
 gathers (issuing; waiting and copying out, which includes the order check's settle before
 an exchange's data), the gradients' copy into the reduction buffer (the accumulation under
