@@ -16,18 +16,18 @@ communication calls. The last column is wall time minus all operators' self time
 time the process was not scheduled (2 ranks share 2 cores).
 
 ``--unchecked`` also profiles shardwise with ``SHARDWISE_CHECK=0`` (the collective-order
-check's share), ``--kept`` with ``reshard_after_forward=False`` (no gather in the
-backward). ``--functions`` runs the same steps again under ``cProfile`` instead of
-``torch.profiler`` (``--no-ops``: only that; ``--cpu``: CPU time of the process, robust to
-a loaded machine, instead of wall time) and prints, per shardwise system and per
-micro-batch (a step of the ``accum`` workload runs ``--micro`` + 1 of them), the time
-spent in each part of shardwise's step: the hooks as a whole, the order check (posting headers; waiting for
-and comparing the peers' headers, which includes waiting for a peer that is behind), the
-gathers (issuing; waiting and copying out, which includes the order check's settle before
-an exchange's data), the gradients' copy into the reduction buffer (the accumulation under
-``no_sync``), the reduce-scatter and publishing at the synced backward's end; then the
-largest shardwise functions by own time. cProfile's own overhead inflates Python-heavy
-parts: compare systems, not absolute figures.
+check's share), ``--kept`` with ``reshard_after_forward=False`` (no gather in the backward).
+``--functions`` runs the same steps again under ``cProfile`` instead of ``torch.profiler``
+(``--no-ops``: only that; ``--cpu``: CPU time of the process, robust to a loaded machine,
+instead of wall time) and prints, per shardwise system and per micro-batch (a step of the
+``accum`` workload runs ``--micro`` + 1 of them), the time spent in each part of shardwise's
+step: the hooks as a whole, the order check (posting headers; waiting for and comparing the
+peers' headers, which includes waiting for a peer that is behind), the gathers (issuing;
+waiting and copying out, which includes the order check's settle before an exchange's data),
+the gradients' copy into the reduction buffer (the accumulation under ``no_sync``), the
+reduce-scatter and publishing at the synced backward's end; then the largest shardwise
+functions by own time. cProfile's own overhead inflates Python-heavy parts: compare systems,
+not absolute figures.
 """
 
 from __future__ import annotations
