@@ -16,6 +16,12 @@ Workloads, fp32, AdamW, 2 ranks (batch sizes per rank):
   ReLU per block), 32x32 images, batch 32, cross-entropy; shardwise's default units (the
   blocks, BatchNorm buffers broadcast from rank 0, as DDP does).
 - ``gpt``: step_time.py's reference GPT (6 layers, d_model 512, sequence 256, batch 4).
+- ``accum``: gradient accumulation (issue 44's probe): Hugging Face ``LlamaForCausalLM``,
+  4 layers, hidden 512, intermediate 1376, 8 heads, vocab 8192, sequence 128; per rank and
+  step ``--micro`` (4) micro-batches of one sequence under no_sync (``sw.no_sync``, DDP's
+  ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``), then one more micro-batch
+  whose backward reduces; each micro-batch's loss divided by their number. Units as
+  ``llama``'s. Not in the default list: ``--workloads accum``.
 
 Each workload builds every system from the same initial weights and gives it the same data,
 then runs step_time.py's interleaved rounds (``run_rounds``: every system in turn, the order
@@ -24,7 +30,8 @@ rotating). Systems: ``ddp``, ``fsdp2`` (``fully_shard`` on each block, then the 
 steps: the cost of the collective-order check), and, when asked for with ``--systems``,
 ``shardwise_auto`` (``units="auto"``, with ``--budget BYTES`` as its ``memory_budget``, else
 the default budget) and ``shardwise_reproducible`` (``reproducible=True``: one micro-batch
-per rank, the mean over ranks as DDP's); rank 0 prints the units each shardwise system
+per rank, the mean over ranks as DDP's) and ``shardwise_kept`` (``reshard_after_forward=False``: no
+gather in the backward, what re-gathering costs); rank 0 prints the units each shardwise system
 chose. Printed per workload: each round's medians, then a Markdown table of the median
 step time over all timed steps, the ratio to DDP per round and the median of those
 ratios, and the largest loss difference from DDP.
@@ -33,6 +40,7 @@ ratios, and the largest loss difference from DDP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 
@@ -48,7 +56,7 @@ from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
 SYSTEMS = ("ddp", "fsdp2", "shardwise", "shardwise_unchecked", "shardwise_auto",
-           "shardwise_reproducible")
+           "shardwise_reproducible", "shardwise_kept")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 VOCAB = 8192
 
@@ -85,6 +93,46 @@ def cnn() -> nn.Module:
     return SmallCNN(channels=(3, 32, 64, 128, 128))
 
 
+def llama_wide() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128))
+
+
+MICRO = 4  # micro-batches under no_sync per step of ``accum`` (--micro)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Each system's way of accumulating gradients without reducing them."""
+    if isinstance(model, DDP):
+        with model.no_sync():
+            yield
+    elif sw.is_sharded(model):
+        with sw.no_sync(model):
+            yield
+    else:  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+def accumulating(batch: tuple[torch.Tensor, ...], model: nn.Module) -> torch.Tensor:
+    """``MICRO`` micro-batches of one sequence under no_sync, their backward run here;
+    returns the last micro-batch's loss, whose backward (run by ``System.run``) reduces."""
+    parts = list(zip(*(t.split(1) for t in batch)))
+    n = len(parts)
+    with no_sync(model):
+        for part in parts[:-1]:
+            (model(input_ids=part[0], labels=part[0]).loss / n).backward()
+    return model(input_ids=parts[-1][0], labels=parts[-1][0]).loss / n
+
+
 def tokens(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:
     return torch.randint(5, VOCAB, (batch, seq), generator=g)
 
@@ -109,6 +157,8 @@ WORKLOADS = {
                                     torch.randint(0, 10, (32,), generator=g)),
                     lambda m, b: F.cross_entropy(m(b[0]), b[1])),
     "gpt": Workload(lambda: build(GPTConfig()), gpt_batch, call_model),
+    "accum": Workload(llama_wide, lambda g: (tokens(g, MICRO + 1, 128),),
+                      lambda m, b: accumulating(b, m), no_split_units),
 }
 
 
@@ -136,6 +186,8 @@ def make(name: str, w: Workload, device: torch.device, budget: int | None = None
         model = sw.shard(model, units="auto", memory_budget=budget)
     elif name == "shardwise_reproducible":
         model = sw.shard(model, units=units, reproducible=True)
+    elif name == "shardwise_kept":
+        model = sw.shard(model, units=units, reshard_after_forward=False)
     else:
         model = sw.shard(model, units=units)
     return System(name, model, device, w.loss_fn, unchecked=name == "shardwise_unchecked")
@@ -162,9 +214,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first-round steps not timed")
     parser.add_argument("--budget", type=int, default=None,
                         help="shardwise_auto's memory_budget in bytes (default: its default)")
+    parser.add_argument("--micro", type=int, default=4,
+                        help="accum: micro-batches under no_sync before the synced one")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                         help=f"of {', '.join(SYSTEMS)}; ratios are to the first (ddp)")
     args = parser.parse_args()
+    global MICRO
+    MICRO = args.micro
     args.reference = args.systems.split(",")[0]
     names = args.workloads.split(",")
     if set(names) - set(WORKLOADS) or set(args.systems.split(",")) - set(SYSTEMS):

@@ -138,7 +138,7 @@ class Channel:
         # alive past destroy_process_group (Note [teardown] in comm/process_group.py).
         self._counters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.abandoned: list[Any] = []  # works of past epochs (gloo owns their buffers)
-        self._peers = [comm.global_rank(r) for r in range(comm.world_size) if r != comm.rank]
+        self._peers = [r for r in range(comm.world_size) if r != comm.rank]  # group ranks
 
     def checking(self) -> bool:
         """Whether headers are posted now (order checks on, under gloo)."""
@@ -211,14 +211,22 @@ class Channel:
         tag = (_MARK | _HEADER | (self.epoch % _EPOCHS) << _EPOCH_SHIFT
                | gen % _GENERATIONS)
         inbox = torch.zeros((len(self._peers), _FIELDS), dtype=torch.int64)
-        group = self.comm.group
+        # Note [header cost]
+        # A header is a fixed cost per checked point (about U + 2 per forward and
+        # backward of U units, each micro-batch), so on a small model it is a visible
+        # share of the step (docs/performance.md, "The order check's cost"). Its
+        # messages go to the process group's own send and receive, with ranks of the
+        # group: dist.isend/irecv only resolve the group and the rank and check the
+        # tensor, which the channel knows already, and that Python cost 10-20% of a
+        # header's round trip (benchmarks/check_cost.py --headers).
+        group = self.comm.group if self.comm.group is not None else dist.group.WORLD
+        assert group is not None, "the default process group exists while a channel is used"
         try:
             # Receives first: a peer's header arriving then means its receive for ours
             # is posted, so waiting for our send never waits for the peer.
-            recvs = [dist.irecv(inbox[i], p, group=group, tag=tag)
-                     for i, p in enumerate(self._peers)]
+            recvs = [group.recv([inbox[i]], p, tag) for i, p in enumerate(self._peers)]
             out = torch.from_numpy(mine)
-            sends = [dist.isend(out, p, group=group, tag=tag) for p in self._peers]
+            sends = [group.send([out], p, tag) for p in self._peers]
         except RuntimeError as err:
             raise self.comm.stuck(f"the order check before {label}", err) from err
         self._pending.append(_Posted(gen, mine, text, label, inbox, recvs, sends))
