@@ -108,6 +108,7 @@ class Model(Protocol):
     topology: Topology
     units: list[Unit]
     number: int  # among the sharded models on its group (Note [checks ride the exchanges])
+    steps: int  # backwards completed (a block's left-behind parameters, gather.py)
 
     @property
     def awaiting_backward(self) -> bool: ...
