@@ -7,7 +7,9 @@
   segmentation fault before;
 - a unit called on its own, outside the root's forward (``model[0](x)``, a chunked-loss
   head tied to the embedding), with and without ``sw.gathered``;
-- a parent's forward computing with a child unit's weight: refused, naming both.
+- a parent's forward computing with a child unit's weight: refused, naming both;
+- full parameters (objects, views, a returned bias) kept past ``sw.gathered``'s end,
+  for the model, one parameter and ``modifier_rank``: a segmentation fault before.
 """
 
 import contextlib
@@ -258,6 +260,12 @@ def _kept_after_gathered(rank, world):
     with sw.gathered(ours.c.weight) as full:
         one = full
     kept("one parameter", one, ref.c.weight)
+    steps = sw.inspect(ours).steps
+    (one * 2).sum().backward()  # a user's own backward through it: nothing of the model's
+    view = sw.inspect(ours)
+    out["own grad"] = (one.grad is not None and view.steps == steps and view.phase == "idle"
+                       and not any(p.has_full_grad for u in view.units for g in u.groups
+                                   for p in g.params))
     # Rank 0's edit kept for every rank; what was held shows it on every rank.
     with sw.gathered(ours.a, modifier_rank=0), torch.no_grad():
         edited = ours.a.bias
@@ -293,6 +301,7 @@ def test_full_parameters_kept_after_gathered_keep_their_values_and_training_equa
     # (the block's end freed the storage every full parameter views).
     for r in run_ranks(_kept_after_gathered, 2):
         assert [k for k, ok in r["kept"].items() if not ok] == [] and len(r["kept"]) == 7, r
+        assert r["own grad"], r
         assert r["params"] == 0.0, r  # DDP's ops on the same values, sums of two: bitwise
         assert all(d == 0.0 for d in r["loss"]), r
 

@@ -86,6 +86,12 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # its full parameters is wrapped, and unwrapping it for a backward whose storage is gone
 # raises a ShardwiseError saying what to do. Gathering again there would be a collective
 # inside autograd on values an optimizer may have changed since: refused, not done.
+# Since Note [full parameters held after gathered()] the storage is never gone, so the
+# rule is stated directly: after the block, a saved tensor is unwrapped only while its
+# unit is gathered (by an enclosing block, or by the engine for the unit's backward) or
+# during the backward the block left awaited (a forward with gradients ran inside it).
+
+
 # Note [full parameters held after gathered()]
 # Code inside a block may keep a full parameter, or a view of one, past its end:
 # ``w = model.head.weight``, ``p.detach()`` (``.cpu()`` of a CPU tensor is the tensor
@@ -102,8 +108,14 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # that backward, the graph computes with the old buffer's values (the same, or the
 # iteration is abandoned, ``recover``), and the gradients it accumulates into the old
 # parameter objects are passed on to the new ones (:func:`_pass_on_grad`), where the
-# reduction takes them. The old objects keep their record (``sharded_param``), so an
-# optimizer holding them is still refused (``_refuse_full`` in engine/guards.py).
+# reduction takes them; so are those of a direct use (``x @ w.T``) in that backward.
+# ``_LEFT_AT`` says which backward that is: the step the model was in when the block left
+# a backward awaited; any later backward through a kept object leaves its gradient
+# there, and the object's end-of-backward trigger is removed, so that a user's own
+# backward through it starts nothing of the model's. The old objects keep their record
+# (``sharded_param``), so an optimizer holding them is still refused (``_refuse_full``
+# in engine/guards.py). The cost, on this path only: per group, a new empty buffer (its
+# allocation momentarily adds one group's full size) and new parameter objects.
 _LEFT_AT: weakref.WeakKeyDictionary[Unit, int] = weakref.WeakKeyDictionary()
 
 
