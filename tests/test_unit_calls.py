@@ -7,7 +7,9 @@
   segmentation fault before;
 - a unit called on its own, outside the root's forward (``model[0](x)``, a chunked-loss
   head tied to the embedding), with and without ``sw.gathered``;
-- a parent's forward computing with a child unit's weight: refused, naming both.
+- a parent's forward computing with a child unit's weight: refused, naming both;
+- full parameters (objects, views, a returned bias) kept past ``sw.gathered``'s end,
+  for the model, one parameter and ``modifier_rank``: a segmentation fault before.
 """
 
 import contextlib
@@ -217,6 +219,91 @@ def test_a_parameter_returned_to_the_caller_outlives_the_backward():
     for r in run_ranks(_returned_to_the_caller, 2):
         assert r["params"] == 0.0, r  # DDP's ops on the same values
         assert all(d == 0.0 for d in r["bias"] + r["loss"]), r
+
+
+# -- full parameters kept past the end of sw.gathered() -------------------------------
+def _kept_after_gathered(rank, world):
+    torch.manual_seed(0)
+    base = _UsesReturnedBias()
+    ddp, ours = DDP(copy.deepcopy(base)), sw.shard(copy.deepcopy(base), units=nn.Linear)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ours)]
+    ref = ddp.module
+    out = {"loss": [], "kept": {}}
+
+    def batch(step):
+        return torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + step))
+
+    def train(step):
+        x = batch(step)
+        out["loss"].append(abs(_step(ddp, opts[0], ddp(x)) - _step(ours, opts[1], ours(x))))
+
+    def kept(name, tensor, expected):
+        out["kept"][name] = (tuple(tensor.shape) == tuple(expected.shape)
+                             and torch.equal(tensor.detach(), expected.detach()))
+
+    train(0)
+    # The whole model, a grad-enabled forward without backward (the reproducer), a
+    # parameter object, a detached view of one and a state dict of views.
+    with sw.gathered(ours):
+        _, bias = ours.b(batch(100))
+        weight = ours.a.weight
+        view = ours.c.weight.detach()[1:]
+        views = {n: p.detach() for n, p in ours.named_parameters()}
+    expected = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    kept("returned bias", bias, ref.b.bias)
+    kept("parameter object", weight, ref.a.weight)
+    kept("detached view", view, ref.c.weight[1:])
+    kept("state dict", torch.cat([v.flatten() for v in views.values()]),
+         torch.cat([v.flatten() for v in expected.values()]))
+    train(1)
+    # One parameter.
+    with sw.gathered(ours.c.weight) as full:
+        one = full
+    kept("one parameter", one, ref.c.weight)
+    steps = sw.inspect(ours).steps
+    (one * 2).sum().backward()  # a user's own backward through it: nothing of the model's
+    view = sw.inspect(ours)
+    out["own grad"] = (one.grad is not None and view.steps == steps and view.phase == "idle"
+                       and not any(p.has_full_grad for u in view.units for g in u.groups
+                                   for p in g.params))
+    # Rank 0's edit kept for every rank; what was held shows it on every rank.
+    with sw.gathered(ours.a, modifier_rank=0), torch.no_grad():
+        edited = ours.a.bias
+        if rank == 0:
+            edited.add_(0.5)
+    with torch.no_grad():
+        ref.a.bias.add_(0.5)
+    kept("modified", edited, ref.a.bias)
+    # A forward inside the block whose backward runs after it: the bias the parent saved
+    # for backward is a left-behind object; its gradient must still reach the shards.
+    x = batch(2)
+    held = ref.b.bias.detach().clone()
+    with sw.gathered(ours):
+        loss = ours(x)
+        before_step = ours.b.bias
+    ref_loss = ddp(x)
+    out["loss"].append(abs(_step(ddp, opts[0], ref_loss) - _step(ours, opts[1], loss)))
+    kept("held through a backward", before_step, held)
+    # An optimizer built inside a block holds full parameter objects: still refused.
+    with sw.gathered(ours):
+        wrong = torch.optim.SGD(ours.parameters(), lr=0.1)
+    with pytest.raises(sw.ShardwiseError, match=r"holds the full \(gathered\) form"):
+        wrong.step()
+    for step in range(3, 6):
+        train(step)
+    assert_at_rest(ours)
+    out["params"] = _max_diff(ours, ref.state_dict())
+    return out
+
+
+def test_full_parameters_kept_after_gathered_keep_their_values_and_training_equals_ddp():
+    # Before: both ranks died with SIGSEGV reading the first of them after the block
+    # (the block's end freed the storage every full parameter views).
+    for r in run_ranks(_kept_after_gathered, 2):
+        assert [k for k, ok in r["kept"].items() if not ok] == [] and len(r["kept"]) == 7, r
+        assert r["own grad"], r
+        assert r["params"] == 0.0, r  # DDP's ops on the same values, sums of two: bitwise
+        assert all(d == 0.0 for d in r["loss"]), r
 
 
 # -- a parameter returned inside an object --------------------------------------------

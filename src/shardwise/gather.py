@@ -15,6 +15,7 @@ so every rank raises the same error.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -85,21 +86,97 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # its full parameters is wrapped, and unwrapping it for a backward whose storage is gone
 # raises a ShardwiseError saying what to do. Gathering again there would be a collective
 # inside autograd on values an optimizer may have changed since: refused, not done.
-class _Saved:
-    """A tensor autograd saved from a gathered full parameter."""
+# Since Note [full parameters held after gathered()] the storage is never gone, so the
+# rule is stated directly: after the block, a saved tensor is unwrapped only while its
+# unit is gathered (by an enclosing block, or by the engine for the unit's backward) or
+# during the backward the block left awaited (a forward with gradients ran inside it).
 
-    def __init__(self, tensor: torch.Tensor, session: _GatherSession) -> None:
+
+# Note [full parameters held after gathered()]
+# Code inside a block may keep a full parameter, or a view of one, past its end:
+# ``w = model.head.weight``, ``p.detach()`` (``.cpu()`` of a CPU tensor is the tensor
+# itself), a unit's forward returning ``self.bias`` (Note [returned parameters] in
+# engine/lent.py). The unit's resharding resized their storage to zero (Note [freeing
+# full parameters] in engine/unit.py) and the next read was a segmentation fault. So at
+# the end of the block each unit it gathered leaves its full buffer, values and all,
+# to whatever still references it, and takes a new, empty one with new full parameter
+# objects (``FlatGroup.leave_full``): what was kept reads the values it had in the block
+# (a copy, made by nobody), and the old buffer is freed with its last reference, at once
+# when there is none. The forward and backward path is unchanged: it frees in place as
+# before. An autograd graph built in the block by a module call, whose backward runs
+# after the block, still works: the engine gathers the unit into its new buffer before
+# that backward, the graph computes with the old buffer's values (the same, or the
+# iteration is abandoned, ``recover``), and the gradients it accumulates into the old
+# parameter objects are passed on to the new ones (:func:`_pass_on_grad`), where the
+# reduction takes them; so are those of a direct use (``x @ w.T``) in that backward.
+# ``_LEFT_AT`` says which backward that is: the step the model was in when the block left
+# a backward awaited; any later backward through a kept object leaves its gradient
+# there, and the object's end-of-backward trigger is removed, so that a user's own
+# backward through it starts nothing of the model's. The old objects keep their record
+# (``sharded_param``), so an optimizer holding them is still refused (``_refuse_full``
+# in engine/guards.py). The cost, on this path only: per group, a new empty buffer (its
+# allocation momentarily adds one group's full size) and new parameter objects.
+_LEFT_AT: weakref.WeakKeyDictionary[Unit, int] = weakref.WeakKeyDictionary()
+
+
+def _left_behind(old: torch.Tensor, sp: ShardedParam) -> None:
+    """Make ``old``, a full parameter object a block's end replaced, pass the gradients
+    autograd accumulates into it to the parameter (:func:`_pass_on_grad`), and only
+    them: its end-of-backward trigger goes (a user's own backward through a kept
+    parameter must not end a backward of the model)."""
+    hooks = getattr(old, "_post_accumulate_grad_hooks", None)  # torch's, per tensor
+    if hooks is not None:
+        hooks.clear()
+    if old.requires_grad:
+        old.register_post_accumulate_grad_hook(lambda o: _pass_on_grad(o, sp))
+
+
+def _awaited(unit: Unit) -> bool:
+    """Whether the backward a block left awaited, having run forwards with ``unit``'s
+    full parameters, has not ended yet (Note [full parameters held after gathered()])."""
+    step = _LEFT_AT.get(unit)
+    return step is not None and unit.model.awaiting_backward and unit.model.steps == step
+
+
+def _pass_on_grad(old: torch.Tensor, sp: ShardedParam) -> None:
+    """A gradient accumulated into a full parameter object left behind by a block goes
+    to the parameter's current one, where the reduction takes it, during the backward
+    that block left awaited (Note [full parameters held after gathered()]); else it
+    stays (a user's own computation with a kept parameter)."""
+    if old.grad is None or sp.full is old or not _awaited(sp.unit):
+        return
+    grad, old.grad = old.grad, None
+    sp.full.grad = grad if sp.full.grad is None else sp.full.grad + grad
+    sp.unit.model.ensure_backward_callback()
+
+
+class _Saved:
+    """A tensor autograd saved from a gathered full parameter (of ``group``)."""
+
+    def __init__(self, tensor: torch.Tensor, session: _GatherSession, unit: Unit) -> None:
         self.tensor = tensor
         self.session = session
+        self.unit = unit
 
     def unpack(self) -> torch.Tensor:
-        if self.session.ended and self.tensor.untyped_storage().size() == 0:
+        # The tensor keeps its values after the block, and its gradient reaches the
+        # shards during the backward the block left awaited (Note [full parameters held
+        # after gathered()]); any other backward would compute with values an optimizer
+        # may have changed since.
+        if self.session.ended and not (_awaited(self.unit) or self._gathered()):
             raise ShardwiseError(
                 "a parameter gathered by sw.gathered() was used directly in a computation "
                 "whose backward runs after the block ended, when its full value no longer "
                 "exists. Call backward() inside the `with sw.gathered(...)` block, or use "
                 "the parameter through its module (the module's backward gathers it again)")
         return self.tensor
+
+    def _gathered(self) -> bool:
+        """Whether the tensor views its unit's full buffer, allocated (an enclosing
+        block holds the unit, or the engine gathered it for its backward)."""
+        key = self.tensor.untyped_storage()._cdata
+        return any(g.full.untyped_storage()._cdata == key and g.full_is_allocated()
+                   for g in self.unit.groups)
 
 
 class _Slot(NamedTuple):
@@ -204,9 +281,10 @@ class _GatherSession:
         for u in self.units:
             u.pin()  # a forward inside the block must not reshard what it holds
         # Note [saved after the block]
-        storages = {g.full.untyped_storage()._cdata for g in self.groups}
+        storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
-            lambda t: _Saved(t, self) if t.untyped_storage()._cdata in storages else t,
+            lambda t: _Saved(t, self, u) if (u := storages.get(t.untyped_storage()._cdata))
+            is not None else t,
             lambda saved: saved.unpack() if isinstance(saved, _Saved) else saved)
         self._saved_hooks.__enter__()
         self.group_versions = [g.full._version for g in self.groups]
@@ -224,6 +302,14 @@ class _GatherSession:
         for u in self.units:
             u.unpin()
         for u in self.newly:
+            if not u.pins:  # else an enclosing block holds it: that block's end does this
+                if u.model.awaiting_backward:  # Note [full parameters held after gathered()]
+                    _LEFT_AT[u] = u.model.steps
+                else:
+                    _LEFT_AT.pop(u, None)
+                for g in u.groups:
+                    for sp, old in zip(g.params, g.leave_full()):
+                        _left_behind(old, sp)
             u.reshard()
 
     def exit(self) -> None:

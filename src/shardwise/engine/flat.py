@@ -288,6 +288,34 @@ class FlatGroup:
         if nbytes:
             self.storage.full_freed(nbytes)
 
+    def leave_full(self) -> list[nn.Parameter]:
+        """Note [full parameters held after gathered()] in gather.py: leave the full
+        buffer, values included, to whatever still references it (a full parameter, a
+        view of one, an autograd graph) and take a new, empty one with new full
+        parameter objects, registered where the old ones were. Returns the old objects.
+        The group must be gathered; the caller reshards it next (which frees only the
+        new, empty buffer)."""
+        old = [p.full for p in self.params]
+        nbytes = self.full.untyped_storage().size()
+        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
+                                device=self.device)
+        for p, before in zip(self.params, old):
+            slot = p.slot
+            p.full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
+                                  .view(p.shape), requires_grad=before.requires_grad)
+            copy_all_attributes(before, p.full)  # the user's flags and our record
+            p.hooked = False
+            if p.requires_grad:
+                self._hook(p)
+            before.grad = None  # as free() drops it
+            for module, attr in p.slots:
+                if module._parameters.get(attr) is before:
+                    module._parameters[attr] = p.full
+        self.full.untyped_storage().resize_(0)  # views are made: nothing to hold yet
+        if nbytes:  # no longer ours: counted as freed, as free() counts it
+            self.storage.full_freed(nbytes)
+        return old
+
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
 

@@ -330,7 +330,7 @@ def _refuse_full(optimizer: torch.optim.Optimizer) -> None:
     took what the modules held then. Their gradients go to the shards, so the step would
     leave those parameters untrained, silently."""
     full = [sp.fqns[0] for g in optimizer.param_groups for p in g["params"]
-            if (sp := sharded_param(p)) is not None and p is sp.full]
+            if (sp := sharded_param(p)) is not None and p is not sp.shard]
     if full:
         raise ShardwiseError(
             f"{type(optimizer).__name__} holds the full (gathered) form of {len(full)} "

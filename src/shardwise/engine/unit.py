@@ -76,6 +76,9 @@ exactly the values autograd saved, so the counter is restored around it
 (``wait_gather`` in engine/flat.py, the only place that writes into ``full`` while
 autograd may hold it). The all-gather itself writes into a temporary, never into
 ``full``: gloo bumps its output's counter on a worker thread, at a moment nobody can wait for.
+A full parameter a user keeps past a ``gathered()`` block is not one of these references:
+the block's end leaves it its own buffer (Note [full parameters held after gathered()] in
+gather.py), so this path frees in place without looking for it.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class Model(Protocol):
     topology: Topology
     units: list[Unit]
     number: int  # among the sharded models on its group (Note [checks ride the exchanges])
+    steps: int  # backwards completed (a block's left-behind parameters, gather.py)
 
     @property
     def awaiting_backward(self) -> bool: ...
