@@ -137,6 +137,60 @@ def test_one_rank_evaluation_awaiting_a_backward_then_training_equals_ddp():
         assert all(d == 0.0 for d in r["eval"]), r
 
 
+class _Act(nn.Module):
+    """A unit without parameters: the order check covers its calls (it prefetches)."""
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act, self.proj = _Act(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.act(x))
+
+
+class _BodyAndHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 8), _Head()
+
+    def forward(self, x):
+        return self.head(self.body(x)).pow(2).mean()
+
+
+def _pinned_call_of_a_unit_without_parameters(rank, world):
+    torch.manual_seed(0)
+    base = _BodyAndHead()
+    ddp = DDP(copy.deepcopy(base))
+    ours = sw.shard(copy.deepcopy(base),
+                    units=lambda _n, m: isinstance(m, (_Act, _Head, nn.Linear)))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ours)]
+    for step in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        with sw.gathered(ours.head):
+            losses = [m(x) for m in (ddp, ours)]
+            if rank == 0 and step in (1, 2):  # the training forward's backward is awaited
+                with torch.no_grad():
+                    ours.head(x)  # reaches _Act, a unit that owns nothing to pin
+            for loss in losses:
+                loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return _max_diff(ours, ddp.module.state_dict())
+
+
+def test_a_one_rank_pinned_forward_through_a_unit_without_parameters_checks_nothing():
+    # Before: the parameterless unit's call fed the awaited forward's order check on
+    # rank 0 alone, and both ranks hung (a collective only rank 0 issued).
+    for diff in run_ranks(_pinned_call_of_a_unit_without_parameters, 2, timeout=120):
+        assert diff == 0.0  # DDP's sums at 2 ranks: bit for bit
+
+
 # -- a unit that returns its own parameter ---------------------------------------------
 class _ReturnsBias(nn.Linear):
     """DeepSpeed's DanglingBias: returns its bias for the parent to add."""

@@ -275,8 +275,9 @@ class ModelState:
         ``gathered()`` runs without communicating, so ranks may run it a different number
         of times (``generate`` stopping at different lengths): it is not checked. A unit
         without parameters is, for it prefetches the next one, unless the forward runs
-        pinned whole (then no check runs at all)."""
-        return not unit.pins
+        pinned whole (then no check runs at all: one joining a forward whose backward is
+        awaited must not feed that forward's check, which only this rank would)."""
+        return not unit.pins and not self._pinned
 
     def on_post_forward(self, unit: Unit, output: Any,
                         module: nn.Module | None = None) -> Any:
@@ -385,7 +386,8 @@ class ModelState:
         replaces its output, or ``None``."""
         self._entry = self._entry_module = None
         mixed.forward_ended(self)
-        self.checks.end_forward(len(self._order))
+        if not self._pinned:  # a pinned forward runs on this rank alone: nothing to check
+            self.checks.end_forward(len(self._order))
         # Note [buffer sync point] in engine/buffers.py
         self.buffers.forward_ended(self.root.training, communicates=not self._pinned)
         if hooked or opaque or self._joins_pending:
