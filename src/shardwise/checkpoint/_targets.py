@@ -78,7 +78,7 @@ class ParamTarget:
     @property
     def streams_state(self) -> bool:
         """Whether its optimizer state lives in its group's files: a load reads it one
-        tensor at a time (Note [streamed load] in io.py)."""
+        tensor at a time (Note [streamed load] in load.py)."""
         group = self.sharded.group if self.sharded is not None else None
         return group is not None and group.streams_state
 

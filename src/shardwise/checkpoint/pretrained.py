@@ -156,12 +156,12 @@ def _check_quantized(module: nn.Module) -> None:
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
     packed = packed_targets(module) if state is not None else []
-    other = [t.names[0] for t in packed if not isinstance(t.packed.local,
-                                                           nf4_module().NF4Tensor)]
+    other = [t for t in packed if not isinstance(t.packed.local, nf4_module().NF4Tensor)]
     if other:
         raise ShardwiseError(
             f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
-            f"quantized {other[0]} is a {type(packed[0].packed.local).__qualname__}"
+            f"quantized {other[0].names[0]} is a "
+            f"{type(other[0].packed.local).__qualname__}"
             f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
             f"Load the full-precision model, quantize it, then shard it")
 
@@ -211,7 +211,12 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         ShardwiseError: on every rank, before anything is modified, listing missing,
             unexpected and wrongly shaped keys, naming an unreadable file, a tensor whose
             kind (integer or floating point) is not the model's, or when ranks were given
-            different weights (Note [one source] in sources.py).
+            different weights (Note [one source] in sources.py). Quantized weights
+            (Note [quantize while loading] in engine/quantize.py) are read and
+            quantized after the plain ones are written: a file that fails to read
+            then, on some rank, raises on every rank with the plain weights loaded and
+            the quantized ones partly; the model refuses to run until they are all
+            loaded (call again).
 
     Example:
         >>> model = sw.shard(LlamaForCausalLM(config))

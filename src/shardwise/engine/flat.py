@@ -492,7 +492,7 @@ class FlatGroup:
     @property
     def streams_state(self) -> bool:
         """Whether its parameters' optimizer state lives in its files, read one tensor
-        at a time by a load (Note [streamed load] in checkpoint/io.py)."""
+        at a time by a load (Note [streamed load] in checkpoint/load.py)."""
         return self.storage.streams_state
 
     def adopt_state(self, p: ShardedParam, key: str, value: DTensor) -> DTensor:

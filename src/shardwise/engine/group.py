@@ -13,8 +13,9 @@ shardwise may ask of either:
   ``read_ahead`` and ``start_reduce`` (nothing for a frozen group);
 - a checkpoint's needs: ``page_release``, the callback that drops the group's pages from
   memory once a checkpoint has read or written them (``None`` when it keeps none: only a
-  disk tier does, Note [the disk tier]), and ``streams_state`` / ``adopt_state`` for
-  optimizer state that lives in the group's files;
+  disk tier does, Note [the disk tier]); a flat group also answers ``streams_state`` /
+  ``adopt_state`` for optimizer state that lives in its files (a packed group has none, so
+  they are not part of the protocol);
 - what ``sw.inspect`` and the memory figures read: ``shard_bytes``, ``full_bytes``,
   ``kept_bytes``, ``bytes_by_tier`` (offloaded storage per tier), ``moved_bytes`` (Note
   [bytes moved]), ``offload_description`` and ``describe()`` (plain values only, its

@@ -225,7 +225,7 @@ def _warn_inexact_clip(optimizer: torch.optim.Optimizer) -> None:
             "sw.clip_grad_norm_. If that was torch.nn.utils.clip_grad_norm_, its norm is "
             "summed in fp32 over each rank's rows and differs in the last bits from one "
             "world size to another: use sw.clip_grad_norm_(model, max_norm), which sums "
-            "exactly (docs/reproducible.md)", stacklevel=3)
+            "exactly (docs/reproducible.md)", stacklevel=4)  # the user's step: past check_step
 
 
 def _refuse_sharded_parts(module: Any) -> None:
@@ -393,7 +393,8 @@ def _loose_params(params: list[torch.Tensor]) -> Any:
                   if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
     if model is None:
         return [], None, 1, []
-    exact = [g.reduction for u in model.units for g in u.trainable_groups]
+    exact = [g.reduction for u in model.units for g in u.trainable_groups
+             if g.reduction.exact]  # others never rescale: the step's check stays free
     if model.comm.world_size == 1:
         return [], None, 1, exact
     loose = [p for p in params if p.requires_grad and sharded_param(p) is None

@@ -130,7 +130,9 @@ def copy_lent(output: Any, owners: dict[int, Any], entry: str,
 
     Raises:
         ShardwiseError: a lent tensor sits where it cannot be replaced (a closure, an
-            object whose type cannot be rebuilt); every unit is released first.
+            object whose type cannot be rebuilt); every unit is released first (by
+            ``release``, or, when a backward is awaited, by the caller: the model state
+            abandons that iteration, which no output can now reach).
     """
     lent = {id(t) for t in find(output, owners.__contains__)}
     if not lent:

@@ -119,6 +119,8 @@ class NF4:
     scaler_block_size: int = 256
 
     def chooses(self, name: str, mod: nn.Module) -> bool:
+        """Whether the weight of ``mod`` (qualified ``name`` in the block's module) is
+        quantized: the user's ``where`` rule, else :func:`default_choice`."""
         return bool(self.where(name, mod)) if self.where is not None \
             else default_choice(name, mod)
 
@@ -202,6 +204,8 @@ _AWAITING: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDicti
 
 
 def mark_awaiting(mod: nn.Module, attr: str) -> None:
+    """Record that ``mod.<attr>`` is a quantized weight still to be loaded (a forward
+    is refused, naming it, until :func:`mark_loaded`)."""
     _AWAITING.setdefault(mod, set()).add(attr)
 
 

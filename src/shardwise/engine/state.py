@@ -399,7 +399,13 @@ class ModelState:
             if self._pinned:
                 return None
             # Note [returned parameters] in engine/lent.py: the backward's end frees them
-            return lent.copy_lent(output, lent.full_owners(self.units), entry.name, None)
+            try:
+                return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                                      None)
+            except ShardwiseError:
+                if not self._joins_pending:  # the caller gets no output to run backward on
+                    self._abandon(f"a forward refused (after step {self.steps})")
+                raise
         ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
         self.phase = Phase.IDLE  # no backward will come: release everything now
         try:
@@ -420,10 +426,15 @@ class ModelState:
             return
         self._entry = self._entry_module = None
         mixed.forward_ended(self)
-        ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
         if self._joins_pending and not self.checks.diverging():
+            ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
             self.phase = Phase.AWAITING_BACKWARD  # the awaited backward may still come
             return
+        self._abandon(f"a forward that raised (after step {self.steps})")
+
+    def _abandon(self, why: str) -> None:
+        """No backward can follow the forward that just ended: release everything."""
+        ACTIVITY.leave(why)
         self.checks.abandon()
         self.phase = Phase.IDLE
         self._order = []  # a partial order must not decide the next prefetches
