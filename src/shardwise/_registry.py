@@ -180,6 +180,7 @@ def copy_user_attributes(src: torch.Tensor, *dsts: torch.Tensor,
         dst.__dict__.update(user)
 
 
-def copy_all_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy every attribute, shardwise's included (a stand-in replacing ``src``)."""
+def copy_all_attributes(src: Any, dst: Any) -> None:
+    """Copy every instance attribute, shardwise's included, to a stand-in replacing
+    ``src`` (a tensor, or a rebuilt container holding copies)."""
     dst.__dict__.update(src.__dict__)

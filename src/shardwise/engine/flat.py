@@ -255,7 +255,7 @@ class FlatGroup:
                                         run_check=False, shape=p.shape,
                                         stride=contiguous_stride(p.shape))
             shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
-            shard.__dict__.update(p.shard.__dict__)
+            copy_all_attributes(p.shard, shard)
             torch.utils.swap_tensors(p.shard, shard)
             if grad is not None:
                 p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
+from .._registry import copy_all_attributes
 from ..errors import ShardwiseError
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -216,7 +217,7 @@ def _rebuild_tuple(x: tuple, items: list) -> Any:
         except Exception:
             return x
     if hasattr(x, "__dict__"):
-        out.__dict__.update(x.__dict__)
+        copy_all_attributes(x, out)
     return out
 
 
