@@ -246,3 +246,16 @@ def _traps(rank, world):
 
 def test_the_reproducible_modes_traps_are_said_at_run_time():
     run_ranks(_traps, 2)
+
+
+def test_the_narrow_accumulator_gives_the_wide_bits_in_training(monkeypatch):
+    # Note [narrow accumulator]: the test models sit below the fused kernels' threshold,
+    # where the engine keeps the wide form; SHARDWISE_NARROW=all runs the narrow passes
+    # (eagerly) on every unit. Their training must give the wide form's bits, at another
+    # world size too.
+    monkeypatch.setenv("SHARDWISE_NARROW", "0")
+    wide = run_ranks(_run, 1, "gpt", True, None, timeout=300)[0]
+    monkeypatch.setenv("SHARDWISE_NARROW", "all")
+    narrow = run_ranks(_run, 3, "gpt", True, None, timeout=300)[0]
+    assert narrow[0] == wide[0], "losses differ from the wide form's"
+    assert narrow[1] == wide[1], "final state differs from the wide form's"
