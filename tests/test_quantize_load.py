@@ -9,13 +9,13 @@ several safetensors files with an index) and 3 (one safetensors file)."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import pytest
 import torch
 import torch.nn as nn
 from harness import run_ranks
+from test_quantized import _step
 
 import shardwise as sw
 
@@ -112,16 +112,7 @@ def _train(model) -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for batch in _batches():
-        mine = sw.micro_batches(batch, 6)
-        per = []
-        for i, x in enumerate(mine):
-            with sw.no_sync(model) if i < len(mine) - 1 else contextlib.nullcontext():
-                loss = model(input_ids=x, labels=x).loss
-                loss.backward()
-            per.append(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        losses.append(sw.global_mean(per))
+        losses.append(_step(model, opt, batch))  # test_quantized's reproducible step
     state = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
