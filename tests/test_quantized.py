@@ -219,13 +219,26 @@ def _refusals(rank, world, folder):
         with pytest.raises(sw.ShardwiseError, match=expected) as err:
             sw.shard(model)
         assert "0.weight" in str(err.value), err.value
-    # A weight that does not split evenly (5 rows over 2 ranks), in the second unit:
-    # refused before the first unit is touched.
-    uneven = nn.Sequential(_with_weight(RowInt8(*_parts(torch.randn(4, 4)))),
-                           _with_weight(RowInt8(*_parts(torch.randn(5, 4)))))
-    with pytest.raises(sw.ShardwiseError, match="equal shards"):
-        sw.shard(uneven)
-    assert not sw.is_sharded(uneven) and type(uneven[0][0].weight) is RowInt8
+    # A weight that does not split evenly (5 rows over 2 ranks), in the second unit, is
+    # divided by bytes (Note [uneven packed parameters]), which MixedPrecision's
+    # param_dtype cannot reach: refused before the first unit is touched. Without it,
+    # it gives the unsharded forward.
+    def uneven() -> nn.Module:
+        torch.manual_seed(0)
+        second = nn.Sequential(nn.Linear(4, 5))
+        second[0].weight = nn.Parameter(RowInt8(*_parts(torch.randn(5, 4))),
+                                        requires_grad=False)
+        return nn.Sequential(_with_weight(RowInt8(*_parts(torch.randn(4, 4)))), second)
+    refused_mp = uneven()
+    with pytest.raises(sw.ShardwiseError, match=r"1\.0\.weight .*does not split into 2 "
+                                                r"equal shards.*param_dtype"):
+        sw.shard(refused_mp, mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+    assert not sw.is_sharded(refused_mp) and type(refused_mp[0][0].weight) is RowInt8
+    x = torch.randn(3, 4)
+    sharded = sw.shard(uneven())
+    assert type(sharded[1][0].weight).__name__ == "ByteShard"
+    with torch.no_grad():
+        assert torch.equal(sharded(x), uneven()(x))
     with pytest.raises(sw.ShardwiseError, match="offload="):
         sw.shard(_net(), offload=sw.Offload(optimizer="cpu"))
     model = sw.shard(_net())

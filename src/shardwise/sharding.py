@@ -41,7 +41,7 @@ from .engine.clone import guard_model_copies
 from .engine.flat import flat_group
 from .engine.guards import retire
 from .engine.offload import Offload, Placement
-from .engine.packed import PackedGroup, refusal, shard_mesh, split, uses_protocol
+from .engine.packed import PackedGroup, cut, refusal, shard_mesh, uses_protocol
 from .engine.sharded_init import clear_init_piece, full_value, init_piece
 from .engine.state import Settings, model_state
 from .engine.state_dict_hooks import install_state_dict_hooks
@@ -316,7 +316,8 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
                                names, topo.shard.world_size, units)
     # Each group releases its originals as it is built (_build_group): only the plan may
     # hold the records.
-    _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size)
+    _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size,
+                  mp.param_dtype)
     if any(uses_protocol(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     placement = offload.resolve(device, topo.world.rank) if offload is not None else None
@@ -552,14 +553,17 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
 
 
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
-                  offload: Offload | None, shards: int) -> None:
+                  offload: Offload | None, shards: int,
+                  compute_dtype: torch.dtype | None) -> None:
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ShardwiseError(refused[0] + more)
     packed = [r for r in records if uses_protocol(r.param)]
     for r in packed:
-        split(r.fqns[0], r.param, shards)  # refuses uneven splits before any change
+        # Refuses what cannot be divided among the ranks, before any change (Note
+        # [uneven packed parameters] in engine/packed.py).
+        cut(r.fqns[0], r.param, shards, compute_dtype)
     if packed and offload is not None:
         raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
                              f"parameters yet ({packed[0].fqns[0]}, ...): they are already a "

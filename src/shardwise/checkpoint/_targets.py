@@ -103,7 +103,7 @@ class PackedTarget:
 
     @property
     def kind(self) -> str:
-        t = type(self.packed.local)
+        t = self.packed.kind
         return f"{t.__module__}.{t.__qualname__}"
 
     @property
@@ -121,7 +121,7 @@ class PackedTarget:
         return off, cnt
 
     def inner(self, name: str) -> InnerTarget:
-        return InnerTarget(getattr(self.packed.local, name))
+        return InnerTarget(self.packed.pieces[name])
 
 
 @dataclass

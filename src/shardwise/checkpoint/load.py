@@ -203,7 +203,7 @@ def _read_packed(ck: VerifiedCheckpoint, packed: list[PackedTarget],
             problems.append(pp.unsaveable)
             continue
         for inner in pp.inner:
-            ie, dtype = e["inner"][inner], getattr(pp.local, inner).dtype
+            ie, dtype = e["inner"][inner], pp.pieces[inner].dtype
             if (tuple(ie["shape"]), ie["dtype"]) != (pp.full_inner[inner], dtype_name(dtype)):
                 problems.append(f"{t.names[0]}: its {inner} is {ie['dtype']} {ie['shape']} "
                                 f"in the checkpoint, {dtype_name(dtype)} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 
@@ -76,36 +77,41 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
             quantized, loaded)
 
 
-def _nf4_chunks(t: PackedTarget, src: Source, key: str, n: int,
+def _nf4_shares(t: PackedTarget, src: Source, key: str,
                 casts: Counter[tuple[torch.dtype, torch.dtype]]) -> list[torch.Tensor]:
-    """Source weight ``key`` quantized as ``t``'s shards were (its block sizes), then split
-    as ``sw.shard`` splits it: each rank's chunk's inner tensors, as one byte row each."""
+    """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
+    ``sw.shard`` divides it (Note [uneven packed parameters] in engine/packed.py): what
+    each rank stores, as one byte row each, its slots one after another."""
     pp = t.packed
-    local = pp.local
-    rule = NF4(block_size=local.block_size,  # type: ignore[attr-defined]
-               scaler_block_size=local.scaler_block_size)  # type: ignore[attr-defined]
-    full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(local.device)
+    # NF4's block sizes, from its full inner tensors: a scale per block, a scale of
+    # scales per block of blocks.
+    n_blocks = math.prod(pp.full_inner["quantized_scalers"])
+    rule = NF4(block_size=pp.numel // n_blocks,
+               scaler_block_size=n_blocks // math.prod(pp.full_inner["quantization_factor"]))
+    device = pp.stored[0].device
+    full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(device)
     q = rule.quantize(full)
     released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
     del full
     freed(released)  # Note [freed memory] in engine/alloc.py
+    sizes = pp.cut.slot_bytes()
     out = []
-    for chunk in torch.chunk(q, n, dim=0):
-        parts = [getattr(chunk, name) for name in pp.inner]
-        mine = [getattr(local, name) for name in pp.inner]
-        if [(p.shape, p.dtype) for p in parts] != [(m.shape, m.dtype) for m in mine]:
-            raise ShardwiseError(f"{t.names[0]}: quantizing {key} gave shards of another "
-                                 f"layout than the model's")
-        out.append(torch.cat([p.detach().contiguous().view(-1).view(torch.uint8)
-                              for p in parts]))
+    for parts in pp.cut.shares(t.names[0], q):
+        row = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        offset = 0
+        for part, size in zip(parts, sizes):
+            row[offset:offset + part.numel()].copy_(part)
+            offset += size
+        out.append(row)
     return out
 
 
 def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
                     casts: Counter[tuple[torch.dtype, torch.dtype]]) -> None:
     """Each quantized weight read, quantized and shared out, in rounds of N weights: in
-    a round rank r quantizes the r-th and scatters its chunks (Note [quantize while
-    loading] in engine/quantize.py). A rank holds one weight in full precision at a time."""
+    a round rank r quantizes the r-th and scatters each rank its share (Note [quantize
+    while loading] in engine/quantize.py). A rank holds one weight in full precision at
+    a time."""
     if not items:
         return
     group = items[0][0].packed.group
@@ -117,26 +123,25 @@ def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
         send, error = None, None
         if rank < len(batch):
             try:
-                send = _nf4_chunks(batch[rank][0], src, batch[rank][1], n, casts)
+                send = _nf4_shares(batch[rank][0], src, batch[rank][1], casts)
             except Exception as e:  # noqa: BLE001 - fail on every rank, not in the scatter
                 error = f"{batch[rank][0].names[0]}: {type(e).__name__}: {e}"
         agree(comm, error, "load_pretrained failed while quantizing", changed=True)
         for j, (t, _) in enumerate(batch):
             pp = t.packed
-            inner = [getattr(pp.local, name) for name in pp.inner]
             if n == 1:
                 assert send is not None
                 got = send[0]
             else:
-                got = torch.empty(sum(x.nbytes for x in inner), dtype=torch.uint8,
-                                  device=pp.local.device)
+                got = torch.empty(sum(x.numel() for x in pp.stored), dtype=torch.uint8,
+                                  device=pp.stored[0].device)
                 comm.scatter(got, send if j == rank else None, j,
                              what=f"the scatter of {t.names[0]}'s quantized shards")
             offset = 0
             with torch.no_grad():
-                for x in inner:
-                    x.view(-1).view(torch.uint8).copy_(got[offset:offset + x.nbytes])
-                    offset += x.nbytes
+                for x in pp.stored:  # each slot, its padding (zeros) included
+                    x.copy_(got[offset:offset + x.numel()])
+                    offset += x.numel()
         del send
 
 
@@ -156,12 +161,12 @@ def _check_quantized(module: nn.Module) -> None:
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
     packed = packed_targets(module) if state is not None else []
-    other = [t for t in packed if not isinstance(t.packed.local, nf4_module().NF4Tensor)]
+    other = [t for t in packed if not issubclass(t.packed.kind, nf4_module().NF4Tensor)]
     if other:
         raise ShardwiseError(
             f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
             f"quantized {other[0].names[0]} is a "
-            f"{type(other[0].packed.local).__qualname__}"
+            f"{other[0].packed.kind.__qualname__}"
             f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
             f"Load the full-precision model, quantize it, then shard it")
 

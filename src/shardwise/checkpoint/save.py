@@ -319,7 +319,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         for inner in pt.packed.inner:
             n = pt.saved_piece(inner, rank)[1]
             tensors[packed_key(pt.names[0], inner)] = (
-                getattr(pt.packed.local, inner).detach().reshape(-1)[:n])
+                pt.packed.pieces[inner].detach().reshape(-1)[:n])
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -434,7 +434,7 @@ def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
     return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
             "dtype": dtype_name(t.packed.dtype),
             "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
-                              "dtype": dtype_name(getattr(t.packed.local, inner).dtype),
+                              "dtype": dtype_name(t.packed.pieces[inner].dtype),
                               "pieces": [e["pieces"][packed_key(main, inner)]
                                          for e in everyone]}
                       for inner in t.packed.inner}}

@@ -8,7 +8,8 @@ a full-precision shard: 7x the bytes QLoRA exists to save, and nothing said. A s
 that implements FSDP2's extension protocol says instead how it is gathered:
 
 - sharding: ``torch.chunk(t, N, dim=0)[r]`` is rank r's shard, itself an instance of the
-  subclass (FSDP2 shards it the same way);
+  subclass (FSDP2 shards it the same way); a weight that does not split so into N equal
+  shards is divided by bytes instead (Note [uneven packed parameters]);
 - ``shard.fsdp_pre_all_gather(mesh)`` (or the five-argument form ``(mesh, outer_size,
   outer_stride, module, mp_policy)``) returns the tensors to all-gather and metadata;
 - ``shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=None)``, given each
@@ -32,12 +33,11 @@ _fsdp_param.py``), so one subclass works under both. What it adds:
   Note [freeing full parameters] in engine/unit.py.
 
 Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
-subclass, float8 training, would need its gradients reduced through the protocol), every
-rank's chunk must have the same shape (no padding), its inner tensors must be plain, and
-``offload=`` and ``sharded_init`` do not take it. Any other tensor subclass, and any
-``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
-beside packed bytes that a row split would tear apart), is refused: shardwise never
-shards a tensor whose bytes it cannot move exactly.
+subclass, float8 training, would need its gradients reduced through the protocol), its
+inner tensors must be plain, and ``offload=`` and ``sharded_init`` do not take it. Any
+other tensor subclass, and any ``nn.Parameter`` subclass (bitsandbytes' ``Params4bit``
+keeps its quantization state beside packed bytes that a row split would tear apart), is
+refused: shardwise never shards a tensor whose bytes it cannot move exactly.
 """
 
 from __future__ import annotations
@@ -97,39 +97,161 @@ def refusal(name: str, p: torch.Tensor) -> str | None:
     return None
 
 
-def split(name: str, p: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """``p``'s ``n`` shards as FSDP2 makes them (``torch.chunk`` on dim 0, the subclass's
-    own split); ``sw.shard`` calls it before changing anything, to refuse what does not
-    split evenly into whole shards.
+# Note [uneven packed parameters]
+# A subclass's own split (``torch.chunk`` on dim 0) gives N equal shards only when its
+# rows and blocks divide by N: NF4 needs each shard to hold whole blocks of scales, so a
+# 64-row projection has no 3-rank split, nor has a 4096-wide Llama's at 3 or 6 ranks. Such
+# a weight is divided instead by elements of its *full* inner tensors
+# (``__tensor_flatten__``): each inner tensor, viewed flat, is cut as a parameter's rows
+# are (Note [row sharding] in engine/layout.py: ``ceil(numel / N)`` elements a rank, the
+# last ranks' slots padded with zeros), tiny ones (NF4's scalar mean, its table of 16
+# values) alike, one slot each in the group's byte buffer. A gather all-gathers those
+# slots with the group's other bytes (one all-gather) and rebuilds the full tensor with
+# ``__tensor_unflatten__(full inner tensors, the original's context, size, stride)``: the
+# original's bytes exactly, so the forward gives the bits of one rank and of an even split.
+#
+# Chosen over cutting rows at whole blocks and padding because it needs nothing of the
+# subclass beyond flattening: no padded instance (an NF4Tensor cannot hold padding rows),
+# no knowledge of which inner tensor holds which blocks; it costs at most one element per
+# inner tensor and rank, and the slot alignment. An even split keeps the subclass's own
+# chunks: it is what FSDP2 does, and the chunk is what the protocol's
+# ``fsdp_pre_all_gather`` runs on. What follows from there being no chunk of the subclass:
+#
+# - While sharded the module holds a :class:`ByteShard`: the weight's shape and dtype, no
+#   values. Any operation on it raises, naming the weight (``to_local`` and
+#   ``full_tensor`` too): there is no local tensor to give. Its values exist while its
+#   unit is gathered (forward, backward), and whole from ``sw.full_state_dict``.
+# - ``fsdp_post_all_gather`` is not called, and it alone takes MixedPrecision's
+#   ``param_dtype``: a ``param_dtype`` other than the weight's own dtype is refused for such
+#   a weight, by name (NF4 ignores it anyway: its gathered weight keeps the dtype it was
+#   quantized from, and dequantizes to its input's).
+# - A checkpoint records each rank's element range as its piece (Note [packed
+#   checkpoints]), so it reloads at any world size, split either way.
+# - Release frees the full byte buffer, whose views the rebuilt tensor holds; the next
+#   gather refills it in place, so the weight ``LinearNF4`` saved in forward sees values
+#   again in backward.
+@dataclass(frozen=True)
+class Cut:
+    """How one quantized parameter is divided among ``world`` ranks: into the subclass's
+    own equal chunks, or by elements of its full inner tensors (``by_bytes``: Note [uneven
+    packed parameters]). ``shapes`` are the stored inner tensors' shapes: a chunk's, or the
+    full tensor's."""
+
+    world: int
+    by_bytes: bool
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def per_rank(self, i: int) -> int:
+        """Elements of inner tensor ``i`` in each rank's slot (padding included)."""
+        n = math.prod(self.shapes[i])
+        return -(-n // self.world) if self.by_bytes else n
+
+    def held(self, i: int, rank: int) -> int:
+        """Elements of inner tensor ``i`` that ``rank`` holds (``torch.chunk``'s rule)."""
+        if not self.by_bytes:
+            return self.per_rank(i)
+        c = self.per_rank(i)
+        return max(0, min(c, math.prod(self.shapes[i]) - rank * c))
+
+    def slot_bytes(self) -> list[int]:
+        """Bytes of each inner tensor's slot, the same on every rank."""
+        return [self.per_rank(i) * d.itemsize for i, d in enumerate(self.dtypes)]
+
+    def shares(self, name: str, full: torch.Tensor) -> list[list[torch.Tensor]]:
+        """What each rank stores of ``full`` (a tensor of the same structure): per rank,
+        each inner tensor's bytes (a padded slot's valid part).
+
+        Raises:
+            ShardwiseError: ``full`` is not divided into inner tensors of this shape.
+        """
+        if self.by_bytes:
+            _, _ = _plain_inner(full)
+            inner = [getattr(full, n).detach() for n in self.names]
+            if [(tuple(t.shape), t.dtype) for t in inner] != list(zip(self.shapes,
+                                                                       self.dtypes)):
+                raise ShardwiseError(f"{name}: its inner tensors are not shaped as the "
+                                     f"model's")
+            flat = [t.reshape(-1) for t in inner]
+            return [[_as_bytes(f[min(r * self.per_rank(i), f.numel()):][:self.held(i, r)])
+                     for i, f in enumerate(flat)] for r in range(self.world)]
+        chunks = list(torch.chunk(full.detach(), self.world, dim=0))
+        out = []
+        for c in chunks:
+            parts = [getattr(c, n) for n in self.names]
+            if [(tuple(t.shape), t.dtype) for t in parts] != list(zip(self.shapes,
+                                                                       self.dtypes)):
+                raise ShardwiseError(f"{name}: its shards have inner tensors of other "
+                                     f"shapes than the model's")
+            out.append([_as_bytes(t) for t in parts])
+        if len(out) != self.world:
+            raise ShardwiseError(f"{name}: it splits into {len(out)} shards, not "
+                                 f"{self.world}")
+        return out
+
+
+def cut(name: str, p: torch.Tensor, n: int, compute_dtype: torch.dtype | None = None) -> Cut:
+    """How ``p`` is divided among ``n`` ranks (Note [uneven packed parameters]): into the
+    subclass's own chunks (``torch.chunk`` on dim 0, as FSDP2) when they are ``n`` of one
+    shape, else by elements of its full inner tensors. ``sw.shard`` calls it before
+    changing anything.
 
     Raises:
-        ShardwiseError: the subclass cannot split so, or not into ``n`` equal shards, or
-            a shard's inner tensors are not plain tensors.
+        ShardwiseError: an inner tensor is not a plain tensor; or, for a weight divided by
+            bytes, ``__tensor_unflatten__`` does not rebuild it from its inner tensors, or
+            ``compute_dtype`` (MixedPrecision's ``param_dtype``) is not its dtype.
     """
     try:
         chunks = list(torch.chunk(p.detach(), n, dim=0))
+    except Exception:  # noqa: BLE001 - the subclass's split refused (NF4 asserts): by bytes
+        chunks = []
+    if len(chunks) == n and len({tuple(c.shape) for c in chunks}) == 1:
+        names, _ = _plain_inner(chunks[0], name)
+        layouts = {tuple((tuple(getattr(c, k).shape), getattr(c, k).dtype) for k in names)
+                   for c in chunks}
+        if len(layouts) == 1:
+            (layout,) = layouts
+            return Cut(n, False, tuple(names), tuple(s for s, _ in layout),
+                       tuple(d for _, d in layout))
+    names, ctx = _plain_inner(p, name)
+    kind = f"{type(p).__qualname__}, shape {tuple(p.shape)}"
+    try:
+        rebuilt = type(p).__tensor_unflatten__(  # type: ignore[attr-defined]
+            {k: getattr(p, k) for k in names}, ctx, p.size(), p.stride())
     except Exception as err:
-        raise ShardwiseError(f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) "
-                             f"cannot be split into {n} shards on dim 0: {err}") from err
-    if len(chunks) != n or len({tuple(c.shape) for c in chunks}) != 1:
+        raise ShardwiseError(f"{name} ({kind}) does not split into {n} equal shards on "
+                             f"dim 0, and {type(p).__qualname__}.__tensor_unflatten__ "
+                             f"failed to rebuild it from its own inner tensors ({err}), "
+                             f"so it cannot be divided by bytes either "
+                             f"(Note [uneven packed parameters] in engine/packed.py)"
+                             ) from err
+    if type(rebuilt) is not type(p) or (rebuilt.shape, rebuilt.dtype) != (p.shape, p.dtype):
+        raise ShardwiseError(f"{name} ({kind}): __tensor_unflatten__ rebuilt a "
+                             f"{type(rebuilt).__qualname__} {tuple(rebuilt.shape)} "
+                             f"{rebuilt.dtype} from its inner tensors, not the weight")
+    if compute_dtype is not None and compute_dtype != p.dtype:
         raise ShardwiseError(
-            f"{name} ({type(p).__qualname__}, shape {tuple(p.shape)}) does not split "
-            f"into {n} equal shards on dim 0 (got {[tuple(c.shape) for c in chunks]}); "
-            f"a quantized weight is sharded only evenly: choose a world size dividing "
-            f"{p.shape[0]} rows, and block sizes dividing each shard")
-    _plain_inner(chunks[0])
-    return chunks
+            f"{name} ({kind}, {p.dtype}) does not split into {n} equal shards, so it is "
+            f"divided by bytes and rebuilt whole, as it was quantized "
+            f"(Note [uneven packed parameters] in engine/packed.py); "
+            f"MixedPrecision(param_dtype={compute_dtype}) cannot apply to it. Build the "
+            f"model in {compute_dtype} before quantizing, or shard without param_dtype, or "
+            f"choose a world size over which its rows and blocks divide")
+    inner = [getattr(p, k) for k in names]
+    return Cut(n, True, tuple(names), tuple(tuple(t.shape) for t in inner),
+               tuple(t.dtype for t in inner))
 
 
-def _plain_inner(t: torch.Tensor) -> tuple[list[str], Any]:
+def _plain_inner(t: torch.Tensor, name: str = "") -> tuple[list[str], Any]:
     names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
     for n in names:
         inner = getattr(t, n)
         if type(inner) is not torch.Tensor:
-            raise ShardwiseError(f"{type(t).__qualname__}.{n} is a "
-                                 f"{type(inner).__qualname__}: shardwise moves the inner "
-                                 f"tensors of a subclass's shard as bytes, so they must "
-                                 f"be plain tensors")
+            raise ShardwiseError(f"{name + ': ' if name else ''}{type(t).__qualname__}.{n} "
+                                 f"is a {type(inner).__qualname__}: shardwise moves the "
+                                 f"inner tensors of a quantized weight as bytes, so they "
+                                 f"must be plain tensors")
     return list(names), ctx
 
 
@@ -141,15 +263,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 # A checkpoint must reload at any world size, and the subclass's own metadata (block
 # sizes, shapes, what its __tensor_flatten__ context holds) is not JSON. So a checkpoint
 # holds the *values* of the full tensor's inner tensors, in pieces, and a load writes them
-# into the chunk the model already holds, whose structure comes from quantizing the same
+# into the pieces the model already holds, whose structure comes from quantizing the same
 # architecture with the same settings (checked: the type, every inner tensor's full
-# shape and dtype). That works when each inner tensor of rank r's chunk is either the
-# whole of the full tensor's (NF4's scaler mean and lookup table) or its r-th of N
+# shape and dtype). Each rank's piece of an inner tensor is a contiguous element range:
+# for a weight divided by bytes (Note [uneven packed parameters]) its slot's valid part;
+# for an even split, the chunk's inner tensor when it is either the whole of the full
+# tensor's (NF4's scaler mean and lookup table: saved once, by rank 0) or its r-th of N
 # contiguous parts (NF4's codes and scales), which ``shard`` checks on the bytes
-# (``_inner_split``); a checkpoint then stores the first kind once and the second kind as
-# one piece per rank, and a load at N' ranks reads its r'-th part, or the whole. A
-# subclass whose chunks are made otherwise trains, and its checkpoints are refused, with
-# the reason.
+# (``_inner_split``). A load at N' ranks reads its own range, whichever way either side
+# was split. A subclass whose even chunks are made otherwise trains, and its checkpoints
+# are refused, with the reason.
 def _inner_split(name: str, full: torch.Tensor, chunk: torch.Tensor, rank: int,
                  world: int) -> tuple[dict[str, tuple[int, ...]], str | None]:
     """Each inner tensor's full shape, and why a checkpoint could not hold the parameter
@@ -172,6 +295,54 @@ def _inner_split(name: str, full: torch.Tensor, chunk: torch.Tensor, rank: int,
     return shapes, None
 
 
+aten = torch.ops.aten
+
+
+class ByteShard(torch.Tensor):
+    """What the module holds, while sharded, for a quantized weight divided by bytes
+    (Note [uneven packed parameters]): its shape and dtype, no values. Every operation
+    but ``detach`` (which ``nn.Parameter`` needs) raises, naming the weight."""
+
+    _shardwise_about: str
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                about: str) -> ByteShard:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
+                                                requires_grad=False)
+        t._shardwise_about = about
+        return t
+
+    # Everything reaches __torch_dispatch__, which refuses it.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"ByteShard(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def refusal(self, what: str) -> ShardwiseError:
+        return ShardwiseError(
+            f"{self._shardwise_about}; this rank holds part of its packed bytes, not a "
+            f"tensor, so {what} cannot run on it. Its values exist while its unit is "
+            f"gathered (in forward and backward), and whole from sw.full_state_dict(model)")
+
+    def to_local(self) -> torch.Tensor:
+        raise self.refusal("to_local()")
+
+    def full_tensor(self) -> torch.Tensor:
+        raise self.refusal("full_tensor()")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self.refusal("pickling")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        t = args[0]
+        if func is aten.detach.default:
+            return cls(t.shape, t.dtype, t.device, t._shardwise_about)
+        raise t.refusal(str(func))
+
+
 @dataclass
 class PackedParam:
     """One frozen subclass parameter: where it is registered, its shard, its full form."""
@@ -180,15 +351,29 @@ class PackedParam:
     slots: list[tuple[nn.Module, str]]
     shape: torch.Size
     dtype: torch.dtype
-    local: torch.Tensor            # this rank's chunk, the subclass over the group's bytes
-    shard: nn.Parameter            # DTensor(local), what the module holds while sharded
-    inner: list[str]               # names of ``local``'s inner tensors
+    kind: type                     # the subclass
+    cut: Cut                       # how it is divided among the ranks
+    # This rank's chunk, the subclass over the group's bytes; None when divided by bytes
+    # (Note [uneven packed parameters]): there is no chunk of the subclass then.
+    local: torch.Tensor | None
+    shard: nn.Parameter            # what the module holds while sharded: DTensor(local), or
+    #                                a ByteShard
+    inner: list[str]               # names of the inner tensors
+    # This rank's piece of each inner tensor, a view of the group's bytes: the chunk's
+    # inner tensor, or the valid part of the slot (flat) when divided by bytes.
+    pieces: dict[str, torch.Tensor]
+    # Each inner tensor's slot in the group's bytes, padding included: what a load writes.
+    stored: list[torch.Tensor]
     # Each inner tensor's shape in the full tensor: a checkpoint records the full inner
     # tensors in pieces (Note [packed checkpoints]).
     full_inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Why a checkpoint cannot hold this parameter, or None (Note [packed checkpoints]).
     unsaveable: str | None = None
     group: PackedGroup | None = None
+    # Divided by bytes: the original's __tensor_flatten__ context, size and stride, which
+    # rebuild the full tensor (Note [uneven packed parameters]).
+    ctx: Any = None
+    stride: tuple[int, ...] = ()
     full: nn.Parameter | None = None      # the full subclass, built at the first gather
     # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
     # with the full buffer.
@@ -203,9 +388,13 @@ class PackedParam:
         """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
         elements (Note [packed checkpoints]): its part, or all of it."""
         assert self.group is not None
-        k = getattr(self.local, inner).numel()
+        rank = self.group.comm.rank
         full = math.prod(self.full_inner[inner])
-        return (0, k) if k == full else (self.group.comm.rank * k, k)
+        if self.cut.by_bytes:
+            i = self.inner.index(inner)
+            return min(rank * self.cut.per_rank(i), full), self.cut.held(i, rank)
+        k = self.pieces[inner].numel()
+        return (0, k) if k == full else (rank * k, k)
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
@@ -222,9 +411,10 @@ class PackedGroup:
     """A unit's frozen subclass parameters, gathered through the protocol with one
     all-gather of bytes (Note [packed parameters]).
 
-    ``local`` is this rank's byte buffer holding every chunk's inner tensors; ``full`` is
-    the byte buffer of the all-gather outputs, parameter after parameter, whose storage is
-    empty while the group is sharded.
+    ``local`` is this rank's byte buffer holding its piece of every parameter's inner
+    tensors (a chunk's, or a slot of the full tensor's: Note [uneven packed parameters]);
+    ``full`` is the byte buffer of the all-gather outputs, parameter after parameter, whose
+    storage is empty while the group is sharded.
     """
 
     def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
@@ -236,36 +426,25 @@ class PackedGroup:
         self.compute_dtype = compute_dtype  # MixedPrecision.param_dtype, or None
         self.mesh = shard_mesh(topology)
         self.unit_name = "?"
-        chunks = [split(n[0], p, comm.world_size) for n, p in zip(names, originals)]
-        mine = [c[comm.rank] for c in chunks]
-        structure = [_plain_inner(c) for c in mine]
-        inner = [[getattr(c, n) for n in names_] for c, (names_, _) in zip(mine, structure)]
-        self.store_layout = build_layout([(t.nbytes,) for ts in inner for t in ts], 1)
-        self._agree([n[0] for n in names], mine, inner)
+        world, rank = comm.world_size, comm.rank
+        cuts = [cut(n[0], p, world, compute_dtype) for n, p in zip(names, originals)]
+        self.store_layout = build_layout([(b,) for c in cuts for b in c.slot_bytes()], 1)
+        self._agree([n[0] for n in names], originals, cuts)
         self.local = torch.zeros(self.store_layout.shard_numel, dtype=torch.uint8,
                                  device=device)
-        self._fill(chunks if topology.world.rank == src_rank else None, structure, src_rank)
+        self._fill([c.shares(n[0], p) for n, p, c in zip(names, originals, cuts)]
+                   if topology.world.rank == src_rank else None, src_rank)
         self.params: list[PackedParam] = []
         k = 0
-        for i, (orig, (inner_names, ctx)) in enumerate(zip(originals, structure)):
-            views = {}
-            for n, t in zip(inner_names, inner[i]):
+        for fqns, where, orig, c in zip(names, slots, originals, cuts):
+            store, pieces = [], {}
+            for i, (n, nbytes, dtype) in enumerate(zip(c.names, c.slot_bytes(), c.dtypes)):
                 s = self.store_layout.slots[k]
                 k += 1
-                views[n] = self.local[s.offset:s.offset + s.numel].view(t.dtype).view(t.shape)
-            local = type(mine[i]).__tensor_unflatten__(  # type: ignore[attr-defined]
-                views, ctx, mine[i].size(), mine[i].stride())
-            with torch.no_grad():
-                dt = DTensor.from_local(local, topology.mesh, topology.placements,
-                                        run_check=False, shape=orig.shape,
-                                        stride=orig.stride())
-            shard = nn.Parameter(dt, requires_grad=False)
-            # Not the original's inner tensors: they would keep the full weight alive.
-            copy_user_attributes(orig, shard, besides=mine[i])
-            full_inner, unsaveable = _inner_split(names[i][0], orig, mine[i], comm.rank,
-                                                  comm.world_size)
-            self.params.append(PackedParam(names[i], slots[i], orig.shape, orig.dtype, local,
-                                           shard, inner_names, full_inner, unsaveable, self))
+                store.append(self.local[s.offset:s.offset + nbytes])
+                piece = store[-1][:c.held(i, rank) * dtype.itemsize].view(dtype)
+                pieces[n] = piece if c.by_bytes else piece.view(c.shapes[i])
+            self.params.append(self._param(fqns, where, orig, c, store, pieces))
         self.full = torch.empty(0, dtype=torch.uint8, device=device)
         self.gather_layout: ShardLayout | None = None
         self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
@@ -274,12 +453,50 @@ class PackedGroup:
         self._gather_work: Any = None
 
     # -- construction ------------------------------------------------------------------
-    def _agree(self, names: list[str], mine: list[torch.Tensor],
-               inner: list[list[torch.Tensor]]) -> None:
-        """Every rank must hold the same kinds of chunks, or the byte scatter would
+    def _param(self, fqns: list[str], where: list[tuple[nn.Module, str]],
+               orig: torch.Tensor, c: Cut, store: list[torch.Tensor],
+               pieces: dict[str, torch.Tensor]) -> PackedParam:
+        """The packed parameter over this rank's ``pieces`` of ``orig``, and its shard."""
+        rank, world = self.comm.rank, self.comm.world_size
+        names, ctx = orig.__tensor_flatten__()  # type: ignore[attr-defined]
+        if c.by_bytes:
+            # A fresh instance, whose own attributes (inner tensors, settings) are not the
+            # user's: the original's would keep the full weight alive.
+            fresh = type(orig).__tensor_unflatten__(  # type: ignore[attr-defined]
+                {n: getattr(orig, n) for n in names}, ctx, orig.size(), orig.stride())
+            about = (f"{fqns[0]} is a quantized weight ({type(orig).__qualname__} "
+                     f"{tuple(orig.shape)}) divided among {world} ranks by bytes, its rows "
+                     f"and blocks not splitting into {world} equal shards "
+                     f"(Note [uneven packed parameters] in engine/packed.py)")
+            shard = nn.Parameter(ByteShard(orig.shape, orig.dtype, self.device, about),
+                                 requires_grad=False)
+            copy_user_attributes(orig, shard, besides=fresh)
+            del fresh
+            full_inner = dict(zip(c.names, c.shapes))
+            return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, None,
+                               shard, list(c.names), pieces, store, full_inner, None, self,
+                               ctx, tuple(orig.stride()))
+        mine = torch.chunk(orig.detach(), world, dim=0)[rank]
+        _, chunk_ctx = mine.__tensor_flatten__()  # type: ignore[attr-defined]
+        local = type(mine).__tensor_unflatten__(  # type: ignore[attr-defined]
+            pieces, chunk_ctx, mine.size(), mine.stride())
+        with torch.no_grad():
+            dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
+                                    run_check=False, shape=orig.shape, stride=orig.stride())
+        shard = nn.Parameter(dt, requires_grad=False)
+        # Not the original's inner tensors: they would keep the full weight alive.
+        copy_user_attributes(orig, shard, besides=mine)
+        full_inner, unsaveable = _inner_split(fqns[0], orig, mine, rank, world)
+        return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, local, shard,
+                           list(c.names), pieces, store, full_inner, unsaveable, self)
+
+    def _agree(self, names: list[str], originals: list[torch.Tensor],
+               cuts: list[Cut]) -> None:
+        """Every rank must hold the same kinds of pieces, or the byte scatter would
         misplace them: compare once, and fail on every rank alike."""
-        sig = [(n, type(c).__qualname__, [(tuple(t.shape), str(t.dtype)) for t in ts])
-               for n, c, ts in zip(names, mine, inner)]
+        sig = [(n, type(p).__qualname__, "bytes" if c.by_bytes else "chunks",
+                [(s, str(d)) for s, d in zip(c.shapes, c.dtypes)])
+               for n, p, c in zip(names, originals, cuts)]
         everyone = self.comm.all_gather_object(sig, what="the quantized parameters' layout")
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
@@ -288,24 +505,20 @@ class PackedGroup:
                                      f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
                                      f"same weights with the same settings on every rank")
 
-    def _fill(self, chunks: list[list[torch.Tensor]] | None,
-              structure: list[tuple[list[str], Any]], src_rank: int) -> None:
-        """Every rank's bytes from ``src_rank``'s chunks (as ``FlatGroup.fill_local``)."""
+    def _fill(self, shares: list[list[list[torch.Tensor]]] | None, src_rank: int) -> None:
+        """Every rank's bytes from ``src_rank``'s parameters (as ``FlatGroup.fill_local``):
+        ``shares[i][r]`` is what rank r stores of parameter i (:meth:`Cut.shares`)."""
         replica, shard_src = self.topology.source(src_rank)
         n = self.comm.world_size
         if self.topology.replica_index == replica:
             send = None
-            if chunks is not None:
+            if shares is not None:
                 buf = torch.zeros(n, self.store_layout.shard_numel, dtype=torch.uint8,
                                   device=self.device)
                 for r in range(n):
-                    k = 0
-                    for per_param, (names, _) in zip(chunks, structure):
-                        for name in names:
-                            s = self.store_layout.slots[k]
-                            k += 1
-                            buf[r, s.offset:s.offset + s.numel].copy_(
-                                _as_bytes(getattr(per_param[r], name)))
+                    mine = (b for per_param in shares for b in per_param[r])
+                    for s, b in zip(self.store_layout.slots, mine):
+                        buf[r, s.offset:s.offset + b.numel()].copy_(b)
                 send = list(buf.unbind(0))
             self.comm.scatter(self.local, send, shard_src,
                               what="the scatter of quantized shards")
@@ -371,12 +584,16 @@ class PackedGroup:
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
         return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
-                "types": tuple(type(p.local).__name__ for p in self.params),
+                "types": tuple(p.kind.__name__ for p in self.params),
                 "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
                 "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
 
     # -- gather ------------------------------------------------------------------------
     def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:
+        """What ``pp`` sends to the all-gather: its slots when divided by bytes (Note
+        [uneven packed parameters]), else what the protocol says."""
+        if pp.local is None:
+            return pp.stored
         fn = pp.local.fsdp_pre_all_gather  # type: ignore[attr-defined]
         if len(pyinspect.signature(fn).parameters) == 1:
             inputs, pp.metadata = fn(self.mesh)
@@ -446,6 +663,12 @@ class PackedGroup:
 
     def _post_all_gather(self) -> None:
         for pp, outputs in zip(self.params, self._outputs(self.full)):
+            if pp.local is None:  # refilled in place: its inner tensors view self.full
+                if pp.full is None:
+                    pp.full = nn.Parameter(self._rebuild(pp, outputs), requires_grad=False)
+                    copy_user_attributes(pp.shard, pp.full, besides=pp.full)
+                    attach_to(pp.full, PACKED, pp)
+                continue
             fn = pp.local.fsdp_post_all_gather  # type: ignore[attr-defined]
             dtype = self.compute_dtype or pp.dtype
             if pp.full is None:
@@ -479,6 +702,9 @@ class PackedGroup:
         copy_out(gathered, layout, full)
         out = []
         for pp, outputs in zip(self.params, self._outputs(full)):
+            if pp.local is None:
+                out.append(self._rebuild(pp, outputs))
+                continue
             value, _ = pp.local.fsdp_post_all_gather(  # type: ignore[attr-defined]
                 outputs, pp.metadata, self.compute_dtype or pp.dtype)
             pp.metadata = None
@@ -486,18 +712,32 @@ class PackedGroup:
         return out
 
     def _outputs(self, full: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Each parameter's all-gather outputs, as views of the byte buffer ``full``."""
+        """Each parameter's all-gather outputs, as views of the byte buffer ``full``: the
+        full inner tensors of one divided by bytes (its slots, rank after rank, less the
+        padding at the end)."""
         assert self.gather_layout is not None
         slots = iter(self.gather_layout.slots)
         out = []
-        for sizes in self._sizes:
+        for pp, sizes in zip(self.params, self._sizes):
             views = []
-            for size, dtype in sizes:
+            for i, (size, dtype) in enumerate(sizes):
                 s = next(slots)
-                views.append(full[s.full_offset:s.full_offset + s.numel].view(dtype)
-                             .view(-1, *size[1:]))
+                gathered = full[s.full_offset:s.full_offset + s.numel]
+                if pp.local is None:
+                    c = pp.cut
+                    n = math.prod(c.shapes[i]) * c.dtypes[i].itemsize
+                    views.append(gathered[:n].view(c.dtypes[i]).view(c.shapes[i]))
+                else:
+                    views.append(gathered.view(dtype).view(-1, *size[1:]))
             out.append(tuple(views))
         return out
+
+    @staticmethod
+    def _rebuild(pp: PackedParam, inner: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The full tensor of ``pp`` (divided by bytes) around its full ``inner`` tensors,
+        as the original was (Note [uneven packed parameters])."""
+        return pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+            dict(zip(pp.inner, inner)), pp.ctx, pp.shape, pp.stride)
 
     # -- storage -----------------------------------------------------------------------
     def _storages(self) -> list[tuple[torch.Tensor, int]]:

@@ -13,13 +13,14 @@ QLoRA exists for bases whose full-precision weights do not fit, so under
   *placeholder*, an ``NF4Tensor`` of the full shape whose inner tensors are zero-stride
   views of one zero (no memory); one the rule leaves out becomes an ordinary partitioned
   parameter holding zeros. Both are marked *awaiting load*.
-- ``sw.shard`` shards a placeholder like any NF4 weight (torch.chunk on dim 0, one byte
+- ``sw.shard`` shards a placeholder like any NF4 weight (torch.chunk on dim 0, or by bytes
+  when that is uneven: Note [uneven packed parameters] in engine/packed.py; one byte
   buffer per unit), so each rank's NF4 share is allocated once, at its final size.
 - ``sw.load_pretrained`` fills the shares weight by weight, in rounds of N: in a round,
   rank r reads the r-th weight whole, quantizes it as ``quantize_nf4`` would and scatters
-  each rank its chunk's bytes. So a rank holds one weight in full precision at a time, the
+  each rank its share's bytes. So a rank holds one weight in full precision at a time, the
   quantization work is split N ways, and each byte equals what quantizing the whole model
-  then sharding gives (the same ``to_nf4`` on the same values, then the same chunk).
+  then sharding gives (the same ``to_nf4`` on the same values, then the same share).
 
 A model with weights awaiting load refuses to run forward, naming them: zeros would
 train silently.
