@@ -432,7 +432,7 @@ class PackedGroup:
         self._agree([n[0] for n in names], originals, cuts)
         self.local = torch.zeros(self.store_layout.shard_numel, dtype=torch.uint8,
                                  device=device)
-        self._fill([c.shares(n[0], p) for n, p, c in zip(names, originals, cuts)]
+        self._fill(list(zip([n[0] for n in names], originals, cuts))
                    if topology.world.rank == src_rank else None, src_rank)
         self.params: list[PackedParam] = []
         k = 0
@@ -505,20 +505,25 @@ class PackedGroup:
                                      f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
                                      f"same weights with the same settings on every rank")
 
-    def _fill(self, shares: list[list[list[torch.Tensor]]] | None, src_rank: int) -> None:
-        """Every rank's bytes from ``src_rank``'s parameters (as ``FlatGroup.fill_local``):
-        ``shares[i][r]`` is what rank r stores of parameter i (:meth:`Cut.shares`)."""
+    def _fill(self, params: list[tuple[str, torch.Tensor, Cut]] | None,
+              src_rank: int) -> None:
+        """Every rank's bytes from ``src_rank``'s parameters (as ``FlatGroup.fill_local``),
+        each divided as its :class:`Cut` says, one parameter at a time (a placeholder's
+        bytes are made only as they are copied: Note [quantize while loading] in
+        engine/quantize.py)."""
         replica, shard_src = self.topology.source(src_rank)
         n = self.comm.world_size
         if self.topology.replica_index == replica:
             send = None
-            if shares is not None:
+            if params is not None:
                 buf = torch.zeros(n, self.store_layout.shard_numel, dtype=torch.uint8,
                                   device=self.device)
-                for r in range(n):
-                    mine = (b for per_param in shares for b in per_param[r])
-                    for s, b in zip(self.store_layout.slots, mine):
-                        buf[r, s.offset:s.offset + b.numel()].copy_(b)
+                slots = iter(self.store_layout.slots)
+                for name, p, c in params:
+                    mine = [next(slots) for _ in c.names]
+                    for r, parts in enumerate(c.shares(name, p)):
+                        for s, b in zip(mine, parts):
+                            buf[r, s.offset:s.offset + b.numel()].copy_(b)
                 send = list(buf.unbind(0))
             self.comm.scatter(self.local, send, shard_src,
                               what="the scatter of quantized shards")
