@@ -166,6 +166,14 @@ def _hybrid(rank, world):
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     sw.check_consistency(model)  # replicas hold the same packed bytes
+    # A weight divided by bytes over the shard dim (5 rows, 2 ranks): the replicas get
+    # its shares too (Note [uneven packed parameters]).
+    five = sw.shard(_five_rows(), mesh=mesh)
+    assert type(five[1][0].weight).__name__ == "ByteShard"
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        assert torch.equal(five(x), _five_rows()(x))
+    sw.check_consistency(five)
     refused = _net()
     with pytest.raises(sw.ShardwiseError, match="named mesh dims"):
         sw.shard(refused, mesh=init_device_mesh("cpu", (2, 2)))
@@ -223,12 +231,7 @@ def _refusals(rank, world, folder):
     # divided by bytes (Note [uneven packed parameters]), which MixedPrecision's
     # param_dtype cannot reach: refused before the first unit is touched. Without it,
     # it gives the unsharded forward.
-    def uneven() -> nn.Module:
-        torch.manual_seed(0)
-        second = nn.Sequential(nn.Linear(4, 5))
-        second[0].weight = nn.Parameter(RowInt8(*_parts(torch.randn(5, 4))),
-                                        requires_grad=False)
-        return nn.Sequential(_with_weight(RowInt8(*_parts(torch.randn(4, 4)))), second)
+    uneven = _five_rows
     refused_mp = uneven()
     with pytest.raises(sw.ShardwiseError, match=r"1\.0\.weight .*does not split into 2 "
                                                 r"equal shards.*param_dtype"):
@@ -278,6 +281,14 @@ def _refusals(rank, world, folder):
     model(torch.randn(2, 12)).sum().backward()
     sw.check_consistency(model)
     return True
+
+
+def _five_rows() -> nn.Module:
+    """Two units of RowInt8 weights: 4 rows, then 5 (not even over 2 ranks)."""
+    torch.manual_seed(0)
+    second = nn.Sequential(nn.Linear(4, 5))
+    second[0].weight = nn.Parameter(RowInt8(*_parts(torch.randn(5, 4))), requires_grad=False)
+    return nn.Sequential(_with_weight(RowInt8(*_parts(torch.randn(4, 4)))), second)
 
 
 def _parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
