@@ -167,7 +167,7 @@ class Cut:
             ShardwiseError: ``full`` is not divided into inner tensors of this shape.
         """
         if self.by_bytes:
-            _, _ = _plain_inner(full)
+            _plain_inner(full, name)
             inner = [getattr(full, n).detach() for n in self.names]
             if [(tuple(t.shape), t.dtype) for t in inner] != list(zip(self.shapes,
                                                                        self.dtypes)):
