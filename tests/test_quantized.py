@@ -632,3 +632,31 @@ def _qlora_generate(rank, world):
 @pytest.mark.slow
 def test_generate_on_a_sharded_qlora_model_equals_unsharded():
     assert run_ranks(_qlora_generate, 2, timeout=180) == [True, True]
+
+
+def _moves_and_casts(rank, world):
+    """``model.to("cpu")``, ``.float()`` and ``.eval()`` on a sharded QLoRA model leave its
+    quantized shards in place; a cast that would dequantize them is refused, nothing
+    changed."""
+    model = sw.shard(_qlora())
+    x = _batches(1)[0]
+    with torch.no_grad():
+        before = model(input_ids=x).logits
+    model.to("cpu").float().eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, before)
+    try:
+        model.to(torch.float64)
+    except sw.ShardwiseError as err:
+        assert "quantized parameter" in str(err) and "Nothing was changed" in str(err)
+    else:
+        raise AssertionError("a cast of quantized parameters was not refused")
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    model.train()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    _train_default(model, opt, rank, world, _batches(2))
+    return True
+
+
+def test_moves_that_change_nothing_keep_quantized_shards_and_casts_are_refused():
+    assert run_ranks(_moves_and_casts, 2) == [True, True]

@@ -496,6 +496,9 @@ def guard_apply(module: nn.Module) -> None:
 #   torch swaps a DTensor parameter's (FlatGroup.recast). Under mixed precision the
 #   compute dtype (param_dtype) stays; a reduce dtype equal to the old one follows;
 # - anything else (another device, ``to_empty``, channels-last): refused.
+# A quantized (packed) parameter is probed as the dtype it stands for: a move or cast that
+# changes nothing leaves it as it is (torch would otherwise put a parameter shardwise does
+# not know in its place), and a cast is refused, since it would dequantize it.
 # A cast is refused, with nothing changed, where the storage is not at rest or cannot
 # follow: part of a group cast (a unit's parameters are cast together), a unit inside
 # gathered(), a model between a forward and its backward or with sw.no_sync gradients
@@ -513,12 +516,27 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
     def shards() -> list[tuple[nn.Module, str, Any]]:
         return [(m, name, t) for m in (module.modules() if recurse else [module])
                 for name, t in m._parameters.items()
-                if t is not None and sharded_param(t) is not None]
+                if t is not None and (sharded_param(t) is not None
+                                      or packed_param(t) is not None)]
 
     probes: dict[tuple, torch.dtype | bool] = {}
     casts: dict[int, tuple[Any, torch.dtype]] = {}  # id(ShardedParam) -> (it, dtype)
     changed: dict[str, None] = {}
+    quantized: dict[str, None] = {}  # packed parameters a cast would reach
     for _, _, t in shards():
+        if (pp := packed_param(t)) is not None:
+            # A quantized weight is probed as the dtype it stands for: a no-op leaves it
+            # alone (held out below); torch would otherwise rebuild it as a parameter
+            # shardwise does not know, and a cast would dequantize it.
+            key = (pp.dtype, t.device, len(pp.shape))
+            if key not in probes:
+                probes[key] = _probe(fn, *key)
+            change = probes[key]
+            if isinstance(change, torch.dtype):
+                quantized[pp.fqns[0]] = None
+            elif change:
+                changed[pp.fqns[0]] = None
+            continue
         sp = sharded_param(t)
         assert sp is not None
         key = (sp.local.dtype, sp.local.device, len(sp.shape))
@@ -537,6 +555,12 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
             f"old values. Nothing was changed; a move that changes nothing (.to('cpu') on "
             f"CPU) is allowed, and so is a cast to another floating dtype (.to(torch."
             f"float64), .half()). Move the model before sw.shard")
+    if quantized:
+        raise ShardwiseError(
+            f"{len(quantized)} quantized parameter(s) ({_some(list(quantized))}) cannot be "
+            f"cast after sw.shard: a cast would dequantize them into full precision. "
+            f"Nothing was changed. Cast the model before quantizing it, or compute in "
+            f"another dtype with MixedPrecision(param_dtype=...)")
     if casts:
         for g, dtype in _cast_groups(module, list(casts.values())):
             g.recast(dtype)
