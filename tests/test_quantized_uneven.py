@@ -16,7 +16,7 @@ import pytest
 import torch
 from harness import run_ranks
 from test_quantize_load import _peft_names, _with_adapters
-from test_quantized import _bytes, _step
+from test_quantized import _adapters, _batches, _bytes, _step
 
 import shardwise as sw
 
@@ -51,22 +51,6 @@ def _qlora(seed: int = 0):
     quantize_nf4(base, block_size=BLOCKS.block_size,
                  scaler_block_size=BLOCKS.scaler_block_size)
     return _with_adapters(base)
-
-
-def _batches(steps: int = 3) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 64, (6, 8), generator=g) for _ in range(steps)]
-
-
-def _adapters(model, opt) -> dict[str, torch.Tensor]:
-    """Every trainable parameter and its AdamW state, whole (a collective)."""
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            out[name] = p.full_tensor()
-            for k, v in opt.state[p].items():
-                out[f"{name}/{k}"] = v.full_tensor() if v.dim() else v
-    return out
 
 
 def _nf4_bytes(model) -> dict[str, bytes]:
