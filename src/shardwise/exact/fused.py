@@ -39,15 +39,17 @@ def enabled() -> bool:
     return os.environ.get("SHARDWISE_FUSED", "1") != "0"
 
 
-def kernel(name: str, fn: Callable, matches: Callable[[Callable], bool]) -> Callable | None:
+def kernel(name: str, fn: Callable, matches: Callable[[Callable], bool],
+           options: dict | None = None) -> Callable | None:
     """``fn`` compiled, once per process, if ``matches(compiled)`` holds; else None (the
-    caller then runs its eager code). Never raises."""
+    caller then runs its eager code). ``options``: inductor's, for this kernel. Never
+    raises."""
     if name in _kernels:
         return _kernels[name]
     compiled = None
     if enabled():
         try:
-            candidate = torch.compile(fn, dynamic=True, fullgraph=True)
+            candidate = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
             if matches(candidate):
                 compiled = candidate
             else:

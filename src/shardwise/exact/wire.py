@@ -79,32 +79,32 @@ def _tops(x: torch.Tensor) -> torch.Tensor:
     return torch.where(biased == 0xFF, NONFINITE, top).to(INDEX_DTYPE)
 
 
-def _encode_at(x: torch.Tensor, to: torch.Tensor, world: int,
-               out: torch.Tensor) -> torch.Tensor:
-    """``align(encode(x), to)``'s bins into ``out`` (``[world, 2, rows]``); returns whether
-    any ``to`` was below ``x``'s own top (never, for a MAX)."""
+def _encode_at(x: torch.Tensor, to: torch.Tensor, world: int, out: torch.Tensor) -> None:
+    """``align(encode(x), to)``'s bins into ``out`` (``[world, 2, rows]``); ``to`` at or
+    above ``x``'s own tops (``lay_out`` checks)."""
     # encode's digits at x's own top (in integers: float64 conversions do not vectorize),
     # moved down as align moves them: the top digit one slot per bin of difference.
     top, b0, b1 = fused.digits2(x.view(world, -1), _W)
     d = to.view(world, -1).to(torch.int64) - top.to(torch.int64)
-    hi = torch.where(d == 0, b0, 0)
-    lo = torch.where(d == 0, b1, torch.where(d == 1, b0, 0))
-    out.copy_(torch.stack([hi, lo], dim=1))
-    return (d < 0).any()
+    _write_slots(out, d, b0, b1)
+
+
+def _write_slots(out: torch.Tensor, d: torch.Tensor, b0: torch.Tensor, b1: torch.Tensor) -> None:
+    """``out[:, k]`` = slot k of the bins ``(b0, b1)`` moved down by ``d`` bins: one loop
+    over the elements storing both slots (with ``_INLINE``, no temporary tensor)."""
+    out[:, 0].copy_(torch.where(d == 0, b0, 0))
+    out[:, 1].copy_(torch.where(d == 0, b1, torch.where(d == 1, b0, 0)))
 
 
 def _widen_at(index: torch.Tensor, value: torch.Tensor, carry: torch.Tensor, to: torch.Tensor,
-              world: int, out: torch.Tensor) -> torch.Tensor:
-    """``align(widen(narrow), to)``'s bins into ``out`` (``[world, 2, rows]``); returns
-    whether any ``to`` was below the narrow state's top."""
+              world: int, out: torch.Tensor) -> None:
+    """``align(widen(narrow), to)``'s bins into ``out`` (``[world, 2, rows]``); ``to`` at
+    or above the narrow state's tops (``lay_out`` checks)."""
     index, value, carry, to = (v.view(world, -1) for v in (index, value, carry, to))
     a = torch.round(value) + carry.to(torch.float64)
     b = (value - a) * float(2**_W)
     d = to.to(torch.int64) - index.to(torch.int64)
-    hi = torch.where(d == 0, a, 0.0)
-    lo = torch.where(d == 0, b, torch.where(d == 1, a, 0.0))
-    out.copy_(torch.stack([hi.to(torch.int64), lo.to(torch.int64)], dim=1))
-    return (d < 0).any()
+    _write_slots(out, d, a.to(torch.int64), b.to(torch.int64))
 
 
 def _decode_planes(index: torch.Tensor, planes: torch.Tensor,
@@ -159,20 +159,20 @@ def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int) -> torch.
         ShardwiseError: a top in ``to`` is below ``acc``'s own (``to`` must be a MAX).
     """
     to = to.to(INDEX_DTYPE)
+    if isinstance(acc, Binned):
+        aligned = align(acc, to)  # raises below the binned index itself
+        return aligned.bins.view(world, -1, 2).transpose(1, 2).contiguous()
+    # One byte an element compared here, not in the pass: a reduction in the pass would be
+    # a second loop over the unit recomputing the tops.
+    if bool((to < tops(acc)).any()):
+        raise ShardwiseError("align: target index below the binned index (it must be a MAX)")
     n = acc.numel
     device = acc.x.device if isinstance(acc, Term) else acc.index.device
     out = buffer((world, 2, n // world), device)
     if isinstance(acc, Term):
-        below = _run("encode_at", _encode_at, n)(acc.x, to, world, out)
-    elif isinstance(acc, Narrow):
-        below = _run("widen_at", _widen_at, n)(acc.index, acc.value, acc.carry, to, world, out)
+        _run("encode_at", _encode_at, n)(acc.x, to, world, out)
     else:
-        aligned = align(acc, to)  # raises below the binned index itself
-        out.copy_(aligned.bins.view(world, -1, 2).transpose(1, 2))
-        return out
-    if bool(below):
-        give_back(out)
-        raise ShardwiseError("align: target index below the binned index (it must be a MAX)")
+        _run("widen_at", _widen_at, n)(acc.index, acc.value, acc.carry, to, world, out)
     return out
 
 
@@ -225,7 +225,13 @@ def _run(name: str, fn: Callable[..., Any], n: int) -> Callable[..., Any]:
     """``fn`` compiled and checked on the probe, or ``fn`` itself (eager, the same bits)."""
     if n < fused.FUSE_MIN or not fused.enabled():
         return fn
-    return fused.kernel(f"wire {name}", fn, lambda c: _matches(name, c)) or fn
+    return fused.kernel(f"wire {name}", fn, lambda c: _matches(name, c), _INLINE) or fn
+
+
+# Inductor keeps a value read by both slots (the digits) in a temporary tensor once it
+# takes more than a few ops; recomputing it per slot is cheaper than a fresh tensor the
+# size of the unit (Note [aligned wire]), so the passes writing the wire inline everything.
+_INLINE = {"realize_cpu_opcount_threshold": 100_000, "realize_reads_threshold": 100}
 
 
 def _planar(bins: torch.Tensor, world: int) -> torch.Tensor:
@@ -246,15 +252,14 @@ def _matches(name: str, compiled: Callable[..., Any]) -> bool:
         return torch.equal(compiled(x), own.index)
     bins = torch.empty(world, 2, x.numel() // world, dtype=torch.int64)
     if name == "encode_at":
-        below = compiled(x, to, world, bins)
-        return not bool(below) and torch.equal(bins, _planar(_align_eager(own, to).bins, world))
+        compiled(x, to, world, bins)
+        return torch.equal(bins, _planar(_align_eager(own, to).bins, world))
     if name == "widen_at":
         index, value, carry = _probe_state()
         narrow = Narrow(index, value, carry, 3)
         to = torch.maximum(index, other.index)
-        below = compiled(index, value, carry, to, world, bins)
-        want = _align_eager(widen(narrow), to).bins
-        return not bool(below) and torch.equal(bins, _planar(want, world))
+        compiled(index, value, carry, to, world, bins)
+        return torch.equal(bins, _planar(_align_eager(widen(narrow), to).bins, world))
     total = Binned(to, _align_eager(own, to).bins + _align_eager(other, to).bins, 2)
     out, flags = compiled(total.index, total.bins.t().contiguous(), _F32_OVERFLOW)
     want = _decode_eager(total, "propagate")
