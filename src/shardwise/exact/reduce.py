@@ -18,8 +18,10 @@ and an elementwise optimizer step keeps parameters and optimizer state identical
 Costs: the accumulator holds 10 bytes per parameter element (Note [narrow accumulator] in
 exact/narrow.py: top bin, float64 value, int8 carry; 17 in the wide form it falls back to)
 from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
-reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding,
-adding and decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
+reduction sends 1 byte of top bin and 16 of bins per element instead of 4, laid out from
+whatever the rank holds in one pass after the all-reduce of tops (Note [aligned wire] in
+exact/wire.py: a lone micro-batch's gradient is encoded only then); encoding, adding and
+decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
 time per element is in BENCHMARKS.md, "Exact sums").
 """
 

@@ -26,11 +26,21 @@ Layout: ``[world, 2, rows]`` int64, so rank ``r``'s part of the reduce-scatter,
 ``[2, rows]``, is contiguous, and each slot a contiguous plane: the decode reads two planes
 instead of an interleaved ``[rows, 2]`` (inductor vectorizes planes; half the decode's
 time). The bits on the wire and after the decode are those of the wide path, element for
-element (tests/test_exact_sum.py compares them at world sizes 1 to 6); only the order of
-the int64 words differs. Like Note [fused kernels], each pass runs compiled and is checked
-bit for bit on ``fused.probe()`` against the wide eager code (``encode``, ``align``,
-``decode`` in sums.py) before first use; without a compiler it runs eagerly, the same
-bits. ``SHARDWISE_NARROW=0`` keeps the whole wide path of before (encode, align, decode).
+element (tests/test_exact_sum.py compares them at world sizes 1 to 3, and
+tests/test_reproducible.py a training run's); only the order of the int64 words differs.
+
+Buffers: the passes write into a buffer from ``buffer`` (``out`` argument: inductor writes
+it in place, and ``_INLINE`` keeps it from putting the digits in temporaries first), and
+the exchange gives the wire and the receiving buffer back once they are read; on CPU the
+four given back last are kept for the next exchange of their size (the next unit's, or
+the next step's for a unit of its own size). That memory (at most four buffers of 16
+bytes an element of a unit) stays allocated between steps: the price of not paying new
+pages each step. On a GPU nothing is kept (the caching allocator reuses memory already).
+
+Like Note [fused kernels], each pass runs compiled and is checked bit for bit on
+``fused.probe()`` against the wide eager code (``encode``, ``align``, ``decode`` in
+sums.py) before first use; without a compiler it runs eagerly, the same bits.
+``SHARDWISE_NARROW=0`` keeps the whole wide path of before (encode, align, decode).
 """
 
 from __future__ import annotations
@@ -177,27 +187,29 @@ def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int) -> torch.
 
 
 def buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An int64 tensor for the wire or its receiving end: on CPU a spare one of that shape
+    """An int64 tensor for the wire or its receiving end: on CPU a spare one of that size
     if there is one (Note [aligned wire]: fresh pages cost as much as writing them)."""
-    spare = _spare.get((math.prod(shape), device))
-    if spare:
-        return spare.pop().view(shape)
+    size = math.prod(shape)
+    for i, t in enumerate(_spare):
+        if t.numel() == size and t.device == device:
+            return _spare.pop(i).view(shape)
     return torch.empty(shape, dtype=torch.int64, device=device)
 
 
 def give_back(t: torch.Tensor) -> None:
     """``t`` (from :func:`buffer`) is no longer read or written by anyone: keep it for the
-    next exchange of that size, on CPU, two a size at most. A caller must not touch it
-    afterwards."""
+    next exchange of that size, on CPU; the ``_SPARES`` most recent ones. A caller must not
+    touch it afterwards."""
     if t.device.type != "cpu":  # the CUDA caching allocator reuses memory already
         return
-    spare = _spare.setdefault((t.numel(), t.device), [])
-    if len(spare) < _SPARES:
-        spare.append(t)
+    _spare.append(t)
+    del _spare[:-_SPARES]
 
 
-_SPARES = 2  # a unit's exchange in flight while the next one lays out its wire
-_spare: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+# Enough for a unit's wire and receiving end while the next unit's exchange starts, and
+# for the root unit's between steps: a bound on what is held however many sizes there are.
+_SPARES = 4
+_spare: list[torch.Tensor] = []
 
 
 def decode(index: torch.Tensor, planes: torch.Tensor, terms: int) -> torch.Tensor:
