@@ -23,6 +23,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.exact import narrow as nw
 from shardwise.exact import sums as es
+from shardwise.exact import wire
 
 M = 12
 N_ELEM = 1200  # divisible by every world size below, so shards are even
@@ -473,12 +474,12 @@ def _wide_sum(terms: list[torch.Tensor]) -> es.Binned:
 
 
 def _narrow_sum(terms: list[torch.Tensor]) -> es.Binned:
-    """What the engine does on one rank: every term accumulated, the last one widened."""
+    """What the engine does on one rank: every term accumulated, the last one widened
+    (the exchange lays it out aligned; ``wire.wide`` is the state it stands for)."""
     acc = None
     for i, t in enumerate(terms):
         acc = nw.accumulate(acc, t, final=i == len(terms) - 1)
-    assert isinstance(acc, es.Binned)
-    return acc
+    return wire.wide(acc)
 
 
 def _adversarial(kind: str, seed: int = 0) -> list[torch.Tensor]:
@@ -610,7 +611,7 @@ def test_the_narrow_path_is_off_below_fuse_min_and_with_the_switch(monkeypatch):
     assert isinstance(nw.accumulate(None, small, final=False), es.Binned)  # kernels off here
     monkeypatch.setenv("SHARDWISE_NARROW", "all")
     assert isinstance(nw.accumulate(None, small, final=False), nw.Narrow)
-    assert isinstance(nw.accumulate(None, small, final=True), es.Binned)
+    assert isinstance(nw.accumulate(None, small, final=True), nw.Term)  # encoded by the exchange
     monkeypatch.setenv("SHARDWISE_NARROW", "0")
     assert not nw.wanted(1 << 30)
 
@@ -665,12 +666,107 @@ def _narrow_kernels() -> None:
     for i, t in enumerate(terms):
         got = nw.accumulate(got, t, final=i == len(terms) - 1)
     want = _wide_sum(terms)
-    assert isinstance(got, es.Binned)
+    got = wire.wide(got)
     assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins)
     smooth = [torch.randn(n, generator=g) * 2.0 ** (-k) for k in range(4)]
     got = None
     for i, t in enumerate(smooth):
         got = nw.accumulate(got, t, final=i == 3)
-        assert isinstance(got, es.Binned if i == 3 else nw.Narrow)  # no fallback here
-    want = _wide_sum(smooth)
+        assert isinstance(got, nw.Narrow)  # no fallback here
+    want, got = _wide_sum(smooth), wire.wide(got)
     assert torch.equal(got.index, want.index) and torch.equal(got.bins, want.bins)
+
+
+# ---------------------------------------------------------------------------------------
+# The aligned wire (Note [aligned wire]): each rank's form laid out at the ranks' tops.
+
+
+def _wire_exchange(parts: list, world: int, order: list[int]) -> tuple[bytes, bytes, bytes]:
+    """What the exchange does with ranks holding ``parts`` (a Term, Narrow or Binned
+    each): MAX of ``wire.tops``, ``wire.lay_out``, the int64 sum of each rank's
+    ``[2, rows]`` in ``order``, ``wire.decode``; as ``_state`` (rows gathered back)."""
+    index = torch.stack([wire.tops(p) for p in parts]).amax(dim=0)
+    sent = [wire.lay_out(p, index, world).clone() for p in parts]
+    rows = sent[0].shape[2]
+    shards, decoded = [], []
+    for s in range(world):
+        acc = torch.zeros(2, rows, dtype=torch.int64)
+        for r in order:
+            acc += sent[r][s]
+        terms = sum(p.terms for p in parts)
+        shards.append(acc.t())
+        decoded.append(wire.decode(index[s * rows:(s + 1) * rows], acc, terms))
+    bins = torch.cat(shards).contiguous()
+    return index.numpy().tobytes(), bins.numpy().tobytes(), _bits(torch.cat(decoded))
+
+
+@pytest.mark.parametrize("kind", ["normal", "straddle", "wide", "bin_edges", "ties",
+                                  "subnormal", "nonfinite", "zeros", "cancel", "near_max"])
+def test_the_aligned_wire_gives_the_wide_bits_at_every_world_size(kind, narrow_everywhere):
+    # One micro-batch per rank (a Term, encoded at the tops in one pass), several (a
+    # narrow accumulator widened at the tops, or a wide one after a fallback): laid out
+    # on the wire, summed and decoded planar, every world size gives the one-rank wide
+    # state, element for element, and its decoded bits.
+    terms = _any_terms(kind)
+    reference = _state(_exact_grouped([es.encode(t) for t in terms], [list(range(M))], [0]))
+    rng = random.Random(kind)
+    for world in (1, 2, 3):
+        # M terms over `world` ranks, and also `world` terms one per rank (the Term path)
+        for groups in _assignments(world, rng):
+            parts = []
+            for g in groups:
+                acc = None
+                for i, m in enumerate(g):
+                    acc = nw.accumulate(acc, terms[m], final=i == len(g) - 1)
+                parts.append(acc)
+            assert _wire_exchange(parts, world, rng.sample(range(world), world)) == reference
+        one_each = terms[:world]
+        want = _state(_exact_grouped([es.encode(t) for t in one_each], [list(range(world))],
+                                     [0]))
+        parts = [nw.accumulate(None, t, final=True) for t in one_each]
+        assert all(isinstance(p, nw.Term) for p in parts)
+        assert _wire_exchange(parts, world, list(range(world))[::-1]) == want
+
+
+def test_the_aligned_wire_refuses_tops_below_its_own(narrow_everywhere):
+    x = torch.randn(N_ELEM) * 1e3
+    for acc in (nw.Term(x), nw.start(x), es.encode(x)):
+        with pytest.raises(ShardwiseError, match="below the binned index"):
+            wire.lay_out(acc, torch.zeros(N_ELEM, dtype=torch.int8), 2)
+
+
+def test_the_wire_kernels_give_the_eager_bits():
+    # Note [aligned wire]: the compiled tops, encode-at-the-tops, widen-at-the-tops and
+    # planar decode give the wide eager code's bits on every kind of value above FUSE_MIN.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_sum; "
+            "test_exact_sum._wire_kernels()")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
+                         env=dict(os.environ, SHARDWISE_FUSED="1", SHARDWISE_NARROW="1"),
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+def _wire_kernels() -> None:
+    import warnings
+
+    from shardwise.exact import fused
+
+    n = 3 * (fused.FUSE_MIN + 7)  # three ranks' rows; uneven: the loops' tails run too
+    probe = fused.probe(n_random=n)[:n]
+    finite = torch.where(torch.isfinite(probe), probe, torch.zeros_like(probe))
+    g = torch.Generator().manual_seed(9)
+    terms = [probe, finite.roll(5) * 2.0**-35, torch.randn(n, generator=g) * 1e-3,
+             torch.randn(n, generator=g) * 1e-2]  # the last two: narrow, no fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a failed compile or mismatch warns
+        for world in (1, 3):
+            parts = [nw.Term(terms[0]), nw.start(terms[2]), es.encode(terms[1])]
+            parts[1] = nw.add(parts[1], terms[3])
+            assert parts[1] is not None
+            got = _wire_exchange(parts, world, list(range(3)))
+            wide = [es._encode_eager(terms[0], es.DEFAULT), es._encode_eager(terms[1], es.DEFAULT),
+                    es._add_eager(es._encode_eager(terms[2], es.DEFAULT),
+                                  es._encode_eager(terms[3], es.DEFAULT))]
+            assert got == _state(_reduce_scatter(wide, [0, 1, 2])), world
+        for name in ("tops", "encode_at", "widen_at", "decode"):
+            assert fused._kernels.get(f"wire {name}") is not None, name

@@ -259,3 +259,26 @@ def test_the_narrow_accumulator_gives_the_wide_bits_in_training(monkeypatch):
     narrow = run_ranks(_run, 3, "gpt", True, None, timeout=300)[0]
     assert narrow[0] == wide[0], "losses differ from the wide form's"
     assert narrow[1] == wide[1], "final state differs from the wide form's"
+
+
+def _run_micro(rank, world, m):
+    """Four steps of the GPT with ``m`` micro-batches a step (the reproducible mode)."""
+    global M
+    M = m  # _train splits each global batch into M micro-batches
+    model, opt = _build("gpt", True)
+    losses = _train("gpt", model, opt, range(4), True)
+    return losses, _digest(model, opt)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_micro_batch_per_rank_gives_the_wide_bits_in_training(monkeypatch, world):
+    # Note [aligned wire]: with one micro-batch per rank, the synced backward's gradient
+    # goes to the exchange unencoded and is encoded at every rank's tops in one pass.
+    # SHARDWISE_NARROW=all runs that pass (eagerly) on every unit of the test model. The
+    # training must give the bits of the wide form's (encode, align) at one rank.
+    monkeypatch.setenv("SHARDWISE_NARROW", "0")
+    wide = run_ranks(_run_micro, 1, world, timeout=300)[0]
+    monkeypatch.setenv("SHARDWISE_NARROW", "all")
+    fused_path = run_ranks(_run_micro, world, world, timeout=300)[0]
+    assert fused_path[0] == wide[0], "losses differ from the wide form's"
+    assert fused_path[1] == wide[1], "final state differs from the wide form's"

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from ..exact.narrow import Narrow, accumulate
+from ..exact.narrow import Narrow, Term, accumulate
 from ..exact.reduce import ExactExchange, exact_total, exchange
 from ..exact.sums import Binned
 from .copies import write_rank_major
@@ -43,7 +43,7 @@ class ExactReduction(GradReduction):
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)
-        self._acc: Binned | Narrow | None = None  # ACCUMULATING: the exact sum so far
+        self._acc: Binned | Narrow | Term | None = None  # ACCUMULATING: the exact sum so far
         self._exchange: ExactExchange | None = None  # REDUCING
         # Each .grad handed out, and its version then (_before_publishing).
         self._published: dict[int, tuple[weakref.ref, int]] = {}

@@ -39,15 +39,17 @@ def enabled() -> bool:
     return os.environ.get("SHARDWISE_FUSED", "1") != "0"
 
 
-def kernel(name: str, fn: Callable, matches: Callable[[Callable], bool]) -> Callable | None:
+def kernel(name: str, fn: Callable, matches: Callable[[Callable], bool],
+           options: dict | None = None) -> Callable | None:
     """``fn`` compiled, once per process, if ``matches(compiled)`` holds; else None (the
-    caller then runs its eager code). Never raises."""
+    caller then runs its eager code). ``options``: inductor's, for this kernel. Never
+    raises."""
     if name in _kernels:
         return _kernels[name]
     compiled = None
     if enabled():
         try:
-            candidate = torch.compile(fn, dynamic=True, fullgraph=True)
+            candidate = torch.compile(fn, dynamic=True, fullgraph=True, options=options)
             if matches(candidate):
                 compiled = candidate
             else:
@@ -72,6 +74,13 @@ def pow2(e: torch.Tensor) -> torch.Tensor:
 def encode2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Note [exact sums]'s encoding for K=2, in integers: the balanced digits of each
     fp32 significand against its top bin, and the non-finite counts."""
+    top, b0, b1 = digits2(x, W)
+    return top.to(torch.int8), torch.stack([b0, b1], dim=1)
+
+
+def digits2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``encode2`` as the top (int32, ``NONFINITE`` for inf and NaN) and the two slots
+    (int64), elementwise: for a caller that fuses more into the same loop."""
     bits = x.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     frac = bits & 0x7FFFFF
@@ -93,8 +102,7 @@ def encode2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     nan = bad & (frac != 0)
     b0 = torch.where(bad, ((~neg) | nan).to(torch.int64), torch.where(neg, -high, high))
     b1 = torch.where(bad, (neg | nan).to(torch.int64), torch.where(neg, -low, low))
-    index = torch.where(bad, NONFINITE, torch.where(m != 0, top, 0)).to(torch.int8)
-    return index, torch.stack([b0, b1], dim=1)
+    return torch.where(bad, NONFINITE, torch.where(m != 0, top, 0)), b0, b1
 
 
 def _shift2(bins: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

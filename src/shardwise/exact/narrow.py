@@ -50,8 +50,10 @@ wire carries the wide form always (``exchange`` widens a narrow accumulator firs
 
 Costs: 10 bytes an element held instead of 17; one fused pass per micro-batch reads the
 fp32 gradient and the narrow state and writes the narrow state (24 bytes an element),
-where the wide path encoded (21) and added (50). The last micro-batch's pass writes the
-wide state directly (``add_widen``). Like Note [fused kernels], the passes run compiled
+where the wide path encoded (21) and added (50). The last micro-batch's pass ends in the
+narrow state too: the exchange widens it aligned to every rank's tops in one pass (Note
+[aligned wire] in exact/wire.py; ``add_widen`` is the one-pass widen at the rank's own
+tops, kept for benchmarks/exact_sum.py). Like Note [fused kernels], the passes run compiled
 and are checked bit for bit against these eager ops on ``fused.probe()`` before first
 use; below ``fused.FUSE_MIN`` elements, without a compiler, or with
 ``SHARDWISE_NARROW=0`` the wide path runs as before.
@@ -68,7 +70,8 @@ from ..errors import ShardwiseError
 from . import fused
 from .sums import DEFAULT, INDEX_DTYPE, Binned, add_, check_terms, encode
 
-__all__ = ["MAX_TERMS", "Narrow", "accumulate", "add", "add_widen", "start", "wanted", "widen"]
+__all__ = ["MAX_TERMS", "Narrow", "Term", "accumulate", "add", "add_widen", "start", "wanted",
+           "widen"]
 
 MAX_TERMS = 1024  # keeps A, B below 2**51: exact in float64 (Note [narrow accumulator])
 _W, _BASE = DEFAULT.W, DEFAULT.base
@@ -86,6 +89,19 @@ class Narrow:
     @property
     def numel(self) -> int:
         return self.index.shape[0]
+
+
+@dataclass
+class Term:
+    """One micro-batch's fp32 gradient (flat, rank-major), not encoded yet: the exchange
+    encodes it at every rank's tops in one pass (Note [aligned wire] in exact/wire.py)."""
+
+    x: torch.Tensor
+    terms: int = 1
+
+    @property
+    def numel(self) -> int:
+        return self.x.shape[0]
 
 
 def wanted(n: int) -> bool:
@@ -172,7 +188,7 @@ def _widen(index: torch.Tensor, value: torch.Tensor, carry: torch.Tensor) -> tor
 
 def _step_widen(index: torch.Tensor, value: torch.Tensor, carry: torch.Tensor,
                 x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``_step`` then ``_widen``, in one pass: the last micro-batch's."""
+    """``_step`` then ``_widen``, in one pass (``add_widen``)."""
     t2, s, c, fail = _step(index, value, carry, x)
     return t2, _widen(t2, s, c), fail
 
@@ -211,11 +227,14 @@ def widen(acc: Narrow) -> Binned:
     return Binned(acc.index, bins, acc.terms, DEFAULT)
 
 
-def accumulate(acc: Narrow | Binned | None, x: torch.Tensor, *, final: bool) -> Narrow | Binned:
+def accumulate(acc: Narrow | Binned | Term | None, x: torch.Tensor, *,
+               final: bool) -> Narrow | Binned | Term:
     """``acc`` plus one more term ``x`` (a flat fp32 gradient), in whichever form is exact
-    and cheapest; ``final`` (the reducing backward's term) returns the wide form that
-    ``exact.reduce.exchange`` sends. The wide state is the same either way, so the
-    result's bits are (Note [narrow accumulator]).
+    and cheapest. ``final`` (the reducing backward's term): the result is what
+    ``exact.reduce.exchange`` sends, which lays it out aligned to every rank's tops in one
+    pass (Note [aligned wire] in exact/wire.py): a ``Term`` if ``x`` is the only one, else
+    the narrow state, or the wide one after a fallback. The wide state is the same either
+    way, so the result's bits are (Note [narrow accumulator]).
 
     Example:
         >>> acc = None
@@ -227,18 +246,17 @@ def accumulate(acc: Narrow | Binned | None, x: torch.Tensor, *, final: bool) -> 
         raise ShardwiseError(f"exact accumulate: gradients reach it as fp32 (the engine's "
                              f"rank-major buffer), got {x.dtype}; pass x.float()")
     if acc is None:
-        if final or not wanted(x.numel()):
+        if not wanted(x.numel()):
             return encode(x)
-        return start(x) or encode(x)
-    if isinstance(acc, Narrow):
         if final:
-            wide = add_widen(acc, x)
-            if wide is not None:
-                return wide
-        else:
-            nxt = add(acc, x)
-            if nxt is not None:
-                return nxt
+            return Term(x)
+        return start(x) or encode(x)
+    if isinstance(acc, Term):  # kept after an exchange that refused to start: rare
+        acc = encode(acc.x)
+    if isinstance(acc, Narrow):
+        nxt = add(acc, x)
+        if nxt is not None:
+            return nxt
         acc = widen(acc)  # fallback: exact, and the wide path from here on
     return add_(acc, encode(x))
 

@@ -18,8 +18,10 @@ and an elementwise optimizer step keeps parameters and optimizer state identical
 Costs: the accumulator holds 10 bytes per parameter element (Note [narrow accumulator] in
 exact/narrow.py: top bin, float64 value, int8 carry; 17 in the wide form it falls back to)
 from the first micro-batch to the reduction, against 4 for fp32 under ``no_sync``; the
-reduction sends 1 byte of top bin and 16 of bins per element instead of 4; encoding,
-adding and decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
+reduction sends 1 byte of top bin and 16 of bins per element instead of 4, laid out from
+whatever the rank holds in one pass after the all-reduce of tops (Note [aligned wire] in
+exact/wire.py: a lone micro-batch's gradient is encoded only then); encoding, adding and
+decoding run as fused kernels (Note [fused kernels] in exact/fused.py; their
 time per element is in BENCHMARKS.md, "Exact sums").
 """
 
@@ -34,7 +36,8 @@ import torch.distributed as dist
 
 from ..comm.collectives import Comm, unflatten_into
 from ..errors import ShardwiseError
-from .narrow import Narrow, widen
+from . import wire
+from .narrow import Narrow, Term
 from .sums import (
     DEFAULT,
     INDEX_DTYPE,
@@ -42,7 +45,6 @@ from .sums import (
     Binned,
     align,
     check_terms,
-    decode,
     encode,
     max_terms,
 )
@@ -54,7 +56,7 @@ class ExactExchange:
 
     work: object | None      # the reduce-scatter in flight (None in a world of one)
     index: torch.Tensor      # this rank's elements' top bins
-    bins: torch.Tensor       # this rank's summed bins, [rows, K]
+    bins: torch.Tensor       # this rank's summed bins, [2, rows] (Note [aligned wire])
     terms: int               # micro-batches summed over every rank
     sending: torch.Tensor | None = None  # read by the exchange until it is waited for
 
@@ -62,10 +64,14 @@ class ExactExchange:
         """This rank's rows of the mean over micro-batches, fp32."""
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
-            self.work = self.sending = None
+            self.work = None
+        if self.sending is not None:  # sent: for the next exchange (Note [aligned wire])
+            wire.give_back(self.sending)
+            self.sending = None
         check_terms(self.terms)
-        total = decode(Binned(self.index, self.bins, self.terms))
-        return total.div_(self.terms)
+        total = wire.decode(self.index, self.bins, self.terms).div_(self.terms)
+        wire.give_back(self.bins)  # decoded into a new tensor: free to reuse
+        return total
 
     def discard(self) -> None:
         """Let the reduction finish without decoding it (its backward was aborted)."""
@@ -74,25 +80,25 @@ class ExactExchange:
             self.work = self.sending = None
 
 
-def exchange(comm: Comm, acc: Binned | Narrow, what: str) -> ExactExchange:
-    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``. A
-    narrow accumulator is widened first: the wire carries the wide form, whichever form
-    each rank accumulated in (Note [narrow accumulator] in exact/narrow.py).
+def exchange(comm: Comm, acc: Binned | Narrow | Term, what: str) -> ExactExchange:
+    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``. The
+    wire carries the wide form aligned to every rank's tops, whichever form each rank
+    accumulated in, laid out from it in one pass (Note [aligned wire] in exact/wire.py).
 
     Raises:
         ShardwiseError: ranks accumulated different numbers of micro-batches.
     """
-    if isinstance(acc, Narrow):
-        acc = widen(acc)
     n, world = acc.numel, comm.world_size
+    check_terms(acc.terms)
+    mine = wire.tops(acc)
     if world == 1:
-        return ExactExchange(None, acc.index, acc.bins, acc.terms)
+        return ExactExchange(None, mine, wire.lay_out(acc, mine, 1).view(2, n), acc.terms)
     # The tops travel as int8, one byte an element, and the count with them as base-128
     # digits, each with its negation: equal on every rank exactly when the maximum of d
     # and of -d give back d for every digit (same_everywhere's rule, digit by digit).
     digits = torch.tensor([(acc.terms >> (7 * i)) & 127 for i in range(_COUNT_DIGITS)],
-                          dtype=INDEX_DTYPE, device=acc.index.device)
-    seen = torch.cat([acc.index, digits, -digits])
+                          dtype=INDEX_DTYPE, device=mine.device)
+    seen = torch.cat([mine, digits, -digits])
     comm.all_reduce(seen, op=dist.ReduceOp.MAX, what=f"the exchange of top bins of {what}")
     high = seen[n:n + _COUNT_DIGITS].to(torch.int64)
     low = -seen[n + _COUNT_DIGITS:].to(torch.int64)
@@ -103,14 +109,13 @@ def exchange(comm: Comm, acc: Binned | Narrow, what: str) -> ExactExchange:
             f"{what}: every rank must run as many backward passes per step "
             f"(sw.micro_batches gives each rank the same number)")
     index = seen[:n]
-    aligned = align(acc, index)
+    sending = wire.lay_out(acc, index, world)
     rows = n // world
-    mine = slice(comm.rank * rows, (comm.rank + 1) * rows)
-    out = torch.empty(rows, acc.spec.K, dtype=torch.int64, device=acc.bins.device)
-    sending = aligned.bins.reshape(-1)
-    work = comm.reduce_scatter(out.view(-1), sending, async_op=True,
+    out = wire.buffer((2, rows), sending.device)
+    work = comm.reduce_scatter(out.view(-1), sending.view(-1), async_op=True,
                                what=f"the reduce-scatter of {what}'s bins")
-    return ExactExchange(work, index[mine].clone(), out, acc.terms * world, sending)
+    index = index[comm.rank * rows:(comm.rank + 1) * rows].clone()
+    return ExactExchange(work, index, out, acc.terms * world, sending)
 
 
 _COUNT_DIGITS = 4  # base-128 digits of a micro-batch count: up to 2**28, above max_terms
