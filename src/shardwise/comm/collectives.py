@@ -97,6 +97,10 @@ class Comm:
         # the exchanges]): the model's whole group, for its shard and replica subgroups.
         self.checks_over: Comm = self
         self._channel: Channel | None = None
+        # Wire buffers of the reproducible mode's exchanges over this group, kept between
+        # steps for reuse (Note [aligned wire] in exact/wire.py): they live as long as the
+        # model that holds this communicator, not the process.
+        self.spare_buffers: list[torch.Tensor] = []
         if self.world_size > 1 and "gloo" in self.backend:
             enable_publishing()  # Note [peer watch]
 

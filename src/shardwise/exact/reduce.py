@@ -59,18 +59,20 @@ class ExactExchange:
     bins: torch.Tensor       # this rank's summed bins, [2, rows] (Note [aligned wire])
     terms: int               # micro-batches summed over every rank
     sending: torch.Tensor | None = None  # read by the exchange until it is waited for
+    spare: list[torch.Tensor] | None = None  # where its buffers go once read (Comm's)
 
     def result(self) -> torch.Tensor:
         """This rank's rows of the mean over micro-batches, fp32."""
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
             self.work = None
-        if self.sending is not None:  # sent: for the next exchange (Note [aligned wire])
-            wire.give_back(self.sending)
-            self.sending = None
+        if self.sending is not None and self.spare is not None:
+            wire.give_back(self.sending, self.spare)  # sent: for the next exchange
+        self.sending = None
         check_terms(self.terms)
         total = wire.decode(self.index, self.bins, self.terms).div_(self.terms)
-        wire.give_back(self.bins)  # decoded into a new tensor: free to reuse
+        if self.spare is not None:
+            wire.give_back(self.bins, self.spare)  # decoded into a new tensor: reusable
         return total
 
     def discard(self) -> None:
@@ -92,7 +94,8 @@ def exchange(comm: Comm, acc: Binned | Narrow | Term, what: str) -> ExactExchang
     check_terms(acc.terms)
     mine = wire.tops(acc)
     if world == 1:
-        return ExactExchange(None, mine, wire.lay_out(acc, mine, 1).view(2, n), acc.terms)
+        return ExactExchange(None, mine, wire.lay_out(acc, mine, 1, comm.spare_buffers)
+                             .view(2, n), acc.terms, spare=comm.spare_buffers)
     # The tops travel as int8, one byte an element, and the count with them as base-128
     # digits, each with its negation: equal on every rank exactly when the maximum of d
     # and of -d give back d for every digit (same_everywhere's rule, digit by digit).
@@ -109,13 +112,13 @@ def exchange(comm: Comm, acc: Binned | Narrow | Term, what: str) -> ExactExchang
             f"{what}: every rank must run as many backward passes per step "
             f"(sw.micro_batches gives each rank the same number)")
     index = seen[:n]
-    sending = wire.lay_out(acc, index, world)
+    sending = wire.lay_out(acc, index, world, comm.spare_buffers)
     rows = n // world
-    out = wire.buffer((2, rows), sending.device)
+    out = wire.buffer((2, rows), sending.device, comm.spare_buffers)
     work = comm.reduce_scatter(out.view(-1), sending.view(-1), async_op=True,
                                what=f"the reduce-scatter of {what}'s bins")
     index = index[comm.rank * rows:(comm.rank + 1) * rows].clone()
-    return ExactExchange(work, index, out, acc.terms * world, sending)
+    return ExactExchange(work, index, out, acc.terms * world, sending, comm.spare_buffers)
 
 
 _COUNT_DIGITS = 4  # base-128 digits of a micro-batch count: up to 2**28, above max_terms

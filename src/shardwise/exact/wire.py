@@ -32,15 +32,18 @@ tests/test_reproducible.py a training run's); only the order of the int64 words 
 Buffers: the passes write into a buffer from ``buffer`` (``out`` argument: inductor writes
 it in place, and ``_INLINE`` keeps it from putting the digits in temporaries first), and
 the exchange gives the wire and the receiving buffer back once they are read; on CPU the
-four given back last are kept for the next exchange of their size (the next unit's, or
-the next step's for a unit of its own size). That memory (at most four buffers of 16
-bytes an element of a unit) stays allocated between steps: the price of not paying new
-pages each step. On a GPU nothing is kept (the caching allocator reuses memory already).
+four given back last are kept, in a list the model's communicator holds
+(``Comm.spare_buffers``), for the next exchange of their size (the next unit's, or the
+next step's for a unit of its own size). That memory (at most four buffers of 16 bytes
+an element of a unit) stays allocated between steps, the price of not paying new pages
+each step, and goes with the model. On a GPU nothing is kept (the caching allocator
+reuses memory already).
 
 Like Note [fused kernels], each pass runs compiled and is checked bit for bit on
 ``fused.probe()`` against the wide eager code (``encode``, ``align``, ``decode`` in
 sums.py) before first use; without a compiler it runs eagerly, the same bits.
-``SHARDWISE_NARROW=0`` keeps the whole wide path of before (encode, align, decode).
+``SHARDWISE_NARROW=0`` accumulates in the wide form (sums.py's ``add``), which this
+module then lays out and decodes as any other form: it is not a way around these passes.
 """
 
 from __future__ import annotations
@@ -161,9 +164,11 @@ def tops(acc: Term | Narrow | Binned) -> torch.Tensor:
     return acc.index
 
 
-def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int) -> torch.Tensor:
+def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int,
+            spare: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``acc``'s wide state aligned to the tops ``to`` (each >= ``tops(acc)``), as int64
-    ``[world, 2, rows]`` (Note [aligned wire]), in a buffer from :func:`buffer`.
+    ``[world, 2, rows]`` (Note [aligned wire]), in a buffer from :func:`buffer` (taken
+    from ``spare`` where one fits).
 
     Raises:
         ShardwiseError: a top in ``to`` is below ``acc``'s own (``to`` must be a MAX).
@@ -171,14 +176,17 @@ def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int) -> torch.
     to = to.to(INDEX_DTYPE)
     if isinstance(acc, Binned):
         aligned = align(acc, to)  # raises below the binned index itself
-        return aligned.bins.view(world, -1, 2).transpose(1, 2).contiguous()
+        # Copied even where the layout would be a view: the buffer is given back for
+        # reuse, and must not alias the accumulator.
+        out = buffer((world, 2, acc.numel // world), aligned.bins.device, spare)
+        return out.copy_(_planar(aligned.bins, world))
     # One byte an element compared here, not in the pass: a reduction in the pass would be
     # a second loop over the unit recomputing the tops.
     if bool((to < tops(acc)).any()):
         raise ShardwiseError("align: target index below the binned index (it must be a MAX)")
     n = acc.numel
     device = acc.x.device if isinstance(acc, Term) else acc.index.device
-    out = buffer((world, 2, n // world), device)
+    out = buffer((world, 2, n // world), device, spare)
     if isinstance(acc, Term):
         _run("encode_at", _encode_at, n)(acc.x, to, world, out)
     else:
@@ -186,30 +194,31 @@ def lay_out(acc: Term | Narrow | Binned, to: torch.Tensor, world: int) -> torch.
     return out
 
 
-def buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """An int64 tensor for the wire or its receiving end: on CPU a spare one of that size
+def buffer(shape: tuple[int, ...], device: torch.device,
+           spare: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """An int64 tensor for the wire or its receiving end: one of that size from ``spare``
     if there is one (Note [aligned wire]: fresh pages cost as much as writing them)."""
     size = math.prod(shape)
-    for i, t in enumerate(_spare):
+    for i, t in enumerate(spare or ()):
         if t.numel() == size and t.device == device:
-            return _spare.pop(i).view(shape)
+            assert spare is not None
+            return spare.pop(i).view(shape)
     return torch.empty(shape, dtype=torch.int64, device=device)
 
 
-def give_back(t: torch.Tensor) -> None:
-    """``t`` (from :func:`buffer`) is no longer read or written by anyone: keep it for the
-    next exchange of that size, on CPU; the ``_SPARES`` most recent ones. A caller must not
-    touch it afterwards."""
+def give_back(t: torch.Tensor, spare: list[torch.Tensor]) -> None:
+    """``t`` (from :func:`buffer`) is no longer read or written by anyone: keep it in
+    ``spare`` for the next exchange of that size, on CPU; the ``_SPARES`` most recent ones.
+    A caller must not touch it afterwards."""
     if t.device.type != "cpu":  # the CUDA caching allocator reuses memory already
         return
-    _spare.append(t)
-    del _spare[:-_SPARES]
+    spare.append(t)
+    del spare[:-_SPARES]
 
 
 # Enough for a unit's wire and receiving end while the next unit's exchange starts, and
 # for the root unit's between steps: a bound on what is held however many sizes there are.
 _SPARES = 4
-_spare: list[torch.Tensor] = []
 
 
 def decode(index: torch.Tensor, planes: torch.Tensor, terms: int) -> torch.Tensor:
@@ -253,7 +262,6 @@ def _planar(bins: torch.Tensor, world: int) -> torch.Tensor:
 def _matches(name: str, compiled: Callable[..., Any]) -> bool:
     """Whether a compiled pass gives the wide eager code's bits on the probe (laid out for
     as many ranks, up to 3, as its length allows)."""
-    from .narrow import _probe_state  # a narrow state of every kind on the probe
 
     x = fused.probe()
     world = next(w for w in (3, 2, 1) if x.numel() % w == 0)
@@ -262,17 +270,28 @@ def _matches(name: str, compiled: Callable[..., Any]) -> bool:
     to = torch.maximum(own.index, other.index)
     if name == "tops":
         return torch.equal(compiled(x), own.index)
-    bins = torch.empty(world, 2, x.numel() // world, dtype=torch.int64)
-    if name == "encode_at":
-        compiled(x, to, world, bins)
-        return torch.equal(bins, _planar(_align_eager(own, to).bins, world))
-    if name == "widen_at":
-        index, value, carry = _probe_state()
-        narrow = Narrow(index, value, carry, 3)
-        to = torch.maximum(index, other.index)
-        compiled(index, value, carry, to, world, bins)
-        return torch.equal(bins, _planar(_align_eager(widen(narrow), to).bins, world))
+    if name in ("encode_at", "widen_at"):
+        # A world of one is checked too: dynamic shapes compile the value 1 on its own.
+        return all(_lays_out(name, compiled, x, to, other, w) for w in {world, 1})
     total = Binned(to, _align_eager(own, to).bins + _align_eager(other, to).bins, 2)
     out, flags = compiled(total.index, total.bins.t().contiguous(), _F32_OVERFLOW)
     want = _decode_eager(total, "propagate")
     return not int(flags) & 1 and torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
+def _lays_out(name: str, compiled: Callable[..., Any], x: torch.Tensor, to: torch.Tensor,
+              other: Binned, world: int) -> bool:
+    """Whether the compiled ``encode_at`` or ``widen_at`` lays the probe out for ``world``
+    ranks with the wide eager code's bits."""
+    from .narrow import _probe_state
+
+    bins = torch.empty(world, 2, x.numel() // world, dtype=torch.int64)
+    if name == "encode_at":
+        compiled(x, to, world, bins)
+        return torch.equal(bins, _planar(_align_eager(_encode_eager(x, DEFAULT), to).bins,
+                                         world))
+    index, value, carry = _probe_state()
+    narrow = Narrow(index, value, carry, 3)
+    to = torch.maximum(index, other.index)
+    compiled(index, value, carry, to, world, bins)
+    return torch.equal(bins, _planar(_align_eager(widen(narrow), to).bins, world))
