@@ -45,7 +45,7 @@ from __future__ import annotations
 import inspect as pyinspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -208,9 +208,52 @@ class PackedParam:
         return (0, k) if k == full else (self.group.comm.rank * k, k)
 
     def __deepcopy__(self, memo: dict) -> Any:
+        # Reached only by a copy of part of a model: a whole model's copy maps each
+        # shard to its twin's (Note [deep copy] in engine/clone.py).
         raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
-                             f"copy.deepcopy of a sharded model with quantized parameters is "
-                             f"not supported yet")
+                             f"only the whole model can be deep-copied "
+                             f"(copy.deepcopy(model))")
+
+    # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
+    def full_problem(self, value: object) -> str | None:
+        """Why ``value`` cannot be this parameter's full value, or None: it must be the
+        same subclass, of the same shape, with inner tensors of the full tensor's shapes
+        and dtypes (quantized with the same settings)."""
+        name = self.fqns[0]
+        if self.unsaveable:
+            return self.unsaveable
+        kind = type(self.local)
+        if type(value) is not kind or not isinstance(value, torch.Tensor):
+            what = (f"a {value.dtype} {type(value).__qualname__}"
+                    if isinstance(value, torch.Tensor) else type(value).__qualname__)
+            return (f"{name} is a quantized {kind.__qualname__} and the value is {what}: "
+                    f"shardwise writes quantized values only (a {kind.__qualname__} "
+                    f"quantized with the model's settings); to quantize full-precision "
+                    f"weights as they load, use sw.load_pretrained (docs/qlora.md)")
+        if tuple(value.shape) != tuple(self.shape):
+            return (f"{name}: the value has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(self.shape)}")
+        names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+        if sorted(names) != sorted(self.inner):
+            return f"{name}: the value has inner tensors {sorted(names)}, not {sorted(self.inner)}"
+        for n in self.inner:
+            t, mine = getattr(value, n), getattr(self.local, n)
+            if (tuple(t.shape), t.dtype) != (self.full_inner[n], mine.dtype):
+                return (f"{name}: the value's {n} is {t.dtype} {list(t.shape)}, the model's "
+                        f"{mine.dtype} {list(self.full_inner[n])} (quantized with other "
+                        f"settings?)")
+        return None
+
+    def take_full(self, value: torch.Tensor) -> None:
+        """Write this rank's share of the full value ``value`` (checked by
+        :meth:`full_problem`) into its shard: each inner tensor's part, or the whole."""
+        with torch.no_grad():
+            for n in self.inner:
+                off, k = self.inner_piece(n)
+                piece = getattr(value, n).detach().reshape(-1)[off:off + k]
+                mine = getattr(self.local, n)
+                if mine.data_ptr() != piece.data_ptr():
+                    mine.view(-1).copy_(piece)
 
 
 def packed_param(t: torch.Tensor) -> PackedParam | None:
@@ -322,6 +365,7 @@ class PackedGroup:
 
     # -- as a group (Note [one interface for a group] in engine/group.py) --------------
     requires_grad = False  # frozen: never reduced
+    unit: Any = None  # the engine's Unit holding the group, set by the Unit
 
     def expose(self, full: bool) -> None:
         """Register the full tensors (``full``) or the shards on their modules (Note
@@ -512,6 +556,48 @@ class PackedGroup:
     def _free_full(self) -> None:
         for t, _ in self._storages():
             t.untyped_storage().resize_(0)
+
+    def leave_full(self) -> None:
+        """Leave the gathered bytes and full tensors to whatever still references them,
+        and gather next into new ones (Note [full parameters held after gathered()] in
+        gather.py): a full weight kept past a ``gathered()`` block keeps its values."""
+        self.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for pp in self.params:
+            pp.full, pp.allocated = None, []
+
+    def twin(self) -> PackedGroup:
+        """An independent copy of the group (``copy.deepcopy`` of the model, Note [deep
+        copy] in engine/clone.py): its own copy of this rank's bytes, with new shards
+        viewing it at the same offsets, the same slots until the caller remaps them, and
+        nothing gathered. No communication."""
+        new = object.__new__(PackedGroup)
+        new.__dict__.update(self.__dict__)
+        store = self.local.untyped_storage()
+        copied = store.clone()
+
+        def same_place(t: torch.Tensor) -> torch.Tensor:
+            assert t.untyped_storage().data_ptr() == store.data_ptr()
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                copied, t.storage_offset(), t.size(), t.stride())
+        new.local = same_place(self.local)
+        new.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        new._gathered = new._sending = new._gather_work = None
+        new.params = []
+        for pp in self.params:
+            views, ctx = {}, pp.local.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+            for n in pp.inner:
+                views[n] = same_place(getattr(pp.local, n))
+            local = type(pp.local).__tensor_unflatten__(  # type: ignore[attr-defined]
+                views, ctx, pp.local.size(), pp.local.stride())
+            with torch.no_grad():
+                dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
+                                        run_check=False, shape=pp.shard.shape,
+                                        stride=pp.shard.stride())
+            shard = nn.Parameter(dt, requires_grad=False)
+            copy_user_attributes(pp.shard, shard, besides=pp.local)
+            new.params.append(replace(pp, slots=list(pp.slots), local=local, shard=shard,
+                                      group=new, full=None, allocated=[], metadata=None))
+        return new
 
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0

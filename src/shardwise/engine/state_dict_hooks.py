@@ -81,7 +81,7 @@ def install_state_dict_hooks(root: nn.Module) -> None:
             m.register_load_state_dict_pre_hook(_take_rows)
         if any(packed_param(t) is not None for t in m._parameters.values()
                if t is not None):
-            m.register_load_state_dict_pre_hook(_refuse_packed)
+            m.register_load_state_dict_pre_hook(_load_packed)
     root.register_load_state_dict_post_hook(_sync_buffers)
     _hook_optimizers()
 
@@ -232,17 +232,24 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         state_dict[key] = _rows(sp, value, key)
 
 
-def _refuse_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                   *args: Any) -> None:
-    """Loading into a quantized shard is not supported yet: refuse the keys that would
-    (PEFT's adapter loads never name them)."""
-    keys = [prefix + name for name, t in module._parameters.items()
-            if t is not None and packed_param(t) is not None and prefix + name in state_dict]
-    if keys:
-        raise ShardwiseError(f"load_state_dict cannot load quantized (tensor subclass) "
-                             f"parameters of a sharded model yet ({', '.join(keys)}); "
-                             f"nothing was loaded. Quantize the loaded weights before "
-                             f"sw.shard instead (docs/qlora.md)")
+def _load_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 *args: Any) -> None:
+    """A quantized parameter's full value (the same subclass, quantized with the same
+    settings: what ``sw.full_state_dict`` gives) is loaded by keeping this rank's share
+    (Note [packed checkpoints] in engine/packed.py); anything else, a full-precision
+    weight first, is refused by name before this module's values are written."""
+    targets = [(prefix + name, pp) for name, t in module._parameters.items()
+               if t is not None and (pp := packed_param(t)) is not None
+               and prefix + name in state_dict]
+    problems = [why for key, pp in targets if (why := pp.full_problem(state_dict[key]))]
+    if problems:
+        raise ShardwiseError(f"load_state_dict cannot load the quantized parameters of a "
+                             f"sharded model from these values: {'; '.join(problems)}. "
+                             f"This module's values were not loaded")
+    for key, pp in targets:
+        pp.take_full(state_dict[key])
+        # Loaded: what torch copies into the parameter is the shard itself (a no-op).
+        state_dict[key] = pp.shard
 
 
 def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:

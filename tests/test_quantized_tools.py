@@ -1,0 +1,187 @@
+"""Every tool on a sharded model with a quantized (NF4) frozen base (issue 43, part 3):
+``gathered`` (inference, adapter merging, a rank's edits), ``copy.deepcopy`` (a frozen
+reference), ``load_state_dict`` and ``load_pretrained`` into an already quantized model,
+``torch.compile`` and ``MixedPrecision``: each works, compared with the unsharded quantized
+model, or is refused by name. Shapes split evenly at 2 and 3 ranks (96 and 192 rows into
+NF4 blocks of 32 and scale blocks of 8)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+from harness import run_ranks
+from test_quantized import _batches, _bytes, _nf4_bytes, _qlora, _step
+
+import shardwise as sw
+
+if importlib.util.find_spec("torchao") is None:  # not importorskip: torchao's import is noisy
+    pytest.skip("torchao is not installed (shardwise[quant])", allow_module_level=True)
+from shardwise.integrations.quant import nf4_module, quantize_nf4  # noqa: E402
+
+WORLDS = [2, 3]
+
+
+def _lora_targets(model):
+    """Every LoRA-wrapped projection: (name, layer)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A")
+            and "default" in getattr(m, "lora_A", {})]
+
+
+def _merged(layer) -> torch.Tensor:
+    """The layer's NF4 base dequantized plus its LoRA delta (adapter merging)."""
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    return layer.base_layer.weight.get_original_weight() + layer.scaling["default"] * (b @ a)
+
+
+def _logits(model, x) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=x).logits
+
+
+def _gathered(rank, world):
+    """Read-only gathering for inference and merging; a write refused and undone; a
+    modifier rank's edits (an adapter merged into the NF4 base) kept by every rank."""
+    ref, ours = _qlora().eval(), sw.shard(_qlora()).eval()
+    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    nf4 = nf4_module().NF4Tensor
+    targets, ref_targets = _lora_targets(ours), dict(_lora_targets(ref))
+    with sw.gathered(ours):
+        for name, layer in targets:
+            w, expect = layer.base_layer.weight, ref_targets[name].base_layer.weight
+            assert type(w) is nf4 and tuple(w.shape) == tuple(expect.shape)
+            for n in w.__tensor_flatten__()[0]:  # the full bytes, through the protocol
+                assert _bytes(getattr(w, n)) == _bytes(getattr(expect, n)), (name, n)
+            assert torch.equal(_merged(layer), _merged(ref_targets[name])), name
+        assert torch.equal(_logits(ours, x), _logits(ref, x))  # a forward inside
+        kept = targets[0][1].base_layer.weight
+    # Kept past the block: still its values (Note [full parameters held after gathered()]).
+    assert torch.equal(kept.get_original_weight(),
+                       ref_targets[targets[0][0]].base_layer.weight.get_original_weight())
+    assert torch.equal(_logits(ours, x), _logits(ref, x))
+
+    # A write in a read-only block: refused on every rank, by name, and undone.
+    first = targets[0][0] + ".base_layer.weight"
+    with pytest.raises(sw.ReadOnlyGatherError, match=first.replace(".", r"\.")):
+        with sw.gathered(ours):
+            if rank == world - 1:
+                with torch.no_grad():
+                    targets[0][1].base_layer.weight.copy_(torch.randn(96, 96))
+    assert _nf4_bytes(ours) == _nf4_bytes(ref)
+    assert torch.equal(_logits(ours, x), _logits(ref, x))
+
+    # Merging on rank 0: copy_ quantizes the merged float weight with the weight's block
+    # sizes (torchao's NF4 copy_); every rank keeps its share of the new bytes.
+    with sw.gathered(ours, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                for _, layer in targets:
+                    layer.base_layer.weight.copy_(_merged(layer))
+    with torch.no_grad():
+        for layer in ref_targets.values():
+            layer.base_layer.weight.copy_(_merged(layer))
+    assert _nf4_bytes(ours) == _nf4_bytes(ref)
+    assert torch.equal(_logits(ours, x), _logits(ref, x))
+    sw.check_consistency(ours)
+
+    # A replacement that cannot be a quantized weight's value: refused by name, kept.
+    layer = targets[1][1]
+    with pytest.raises(sw.ShardwiseError, match="cannot keep the edits of quantized"):
+        with sw.gathered(ours, modifier_rank=0):
+            if rank == 0:
+                layer.base_layer.weight = nn.Parameter(torch.zeros(3, 3))
+    assert _nf4_bytes(ours) == _nf4_bytes(ref)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gathered_reads_merges_and_edits_an_nf4_base(world):
+    assert run_ranks(_gathered, world, timeout=300) == [True] * world
+
+
+def _deepcopy(rank, world):
+    """A frozen reference model for DPO: the copy's NF4 bytes are its own, its forward is
+    the original's, and neither training nor editing the original moves it."""
+    model = sw.shard(_qlora())
+    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=x, labels=x).loss.backward()  # gathered once: full tensors exist
+    model.zero_grad()
+    before = _logits(model, x)
+    frozen = copy.deepcopy(model)
+    assert _nf4_bytes(frozen) == _nf4_bytes(model)
+    mine = {p.to_local().quantized_data.data_ptr() for p in model.parameters()
+            if type(p.to_local()) is nf4_module().NF4Tensor}
+    theirs = {p.to_local().quantized_data.data_ptr() for p in frozen.parameters()
+              if type(p.to_local()) is nf4_module().NF4Tensor}
+    assert len(mine) == len(theirs) == 2 * 7 and not mine & theirs
+    assert torch.equal(_logits(frozen, x), before)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref = _qlora().eval()  # the unsharded quantized model
+    for batch in _batches(2):
+        # The reference's logits, as DPO takes them, between the original's steps.
+        assert torch.equal(_logits(frozen, batch[:2]), _logits(ref, batch[:2]))
+        _step(model, opt, batch)
+    assert not torch.equal(_logits(model, x), before)  # the original trained
+    with sw.gathered(model, modifier_rank=0):  # and its NF4 base is rewritten
+        if rank == 0:
+            with torch.no_grad():
+                for _, layer in _lora_targets(model):
+                    layer.base_layer.weight.copy_(torch.zeros(layer.base_layer.weight.shape))
+    assert _nf4_bytes(frozen) == _nf4_bytes(_qlora())
+    assert torch.equal(_logits(frozen, x), before)
+    frozen(input_ids=x, labels=x).loss.backward()  # the copy runs a backward of its own
+    sw.check_consistency(frozen)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_deepcopy_of_an_nf4_model_is_an_independent_frozen_reference(world):
+    assert run_ranks(_deepcopy, world, timeout=300) == [True] * world
+
+
+def _linears(seed: int, quantize: bool = True, blocks: tuple[int, int] = (32, 8)) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(96, 192), nn.ReLU(), nn.Linear(192, 96))
+    if quantize:
+        quantize_nf4(m, block_size=blocks[0], scaler_block_size=blocks[1])
+    return m
+
+
+def _loads(rank, world):
+    """Into a model quantized with quantize_nf4 and sharded: NF4 values (a full state
+    dict) load as they are; full-precision weights load through load_pretrained,
+    quantized with the model's block sizes; load_state_dict refuses them by name."""
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(rank))
+    src = sw.shard(_linears(1))
+    sd = sw.full_state_dict(src, rank0_only=False)
+    model = sw.shard(_linears(0))
+    model.load_state_dict(sd)
+    assert _nf4_bytes(model) == _nf4_bytes(_linears(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), _linears(1)(x))
+    # Full precision: load_pretrained quantizes as the model's shards were quantized.
+    fp = _linears(2, quantize=False).state_dict()
+    sw.load_pretrained(model, fp)
+    assert _nf4_bytes(model) == _nf4_bytes(_linears(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), _linears(2)(x))
+    # load_state_dict copies values: a float weight, or NF4 of other block sizes, is
+    # refused by name, and that module keeps its values.
+    before = _nf4_bytes(model)
+    for value, match in [(fp["0.weight"], r"0\.weight is a quantized NF4Tensor and the "
+                                          r"value is a torch.float32 Tensor.*load_pretrained"),
+                         (_linears(1, blocks=(64, 4))[0].weight, r"0\.weight: the value's "
+                                                                  r".*other settings")]:
+        with pytest.raises(sw.ShardwiseError, match=match):
+            model.load_state_dict({"0.weight": value}, strict=False)
+    assert _nf4_bytes(model) == before
+    sw.check_consistency(model)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_load_into_a_sharded_nf4_model(world):
+    assert run_ranks(_loads, world, timeout=300) == [True] * world
