@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 from harness import run_ranks
-from test_quantized import _batches, _bytes, _nf4_bytes, _qlora, _step
+from test_quantized import _adapters, _batches, _bytes, _nf4_bytes, _qlora, _step
 
 import shardwise as sw
 
@@ -260,3 +261,37 @@ def _compiled_and_mixed(rank, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_compile_and_mixed_precision_with_an_nf4_base(world):
     assert run_ranks(_compiled_and_mixed, world, timeout=600) == [True] * world
+
+
+def _offloaded(rank, world, folder):
+    """The adapters' master shards and AdamW state on the host or disk tier, the NF4
+    bytes on the device: the same bits as nothing offloaded (reproducible mode).
+    Offloading the quantized bytes themselves (params=) is refused by name."""
+    def run(offload):
+        model = sw.shard(_qlora(), reproducible=True, offload=offload)
+        before = _nf4_bytes(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = [_step(model, opt, batch) for batch in _batches()]
+        assert _nf4_bytes(model) == before
+        return losses, _adapters(model, opt), sw.inspect(model).tier_bytes
+    ref_losses, ref_state, _ = run(None)
+    for tier in ("cpu", "disk"):
+        losses, state, tiers = run(sw.Offload(optimizer=tier,
+                                              folder=folder if tier == "disk" else None))
+        assert losses == ref_losses, (tier, losses, ref_losses)
+        assert state.keys() == ref_state.keys()
+        assert all(torch.equal(state[k], ref_state[k]) for k in state), tier
+        assert tiers[tier] > 0, tiers  # the adapters' state is there
+    for params in ("cpu", "disk"):
+        with pytest.raises(sw.ShardwiseError, match=rf"Offload\(params='{params}'\) does "
+                                                    rf"not take quantized .*q_proj"):
+            sw.shard(_qlora(), offload=sw.Offload(params=params, optimizer="disk",
+                                                  folder=folder))
+    left = [f for f in os.listdir(os.path.join(folder, f"rank{rank}")) if f != ".lock"]
+    assert left == [], left
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_offload_of_adapters_beside_an_nf4_base(world, tmp_path):
+    assert run_ranks(_offloaded, world, str(tmp_path), timeout=600) == [True] * world

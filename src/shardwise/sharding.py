@@ -560,11 +560,16 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     packed = [r for r in records if uses_protocol(r.param)]
     for r in packed:
         split(r.fqns[0], r.param, shards)  # refuses uneven splits before any change
-    if packed and offload is not None:
-        raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
-                             f"parameters yet ({packed[0].fqns[0]}, ...): they are already a "
-                             f"quarter of their full-precision size or less; shard without "
-                             f"offload=")
+    if packed and offload is not None and offload.param_tier != "device":
+        # Optimizer tiers take only the trainable groups (adapters), which are flat; the
+        # packed bytes stay on the device, frozen and without optimizer state.
+        raise ShardwiseError(f"Offload(params={offload.params!r}) does not take quantized "
+                             f"(tensor subclass) parameters yet ({packed[0].fqns[0]}, ...): "
+                             f"their packed bytes stay on the device. Offload the adapters' "
+                             f"master shards and optimizer state with "
+                             f"Offload(optimizer={offload.optimizer!r}) (params on the "
+                             f"device); the quantized bytes are already a quarter of their "
+                             f"full-precision size or less")
     scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
     if scalars:
         raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
