@@ -11,6 +11,7 @@ holds the same bytes as the unsharded one, so forwards match the unsharded model
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import json
 import os
@@ -588,21 +589,26 @@ def test_qlora_checkpoint_round_trips_the_nf4_base_across_world_sizes(tmp_path):
             assert torch.equal(got[k], state[k]), (world, k)
 
 
-def _qlora_generate(rank, world):
-    """PeftModel.generate on a sharded QLoRA model (Note [forward entries]): the inner
+def _qlora_generate(rank, world, quantize):
+    """PeftModel.generate on a sharded (Q)LoRA model (Note [forward entries]): the inner
     model's forward gathers the root unit and the NF4 bytes, as a call of the root would;
     the tokens are the unsharded quantized model's."""
-    ref = _qlora().eval()
-    ours = sw.shard(_qlora()).eval()
+    ref = _qlora(quantize=quantize).eval()
+    ours = sw.shard(_qlora(quantize=quantize)).eval()
     prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     opts = {"max_new_tokens": 3 + 4 * rank, "do_sample": False, "eos_token_id": None}
     with torch.no_grad():
         got = ours.generate(input_ids=prompt, **opts)
         expect = ref.generate(input_ids=prompt, **opts)
+        # A deep copy (its own NF4 bytes and hooks) generates the same tokens.
+        copied = copy.deepcopy(ours).generate(input_ids=prompt, **opts)
     assert torch.equal(got, expect), (got, expect)
+    assert torch.equal(copied, expect), (copied, expect)
     return True
 
 
 @pytest.mark.slow
-def test_generate_on_a_sharded_qlora_model_equals_unsharded():
-    assert run_ranks(_qlora_generate, 2, timeout=180) == [True, True]
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("quantize", [True, False], ids=["qlora", "lora"])
+def test_generate_on_a_sharded_qlora_model_equals_unsharded(world, quantize):
+    assert run_ranks(_qlora_generate, world, quantize, timeout=180) == [True] * world
