@@ -226,8 +226,6 @@ def _refusals(rank, world, folder):
     with pytest.raises(sw.ShardwiseError, match="equal shards"):
         sw.shard(uneven)
     assert not sw.is_sharded(uneven) and type(uneven[0][0].weight) is RowInt8
-    with pytest.raises(sw.ShardwiseError, match=r"Offload\(params='cpu'\)"):
-        sw.shard(_net(), offload=sw.Offload(params="cpu", optimizer="cpu"))
     model = sw.shard(_net())
     # gathered, deepcopy and loading NF4 values work: tests/test_quantized_tools.py.
     refused = {

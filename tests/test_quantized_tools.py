@@ -264,34 +264,33 @@ def test_compile_and_mixed_precision_with_an_nf4_base(world):
 
 
 def _offloaded(rank, world, folder):
-    """The adapters' master shards and AdamW state on the host or disk tier, the NF4
-    bytes on the device: the same bits as nothing offloaded (reproducible mode).
-    Offloading the quantized bytes themselves (params=) is refused by name."""
+    """The NF4 bytes in host memory or in the disk tier's files, the adapters' master
+    shards and AdamW state where asked: the same bits as nothing offloaded (reproducible
+    mode), the NF4 bytes unchanged, and each tier holding what it was given."""
     def run(offload):
         model = sw.shard(_qlora(), reproducible=True, offload=offload)
         before = _nf4_bytes(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = [_step(model, opt, batch) for batch in _batches()]
         assert _nf4_bytes(model) == before
-        return losses, _adapters(model, opt), sw.inspect(model).tier_bytes
-    ref_losses, ref_state, _ = run(None)
-    for tier in ("cpu", "disk"):
-        losses, state, tiers = run(sw.Offload(optimizer=tier,
-                                              folder=folder if tier == "disk" else None))
-        assert losses == ref_losses, (tier, losses, ref_losses)
+        view = sw.inspect(model)
+        return losses, _adapters(model, opt), view.tier_bytes, view.packed_bytes
+    ref_losses, ref_state, _, packed = run(None)
+    for params, optimizer in [(None, "cpu"), (None, "disk"), ("cpu", "cpu"),
+                              ("disk", "disk")]:
+        disk = "disk" in (params, optimizer)
+        losses, state, tiers, _ = run(sw.Offload(params=params, optimizer=optimizer,
+                                                 folder=folder if disk else None))
+        what = (params, optimizer)
+        assert losses == ref_losses, (what, losses, ref_losses)
         assert state.keys() == ref_state.keys()
-        assert all(torch.equal(state[k], ref_state[k]) for k in state), tier
-        assert tiers[tier] > 0, tiers  # the adapters' state is there
-    for params in ("cpu", "disk"):
-        with pytest.raises(sw.ShardwiseError, match=rf"Offload\(params='{params}'\) does "
-                                                    rf"not take quantized .*q_proj"):
-            sw.shard(_qlora(), offload=sw.Offload(params=params, optimizer="disk",
-                                                  folder=folder))
+        assert all(torch.equal(state[k], ref_state[k]) for k in state), what
+        assert tiers[optimizer] > (packed if params == optimizer else 0), (what, tiers)
     left = [f for f in os.listdir(os.path.join(folder, f"rank{rank}")) if f != ".lock"]
     assert left == [], left
     return True
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_offload_of_adapters_beside_an_nf4_base(world, tmp_path):
+def test_offload_of_an_nf4_base_and_its_adapters(world, tmp_path):
     assert run_ranks(_offloaded, world, str(tmp_path), timeout=600) == [True] * world

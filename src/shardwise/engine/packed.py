@@ -384,7 +384,8 @@ class PackedGroup:
         pass
 
     def read_ahead(self) -> None:
-        pass
+        if self._disk is not None:
+            self._disk.prefetch()
 
     def start_reduce(self, sync: bool) -> None:
         pass
@@ -393,10 +394,11 @@ class PackedGroup:
         return False  # frozen: no optimizer step changes its shard
 
     def page_release(self) -> Callable[[], None] | None:
-        return None  # never offloaded
+        return self._disk.release if self._disk is not None else None
 
     def release_pages(self) -> None:
-        pass
+        if self._disk is not None:
+            self._disk.release()
 
     @property
     def kept_bytes(self) -> int:
@@ -407,10 +409,10 @@ class PackedGroup:
         return 0
 
     def bytes_by_tier(self) -> dict[str, int]:
-        return {}
+        return {} if self._tier == "device" else {self._tier: self.local.numel()}
 
     def offload_description(self) -> str | None:
-        return None
+        return None if self._tier == "device" else f"quantized bytes on {self._tier}"
 
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
@@ -454,6 +456,7 @@ class PackedGroup:
 
     def start_gather(self) -> None:
         send = self._send_buffer()
+        self.release_pages()  # Note [packed bytes offloaded]: read, so dropped
         if self.comm.world_size == 1:
             self._gathered = send
             return
@@ -557,6 +560,44 @@ class PackedGroup:
         for t, _ in self._storages():
             t.untyped_storage().resize_(0)
 
+    # Note [packed bytes offloaded]
+    # Offload(params="disk") keeps this rank's packed bytes in a file of the rank's folder
+    # (engine/offload/disk.py), mapped: every chunk's inner tensors are re-pointed at the
+    # mapping with ``set_``, so the chunks and the shards the modules hold stay the same
+    # objects. A gather reads them through ``fsdp_pre_all_gather`` as before, then drops
+    # their pages, so memory holds the bytes of the units being gathered only (the page
+    # cache keeps them; a later read maps them back). Frozen, they are written only by a
+    # checkpoint load or ``gathered(modifier_rank=)``, through the mapping. With
+    # ``params="cpu"`` on a CPU device they stay where they are, host memory. On a GPU the
+    # protocol's inputs and metadata (NF4's scaler mean, lookup table) would be host
+    # tensors: refused at ``sw.shard`` until they are staged on the device.
+    _tier = "device"
+    _disk: Any = None  # the DiskBuffer holding ``local``, on the disk tier
+
+    def place(self, placement: Any) -> None:
+        """Move this rank's bytes to ``placement``'s parameter tier (an
+        ``engine.offload.Placement``; Note [packed bytes offloaded]); call before
+        ``install``."""
+        tier = placement.params
+        if tier == "device" or self.device.type != "cpu":
+            return
+        self._tier = tier
+        if tier != "disk":
+            return
+        self._disk = placement.folder.buffer(self.local.numel(), torch.uint8, "quantized")
+        mapped = self._disk.tensor
+        mapped.copy_(self.local)
+        assert self.local.storage_offset() == 0, "the inner tensors' offsets are local's"
+        old = self.local.untyped_storage().data_ptr()
+        with torch.no_grad():
+            for pp in self.params:
+                for n in pp.inner:
+                    t = getattr(pp.local, n)
+                    assert t.untyped_storage().data_ptr() == old
+                    t.set_(mapped.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+            self.local = mapped
+        self.release_pages()
+
     def leave_full(self) -> None:
         """Leave the gathered bytes and full tensors to whatever still references them,
         and gather next into new ones (Note [full parameters held after gathered()] in
@@ -580,6 +621,7 @@ class PackedGroup:
             return torch.empty(0, dtype=t.dtype, device=t.device).set_(
                 copied, t.storage_offset(), t.size(), t.stride())
         new.local = same_place(self.local)
+        new._tier, new._disk = "device", None  # a copy's bytes live in memory
         new.full = torch.empty(0, dtype=torch.uint8, device=self.device)
         new._gathered = new._sending = new._gather_work = None
         new.params = []
