@@ -63,6 +63,9 @@ def _gathered(rank, world):
     assert torch.equal(kept.get_original_weight(),
                        ref_targets[targets[0][0]].base_layer.weight.get_original_weight())
     assert torch.equal(_logits(ours, x), _logits(ref, x))
+    # One weight given alone: its full NF4 tensor.
+    with sw.gathered(targets[0][1].base_layer.weight) as w:
+        assert type(w) is nf4 and torch.equal(w.get_original_weight(), kept.get_original_weight())
 
     # A write in a read-only block: refused on every rank, by name, and undone.
     first = targets[0][0] + ".base_layer.weight"
@@ -294,3 +297,23 @@ def _offloaded(rank, world, folder):
 @pytest.mark.parametrize("world", WORLDS)
 def test_offload_of_an_nf4_base_and_its_adapters(world, tmp_path):
     assert run_ranks(_offloaded, world, str(tmp_path), timeout=600) == [True] * world
+
+
+def test_offloading_nf4_bytes_on_a_gpu_is_refused_by_name():
+    """On a GPU the packed bytes would need staging on the device for every gather
+    (Note [packed bytes offloaded]): Offload(params=...) is refused before anything
+    changes, naming the weight; this machine has no GPU, so the check is called as
+    sw.shard calls it, with a CUDA device."""
+    from shardwise import sharding
+    from shardwise.planning.units import discover_params
+
+    m = _linears(0)
+    records = discover_params(m, [""])
+    for params in ("cpu", "disk"):
+        offload = sw.Offload(params=params, optimizer="disk", folder="/nonexistent")
+        with pytest.raises(sw.ShardwiseError, match=rf"Offload\(params='{params}'\) does "
+                                                    rf"not take quantized .* on a cuda "
+                                                    rf"device yet \(0\.weight, \.\.\.\)"):
+            sharding._check_params(records, 0, 0, offload, 2, torch.device("cuda", 0))
+    sharding._check_params(records, 0, 0, offload, 2, torch.device("cpu"))  # taken
+    assert type(m[0].weight) is nf4_module().NF4Tensor  # nothing changed
