@@ -166,6 +166,10 @@ def _loads(rank, world):
     assert _nf4_bytes(model) == _nf4_bytes(_linears(1))
     with torch.no_grad():
         assert torch.equal(model(x), _linears(1)(x))
+    # This rank's rows, as model.state_dict() gives them (DTensors of NF4 chunks).
+    other = sw.shard(_linears(3))
+    other.load_state_dict(model.state_dict())
+    assert _nf4_bytes(other) == _nf4_bytes(_linears(1))
     # Full precision: load_pretrained quantizes as the model's shards were quantized.
     fp = _linears(2, quantize=False).state_dict()
     sw.load_pretrained(model, fp)
