@@ -34,7 +34,8 @@ _fsdp_param.py``), so one subclass works under both. What it adds:
 Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
 subclass, float8 training, would need its gradients reduced through the protocol), every
 rank's chunk must have the same shape (no padding), its inner tensors must be plain, and
-``offload=`` and ``sharded_init`` do not take it. Any other tensor subclass, and any
+``sharded_init`` and, on a GPU, ``Offload(params=...)`` do not take it (Note [packed bytes
+offloaded]). Any other tensor subclass, and any
 ``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
 beside packed bytes that a row split would tear apart), is refused: shardwise never
 shards a tensor whose bytes it cannot move exactly.
