@@ -2,8 +2,10 @@
 ``gathered`` (inference, adapter merging, a rank's edits), ``copy.deepcopy`` (a frozen
 reference), ``load_state_dict`` and ``load_pretrained`` into an already quantized model,
 ``torch.compile`` and ``MixedPrecision``: each works, compared with the unsharded quantized
-model, or is refused by name. Shapes split evenly at 2 and 3 ranks (96 and 192 rows into
-NF4 blocks of 32 and scale blocks of 8)."""
+model, or is refused by name. Two tiny Llamas: one whose shapes split evenly at 2 and 3
+ranks (96 and 192 rows into NF4 blocks of 32 and scale blocks of 8), and, at 3 ranks,
+tests/test_quantized_uneven.py's, whose 64-row projections are divided by bytes (Note
+[uneven packed parameters] in engine/packed.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +18,29 @@ import torch
 import torch.nn as nn
 from harness import run_ranks
 from test_quantized import _adapters, _batches, _bytes, _nf4_bytes, _qlora, _step
+from test_quantized_uneven import _divided_by_bytes
+from test_quantized_uneven import _qlora as _uneven_qlora
 
 import shardwise as sw
 
 if importlib.util.find_spec("torchao") is None:  # not importorskip: torchao's import is noisy
     pytest.skip("torchao is not installed (shardwise[quant])", allow_module_level=True)
+from shardwise.engine.packed import packed_param  # noqa: E402
 from shardwise.integrations.quant import nf4_module, quantize_nf4  # noqa: E402
 
 WORLDS = [2, 3]
+# (world size, model): the even Llama at 2 and 3 ranks; the uneven one at 3, where its
+# q, k, v, o and down projections are divided by bytes.
+CASES = [pytest.param(2, "even", id="2-even"), pytest.param(3, "even", id="3-even"),
+         pytest.param(3, "uneven", id="3-uneven")]
+BUILD = {"even": _qlora, "uneven": _uneven_qlora}
+
+
+def _sharded(kind: str, **kwargs):
+    """The ``kind`` tiny Llama, sharded: weights divided by bytes exactly when uneven."""
+    model = sw.shard(BUILD[kind](), **kwargs)
+    assert bool(_divided_by_bytes(model)) == (kind == "uneven"), _divided_by_bytes(model)
+    return model
 
 
 def _lora_targets(model):
@@ -43,10 +60,10 @@ def _logits(model, x) -> torch.Tensor:
         return model(input_ids=x).logits
 
 
-def _gathered(rank, world):
+def _gathered(rank, world, kind):
     """Read-only gathering for inference and merging; a write refused and undone; a
     modifier rank's edits (an adapter merged into the NF4 base) kept by every rank."""
-    ref, ours = _qlora().eval(), sw.shard(_qlora()).eval()
+    ref, ours = BUILD[kind]().eval(), _sharded(kind).eval()
     x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     nf4 = nf4_module().NF4Tensor
     targets, ref_targets = _lora_targets(ours), dict(_lora_targets(ref))
@@ -73,7 +90,8 @@ def _gathered(rank, world):
         with sw.gathered(ours):
             if rank == world - 1:
                 with torch.no_grad():
-                    targets[0][1].base_layer.weight.copy_(torch.randn(96, 96))
+                    w = targets[0][1].base_layer.weight
+                    w.copy_(torch.randn(tuple(w.shape)))
     assert _nf4_bytes(ours) == _nf4_bytes(ref)
     assert torch.equal(_logits(ours, x), _logits(ref, x))
 
@@ -101,29 +119,35 @@ def _gathered(rank, world):
     return True
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_gathered_reads_merges_and_edits_an_nf4_base(world):
-    assert run_ranks(_gathered, world, timeout=300) == [True] * world
+@pytest.mark.parametrize("world,kind", CASES)
+def test_gathered_reads_merges_and_edits_an_nf4_base(world, kind):
+    assert run_ranks(_gathered, world, kind, timeout=300) == [True] * world
 
 
-def _deepcopy(rank, world):
+def _homes(model) -> tuple[int, set[int]]:
+    """How many quantized weights a sharded model holds, and the storages of this rank's
+    bytes of them."""
+    pps = [pp for p in model.parameters() if (pp := packed_param(p)) is not None]
+    return len(pps), {t.untyped_storage().data_ptr() for pp in pps for t in pp.pieces.values()}
+
+
+def _deepcopy(rank, world, kind):
     """A frozen reference model for DPO: the copy's NF4 bytes are its own, its forward is
     the original's, and neither training nor editing the original moves it."""
-    model = sw.shard(_qlora())
+    build = BUILD[kind]
+    model = _sharded(kind)
     x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     model(input_ids=x, labels=x).loss.backward()  # gathered once: full tensors exist
     model.zero_grad()
     before = _logits(model, x)
     frozen = copy.deepcopy(model)
     assert _nf4_bytes(frozen) == _nf4_bytes(model)
-    mine = {p.to_local().quantized_data.data_ptr() for p in model.parameters()
-            if type(p.to_local()) is nf4_module().NF4Tensor}
-    theirs = {p.to_local().quantized_data.data_ptr() for p in frozen.parameters()
-              if type(p.to_local()) is nf4_module().NF4Tensor}
-    assert len(mine) == len(theirs) == 2 * 7 and not mine & theirs
+    (n_mine, mine), (n_theirs, theirs) = _homes(model), _homes(frozen)
+    assert n_mine == n_theirs == 2 * 7 and mine and not mine & theirs
+    assert _divided_by_bytes(frozen) == _divided_by_bytes(model)
     assert torch.equal(_logits(frozen, x), before)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref = _qlora().eval()  # the unsharded quantized model
+    ref = build().eval()  # the unsharded quantized model
     for batch in _batches(2):
         # The reference's logits, as DPO takes them, between the original's steps.
         assert torch.equal(_logits(frozen, batch[:2]), _logits(ref, batch[:2]))
@@ -134,16 +158,16 @@ def _deepcopy(rank, world):
             with torch.no_grad():
                 for _, layer in _lora_targets(model):
                     layer.base_layer.weight.copy_(torch.zeros(layer.base_layer.weight.shape))
-    assert _nf4_bytes(frozen) == _nf4_bytes(_qlora())
+    assert _nf4_bytes(frozen) == _nf4_bytes(build())
     assert torch.equal(_logits(frozen, x), before)
     frozen(input_ids=x, labels=x).loss.backward()  # the copy runs a backward of its own
     sw.check_consistency(frozen)
     return True
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_deepcopy_of_an_nf4_model_is_an_independent_frozen_reference(world):
-    assert run_ranks(_deepcopy, world, timeout=300) == [True] * world
+@pytest.mark.parametrize("world,kind", CASES)
+def test_deepcopy_of_an_nf4_model_is_an_independent_frozen_reference(world, kind):
+    assert run_ranks(_deepcopy, world, kind, timeout=300) == [True] * world
 
 
 def _linears(seed: int, quantize: bool = True, blocks: tuple[int, int] = (32, 8)) -> nn.Module:
@@ -193,6 +217,39 @@ def _loads(rank, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_load_into_a_sharded_nf4_model(world):
     assert run_ranks(_loads, world, timeout=300) == [True] * world
+
+
+def _loads_uneven(rank, world):
+    """Into weights divided by bytes: a full state dict's NF4 values, each rank keeping
+    its element ranges; what model.state_dict() holds for them (no values), another
+    world size's chunks, and full precision, refused by name, nothing written."""
+    x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    sd = sw.full_state_dict(sw.shard(_uneven_qlora(1)), rank0_only=False)
+    model = _sharded("uneven")
+    model.load_state_dict(sd)
+    ref = _uneven_qlora(1).eval()
+    assert _nf4_bytes(model) == _nf4_bytes(ref)
+    assert torch.equal(_logits(model.eval(), x), _logits(ref, x))
+    before = _nf4_bytes(model)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    name = key.replace(".", r"\.")
+    even_chunks = sw.shard(_qlora()).state_dict()  # 96 wide, split into NF4 chunks
+    for value, match in [
+            (model.state_dict()[key], rf"{name}: the value is this rank's share of a weight "
+                                      rf"divided by bytes.*sw\.full_state_dict"),
+            (even_chunks[key], rf"{name} is a DTensor holding a NF4Tensor chunk, but at "
+                               rf"this world size the weight is divided by bytes"),
+            (sd[key].get_original_weight(), rf"{name} is a quantized NF4Tensor and the "
+                                             rf"value is a torch.float32 Tensor")]:
+        with pytest.raises(sw.ShardwiseError, match=match):
+            model.load_state_dict({key: value}, strict=False)
+    assert _nf4_bytes(model) == before
+    sw.check_consistency(model)
+    return True
+
+
+def test_load_into_nf4_weights_divided_by_bytes():
+    assert run_ranks(_loads_uneven, 3, timeout=300) == [True] * 3
 
 
 class _Block(nn.Module):
@@ -270,12 +327,13 @@ def test_compile_and_mixed_precision_with_an_nf4_base(world):
     assert run_ranks(_compiled_and_mixed, world, timeout=600) == [True] * world
 
 
-def _offloaded(rank, world, folder):
+def _offloaded(rank, world, kind, folder):
     """The NF4 bytes in host memory or in the disk tier's files, the adapters' master
     shards and AdamW state where asked: the same bits as nothing offloaded (reproducible
-    mode), the NF4 bytes unchanged, and each tier holding what it was given."""
+    mode), the NF4 bytes unchanged, and each tier holding what it was given; values
+    loaded into the mapped bytes are what the next gather reads."""
     def run(offload):
-        model = sw.shard(_qlora(), reproducible=True, offload=offload)
+        model = _sharded(kind, reproducible=True, offload=offload)
         before = _nf4_bytes(model)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         losses = [_step(model, opt, batch) for batch in _batches()]
@@ -293,14 +351,24 @@ def _offloaded(rank, world, folder):
         assert state.keys() == ref_state.keys()
         assert all(torch.equal(state[k], ref_state[k]) for k in state), what
         assert tiers[optimizer] > (packed if params == optimizer else 0), (what, tiers)
+
+    def load_on_disk():
+        model = _sharded(kind, offload=sw.Offload(params="disk", optimizer="disk",
+                                                  folder=folder))
+        model.load_state_dict(sw.full_state_dict(sw.shard(BUILD[kind](1)), rank0_only=False))
+        ref = BUILD[kind](1).eval()
+        x = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+        assert torch.equal(_logits(model.eval(), x), _logits(ref, x))
+        assert _nf4_bytes(model) == _nf4_bytes(ref)
+    load_on_disk()
     left = [f for f in os.listdir(os.path.join(folder, f"rank{rank}")) if f != ".lock"]
     assert left == [], left
     return True
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_offload_of_an_nf4_base_and_its_adapters(world, tmp_path):
-    assert run_ranks(_offloaded, world, str(tmp_path), timeout=600) == [True] * world
+@pytest.mark.parametrize("world,kind", CASES)
+def test_offload_of_an_nf4_base_and_its_adapters(world, kind, tmp_path):
+    assert run_ranks(_offloaded, world, kind, str(tmp_path), timeout=600) == [True] * world
 
 
 def test_offloading_nf4_bytes_on_a_gpu_is_refused_by_name():

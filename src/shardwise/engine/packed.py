@@ -302,7 +302,8 @@ aten = torch.ops.aten
 class ByteShard(torch.Tensor):
     """What the module holds, while sharded, for a quantized weight divided by bytes
     (Note [uneven packed parameters]): its shape and dtype, no values. Every operation
-    but ``detach`` (which ``nn.Parameter`` needs) raises, naming the weight."""
+    but ``detach`` (which ``nn.Parameter`` needs) and a copy into itself (what
+    ``load_state_dict`` does once the values are loaded) raises, naming the weight."""
 
     _shardwise_about: str
 
@@ -341,6 +342,10 @@ class ByteShard(torch.Tensor):
         t = args[0]
         if func is aten.detach.default:
             return cls(t.shape, t.dtype, t.device, t._shardwise_about)
+        if func is aten.copy_.default and args[1] is t:
+            # load_state_dict copies what the module holds into itself once its values
+            # are loaded (_load_packed in engine/state_dict_hooks.py): nothing to do.
+            return t
         raise t.refusal(str(func))
 
 
