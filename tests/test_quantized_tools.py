@@ -386,6 +386,6 @@ def test_offloading_nf4_bytes_on_a_gpu_is_refused_by_name():
         with pytest.raises(sw.ShardwiseError, match=rf"Offload\(params='{params}'\) does "
                                                     rf"not take quantized .* on a cuda "
                                                     rf"device yet \(0\.weight, \.\.\.\)"):
-            sharding._check_params(records, 0, 0, offload, 2, torch.device("cuda", 0))
-    sharding._check_params(records, 0, 0, offload, 2, torch.device("cpu"))  # taken
+            sharding._check_params(records, 0, 0, offload, 2, None, torch.device("cuda", 0))
+    sharding._check_params(records, 0, 0, offload, 2, None, torch.device("cpu"))  # taken
     assert type(m[0].weight) is nf4_module().NF4Tensor  # nothing changed
