@@ -473,7 +473,10 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # place, ``w.copy_(merged)``, which for an NF4Tensor quantizes a float value with the
 # weight's block sizes; or replaced by a value ``copy_`` accepts) are broadcast inner
 # tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
-# rule of Note [packed checkpoints]).
+# rule of Note [packed checkpoints]). A weight divided by bytes (Note [uneven packed
+# parameters] in engine/packed.py) is the same full subclass tensor, rebuilt around the
+# gathered bytes: none of its inner tensors is the shard's, so a read-only block's
+# regather alone restores it, and ``take_full`` keeps each rank's element ranges.
 def _version(pp: PackedParam) -> int:
     return -1 if pp.full is None else pp.full._version
 
