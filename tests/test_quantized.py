@@ -242,20 +242,17 @@ def _refusals(rank, world, folder):
     assert type(sharded[1][0].weight).__name__ == "ByteShard"
     with torch.no_grad():
         assert torch.equal(sharded(x), uneven()(x))
-    with pytest.raises(sw.ShardwiseError, match="offload="):
-        sw.shard(_net(), offload=sw.Offload(optimizer="cpu"))
     model = sw.shard(_net())
+    # gathered, deepcopy and loading NF4 values work: tests/test_quantized_tools.py.
     refused = {
         "sw.load_pretrained": lambda: sw.load_pretrained(model, {}),
-        "sw.gathered": lambda: sw.gathered(model).__enter__(),
-        "copy.deepcopy": lambda: copy.deepcopy(model),
         "load_state_dict": lambda: model.load_state_dict(
             {"blocks.0.proj.weight": torch.zeros(12, 12)}, strict=False),
     }
     for what, call in refused.items():
         with pytest.raises(sw.ShardwiseError, match="quantized") as err:
             call()
-        assert what in str(err.value) or what == "sw.gathered", err.value
+        assert what in str(err.value), err.value
     # Chunks whose inner tensors are not parts of the full tensor's train, but a
     # checkpoint could not reshard them: the save says so and writes nothing.
     counted = sw.shard(_with_weight(CountedRows(*_parts(torch.randn(4, 4)))))
@@ -614,24 +611,29 @@ def test_qlora_checkpoint_round_trips_the_nf4_base_across_world_sizes(tmp_path):
             assert torch.equal(got[k], state[k]), (world, k)
 
 
-def _qlora_generate(rank, world):
-    """PeftModel.generate on a sharded QLoRA model (Note [forward entries]): the inner
+def _qlora_generate(rank, world, quantize):
+    """PeftModel.generate on a sharded (Q)LoRA model (Note [forward entries]): the inner
     model's forward gathers the root unit and the NF4 bytes, as a call of the root would;
     the tokens are the unsharded quantized model's."""
-    ref = _qlora().eval()
-    ours = sw.shard(_qlora()).eval()
+    ref = _qlora(quantize=quantize).eval()
+    ours = sw.shard(_qlora(quantize=quantize)).eval()
     prompt = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     opts = {"max_new_tokens": 3 + 4 * rank, "do_sample": False, "eos_token_id": None}
     with torch.no_grad():
         got = ours.generate(input_ids=prompt, **opts)
         expect = ref.generate(input_ids=prompt, **opts)
+        # A deep copy (its own NF4 bytes and hooks) generates the same tokens.
+        copied = copy.deepcopy(ours).generate(input_ids=prompt, **opts)
     assert torch.equal(got, expect), (got, expect)
+    assert torch.equal(copied, expect), (copied, expect)
     return True
 
 
 @pytest.mark.slow
-def test_generate_on_a_sharded_qlora_model_equals_unsharded():
-    assert run_ranks(_qlora_generate, 2, timeout=180) == [True, True]
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("quantize", [True, False], ids=["qlora", "lora"])
+def test_generate_on_a_sharded_qlora_model_equals_unsharded(world, quantize):
+    assert run_ranks(_qlora_generate, world, quantize, timeout=180) == [True] * world
 
 
 def _moves_and_casts(rank, world):

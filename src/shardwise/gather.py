@@ -31,7 +31,7 @@ from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.buffers import named_buffers
 from .engine.group import BufferGroup
-from .engine.packed import packed_param
+from .engine.packed import PackedParam, packed_param
 from .engine.unit import ShardedParam, Unit, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
@@ -225,18 +225,16 @@ class _GatherSession:
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:
-            sp = sharded_param(p)
-            if sp is not None and sp.unit is not None and all(sp.unit is not u
-                                                              for u in self.units):
-                self.units.append(sp.unit)
-        packed = [names.get(id(p), "?") for p in self.params if packed_param(p) is not None]
-        if packed:
-            raise ShardwiseError(f"sw.gathered does not take quantized (tensor subclass) "
-                                 f"parameters yet ({', '.join(packed[:3])}); nothing was "
-                                 f"gathered. docs/qlora.md lists what works with them")
+            sp, pp = sharded_param(p), packed_param(p)
+            unit = sp.unit if sp is not None else pp.group.unit if pp and pp.group else None
+            if unit is not None and all(unit is not u for u in self.units):
+                self.units.append(unit)
         self.plain: list[tuple[str, torch.Tensor]] = [
-            (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
+            (names.get(id(p), "?"), p) for p in self.params
+            if sharded_param(p) is None and packed_param(p) is None]
         self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups]
+        # Quantized parameters (Note [quantized parameters in gathered()]).
+        self.packed = [g for u in self.units for g in u.packed]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
         self.ended = False
@@ -252,7 +250,8 @@ class _GatherSession:
         one tensor its full tensor."""
         if self.module is not None:
             return self.module
-        full = [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
+        full = [sp.full if (sp := sharded_param(p)) is not None else
+                pp.full if (pp := packed_param(p)) is not None else p for p in self.params]
         return full[0] if self.single else full
 
     def enter(self) -> None:
@@ -288,6 +287,10 @@ class _GatherSession:
             lambda saved: saved.unpack() if isinstance(saved, _Saved) else saved)
         self._saved_hooks.__enter__()
         self.group_versions = [g.full._version for g in self.groups]
+        self.packed_versions = [(pp, _version(pp)) for g in self.packed for pp in g.params]
+        # Note [quantized parameters in gathered()]: what a write may reach of the shards.
+        self.packed_kept = ([(t, t.detach().clone()) for g in self.packed for pp in g.params
+                             for t in _shared_inner(pp)] if r is None else [])
         buffers = named_buffers(self.module) if self.module is not None else []
         self.buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
                                 if r is None else [])
@@ -310,27 +313,36 @@ class _GatherSession:
                 for g in u.groups:
                     for sp, old in zip(g.params, g.leave_full()):
                         _left_behind(old, sp)
+                for pg in u.packed:
+                    pg.leave_full()
             u.reshard()
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""
         replaced = [_Slot(sp, m, a) for g in self.groups for sp in g.params
                     for m, a in sp.slots if m._parameters.get(a) is not sp.full]
+        replaced_packed = [(pp, m, a) for g in self.packed for pp in g.params
+                           for m, a in pp.slots if m._parameters.get(a) is not pp.full]
         assert self.comm is not None
         try:
             if self.modifier_rank is None:
-                self._verify_read_only(replaced)
+                self._verify_read_only(replaced, replaced_packed)
             else:
                 _apply_modifications(self.comm, self.groups, replaced, self.module,
                                      self.plain, self.modifier_rank)
+                _apply_packed(self.comm, self.packed_versions, replaced_packed,
+                              self.modifier_rank)
         finally:
             for slot in replaced:
                 slot.module._parameters[slot.attr] = slot.param.full
+            for pp, m, a in replaced_packed:
+                m._parameters[a] = pp.full
             self.release()
         if self.modifier_rank is not None and self.module is not None:
             maybe_check(self.module)
 
-    def _verify_read_only(self, replaced: list[_Slot]) -> None:
+    def _verify_read_only(self, replaced: list[_Slot],
+                          replaced_packed: list[tuple[PackedParam, nn.Module, str]]) -> None:
         """Note [read-only detection]: raise on every rank if any rank wrote."""
         assert self.comm is not None
         suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
@@ -339,6 +351,9 @@ class _GatherSession:
                  if now.get(n) is not b or not _same_bytes(b, old)]
         local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
         local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
+        local += [f"parameter {pp.fqns[0]} (replaced)" for pp, _, _ in replaced_packed]
+        local += [f"parameter {pp.fqns[0]}" for pp, v in self.packed_versions
+                  if _version(pp) != v]
         if not any_rank(self.comm, bool(local) or any(suspects),
                         "the agreement on writes in gathered()"):
             return
@@ -346,6 +361,14 @@ class _GatherSession:
             for n, b, old in self.buffer_snapshot:
                 if now.get(n) is b and not _same_bytes(b, old):
                     b.copy_(old)
+            # Quantized shards, then their full values (a gather of every rank's bytes),
+            # go back to what they were on entry.
+            for t, old in self.packed_kept:
+                if not _same_bytes(t, old):
+                    t.copy_(old)
+        for g in self.packed:
+            g.start_gather()
+            g.wait_gather()
         local += _written_params(self.comm, self.groups, suspects)
         everyone = self.comm.all_gather_object(local)
         msgs = sorted(set().union(*map(set, everyone)))
@@ -433,3 +456,70 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
             comm.broadcast_tensors([b for _, b in named_buffers(module)], src)
         if plain:
             comm.broadcast_tensors([p.data for _, p in plain], src)
+
+
+# Note [quantized parameters in gathered()]
+# A quantized (tensor subclass) parameter is gathered with its unit, through the extension
+# protocol (Note [packed parameters] in engine/packed.py): inside the block the module
+# holds the full subclass tensor (an NF4Tensor: ``w.get_original_weight()`` dequantizes
+# it, for inference or to merge an adapter). Writes are detected by the full tensor's
+# version counter, which an in-place operation on the subclass bumps (its inner tensors'
+# counters do not move: the subclass writes them below autograd). Some of the full
+# tensor's inner tensors are the shard's own (NF4's scaler mean and lookup table come
+# from ``fsdp_pre_all_gather``'s metadata, not the all-gather), so a write reaches the
+# shard: a read-only block keeps a copy of those (a few bytes) and restores them, then
+# gathers the full values again, so the shards are unchanged and an enclosing block sees
+# the values of its entry. With ``modifier_rank=r`` rank r's written full tensors (in
+# place, ``w.copy_(merged)``, which for an NF4Tensor quantizes a float value with the
+# weight's block sizes; or replaced by a value ``copy_`` accepts) are broadcast inner
+# tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
+# rule of Note [packed checkpoints]). A weight divided by bytes (Note [uneven packed
+# parameters] in engine/packed.py) is the same full subclass tensor, rebuilt around the
+# gathered bytes: none of its inner tensors is the shard's, so a read-only block's
+# regather alone restores it, and ``take_full`` keeps each rank's element ranges.
+def _version(pp: PackedParam) -> int:
+    return -1 if pp.full is None else pp.full._version
+
+
+def _shared_inner(pp: PackedParam) -> list[torch.Tensor]:
+    """The full tensor's inner tensors that are the shard's own storage."""
+    if pp.full is None or pp.group is None:
+        return []
+    names, _ = pp.full.__tensor_flatten__()  # type: ignore[attr-defined]
+    local = pp.group.local.untyped_storage().data_ptr()
+    return [t for n in names
+            if (t := getattr(pp.full, n)).untyped_storage().data_ptr() == local]
+
+
+def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
+                  replaced: list[tuple[PackedParam, nn.Module, str]], src: int) -> None:
+    """Note [quantized parameters in gathered()]: rank ``src``'s written quantized
+    parameters become every rank's, each keeping its share."""
+    problems: list[str] = []
+    written = []
+    if comm.rank == src:
+        with torch.no_grad():
+            for pp, m, a in replaced:
+                assert pp.full is not None
+                new = m._parameters.get(a)
+                try:
+                    pp.full.copy_(new)  # type: ignore[arg-type]
+                except Exception as err:
+                    problems.append(f"{pp.fqns[0]} was replaced by {shown(new)}, which its "
+                                    f"{type(pp.full).__qualname__} cannot copy ({err})")
+        written = [i for i, (pp, v) in enumerate(versions) if _version(pp) != v]
+        problems += [why for i in written if (why := versions[i][0].full_problem(
+            versions[i][0].full)) is not None]
+    everyone = comm.all_gather_object((problems, written), what="gathered()'s quantized edits")
+    problems, written = everyone[src]
+    if problems or any(p for p, _ in everyone):
+        detail = "; ".join(problems) if problems else f"see the error on rank {src}"
+        raise ShardwiseError(f"gathered(modifier_rank={src}) cannot keep the edits of "
+                             f"quantized parameters: {detail}")
+    with torch.no_grad():
+        for i in written:
+            pp = versions[i][0]
+            assert pp.full is not None
+            names, _ = pp.full.__tensor_flatten__()
+            comm.broadcast_tensors([getattr(pp.full, n) for n in names], src)
+            pp.take_full(pp.full)

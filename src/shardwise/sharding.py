@@ -317,7 +317,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
     # Each group releases its originals as it is built (_build_group): only the plan may
     # hold the records.
     _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size,
-                  mp.param_dtype)
+                  mp.param_dtype, device)
     if any(uses_protocol(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     placement = offload.resolve(device, topo.world.rank) if offload is not None else None
@@ -554,7 +554,7 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
 
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
                   offload: Offload | None, shards: int,
-                  compute_dtype: torch.dtype | None) -> None:
+                  compute_dtype: torch.dtype | None, device: torch.device) -> None:
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -564,11 +564,19 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
         # Refuses what cannot be divided among the ranks, before any change (Note
         # [uneven packed parameters] in engine/packed.py).
         cut(r.fqns[0], r.param, shards, compute_dtype)
-    if packed and offload is not None:
-        raise ShardwiseError(f"offload= does not take quantized (tensor subclass) "
-                             f"parameters yet ({packed[0].fqns[0]}, ...): they are already a "
-                             f"quarter of their full-precision size or less; shard without "
-                             f"offload=")
+    if packed and offload is not None and offload.param_tier != "device" \
+            and device.type != "cpu":
+        # Note [packed bytes offloaded] in engine/packed.py: optimizer tiers take only
+        # the trainable groups (adapters), which are flat; the packed bytes are frozen
+        # and have no optimizer state.
+        raise ShardwiseError(f"Offload(params={offload.params!r}) does not take quantized "
+                             f"(tensor subclass) parameters on a {device.type} device yet "
+                             f"({packed[0].fqns[0]}, ...): their packed bytes would have to "
+                             f"be staged on the device for every gather. Offload the "
+                             f"adapters' master shards and optimizer state with "
+                             f"Offload(optimizer={offload.optimizer!r}) (params on the "
+                             f"device); the quantized bytes are already a quarter of their "
+                             f"full-precision size or less")
     scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
     if scalars:
         raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
@@ -613,16 +621,20 @@ def _build_unit(unit: UnitPlan, topo: Topology, device: torch.device, src_rank: 
     """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
     groups = [_build_group(spec, topo, device, src_rank, regather, exact, placement)
               for spec in unit.groups]
-    packed = [_build_packed(unit.packed, topo, device, src_rank, mp)] if unit.packed else []
+    packed = ([_build_packed(unit.packed, topo, device, src_rank, mp, placement)]
+              if unit.packed else [])
     return unit.name, unit.module, groups, packed
 
 
 def _build_packed(records: list[ParamRecord], topo: Topology, device: torch.device,
-                  src_rank: int, mp: MixedPrecision) -> PackedGroup:
+                  src_rank: int, mp: MixedPrecision,
+                  placement: Placement | None) -> PackedGroup:
     """A unit's frozen tensor subclasses (Note [packed parameters] in engine/packed.py):
     rows from ``src_rank``, registered in place of the originals, which are released."""
     g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
                     [r.param for r in records], topo, device, mp.param_dtype, src_rank)
+    if placement is not None:
+        g.place(placement)  # Note [packed bytes offloaded] in engine/packed.py
     g.install()
     for rec in records:
         rec.param = None  # type: ignore[assignment]

@@ -40,7 +40,7 @@ from .buffers import BufferSync
 from .build import build
 from .flat import FlatGroup, Member
 from .packed import PackedGroup
-from .state import ModelState, model_state, refuse_packed
+from .state import ModelState, model_state
 
 
 def guard_model_copies(root: nn.Module) -> None:
@@ -102,7 +102,6 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
             "copy.deepcopy of a reproducible model between the micro-batches of a step: "
             "the copy would miss what they summed so far. Copy it after the step's last "
             "(synced) backward")
-    refuse_packed(state.root, "copy.deepcopy of a sharded model")
     twins: dict[int, FlatGroup] = {}
     for u in state.units:
         for g in u.groups:
@@ -114,6 +113,16 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
             for old, new in zip(g.params, twin.params):
                 memo[id(old.shard)] = memo[id(old.full)] = new.shard
             twins[id(g)] = twin
+    # Quantized parameters: their bytes copied the same way (PackedGroup.twin).
+    packed_twins: dict[int, PackedGroup] = {}
+    for u in state.units:
+        for pg in u.packed:
+            ptwin = pg.twin()
+            for old_pp, new_pp in zip(pg.params, ptwin.params):
+                memo[id(old_pp.shard)] = new_pp.shard
+                if old_pp.full is not None:
+                    memo[id(old_pp.full)] = new_pp.shard
+            packed_twins[id(pg)] = ptwin
     memo[id(state)] = None
     for u in state.units:
         memo[id(u)] = None
@@ -122,8 +131,13 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         for sp in twin.params:
             sp.slots = [(memo[id(m)], attr) for m, attr in sp.slots]
         twin.install()
+    for ptwin in packed_twins.values():
+        for pp in ptwin.params:
+            pp.slots = [(memo[id(m)], attr) for m, attr in pp.slots]
+        ptwin.install()
     units: list[tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]] = [
-        (u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups], [])
+        (u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups],
+         [packed_twins[id(g)] for g in u.packed])
         for u in state.units]
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank,
                          state.buffers.exact)

@@ -34,10 +34,11 @@ _fsdp_param.py``), so one subclass works under both. What it adds:
 
 Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
 subclass, float8 training, would need its gradients reduced through the protocol), its
-inner tensors must be plain, and ``offload=`` and ``sharded_init`` do not take it. Any
-other tensor subclass, and any ``nn.Parameter`` subclass (bitsandbytes' ``Params4bit``
-keeps its quantization state beside packed bytes that a row split would tear apart), is
-refused: shardwise never shards a tensor whose bytes it cannot move exactly.
+inner tensors must be plain, and ``sharded_init`` and, on a GPU, ``Offload(params=...)``
+do not take it (Note [packed bytes offloaded]). Any other tensor subclass, and any
+``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
+beside packed bytes that a row split would tear apart), is refused: shardwise never
+shards a tensor whose bytes it cannot move exactly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from __future__ import annotations
 import inspect as pyinspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -301,7 +302,8 @@ aten = torch.ops.aten
 class ByteShard(torch.Tensor):
     """What the module holds, while sharded, for a quantized weight divided by bytes
     (Note [uneven packed parameters]): its shape and dtype, no values. Every operation
-    but ``detach`` (which ``nn.Parameter`` needs) raises, naming the weight."""
+    but ``detach`` (which ``nn.Parameter`` needs) and a copy into itself (what
+    ``load_state_dict`` does once the values are loaded) raises, naming the weight."""
 
     _shardwise_about: str
 
@@ -340,6 +342,10 @@ class ByteShard(torch.Tensor):
         t = args[0]
         if func is aten.detach.default:
             return cls(t.shape, t.dtype, t.device, t._shardwise_about)
+        if func is aten.copy_.default and args[1] is t:
+            # load_state_dict copies what the module holds into itself once its values
+            # are loaded (_load_packed in engine/state_dict_hooks.py): nothing to do.
+            return t
         raise t.refusal(str(func))
 
 
@@ -397,9 +403,58 @@ class PackedParam:
         return (0, k) if k == full else (rank * k, k)
 
     def __deepcopy__(self, memo: dict) -> Any:
+        # Reached only by a copy of part of a model: a whole model's copy maps each
+        # shard to its twin's (Note [deep copy] in engine/clone.py).
         raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
-                             f"copy.deepcopy of a sharded model with quantized parameters is "
-                             f"not supported yet")
+                             f"only the whole model can be deep-copied "
+                             f"(copy.deepcopy(model))")
+
+    # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
+    def full_problem(self, value: object) -> str | None:
+        """Why ``value`` cannot be this parameter's full value, or None: it must be the
+        same subclass, of the same shape, with inner tensors of the full tensor's shapes
+        and dtypes (quantized with the same settings)."""
+        name = self.fqns[0]
+        if self.unsaveable:
+            return self.unsaveable
+        kind = self.kind
+        if isinstance(value, ByteShard):
+            return (f"{name}: the value is this rank's share of a weight divided by bytes "
+                    f"(what model.state_dict() holds for it), which has no values; load "
+                    f"its full value (sw.full_state_dict)")
+        if type(value) is not kind or not isinstance(value, torch.Tensor):
+            what = (f"a {value.dtype} {type(value).__qualname__}"
+                    if isinstance(value, torch.Tensor) else type(value).__qualname__)
+            return (f"{name} is a quantized {kind.__qualname__} and the value is {what}: "
+                    f"shardwise writes quantized values only (a {kind.__qualname__} "
+                    f"quantized with the model's settings); to quantize full-precision "
+                    f"weights as they load, use sw.load_pretrained (docs/qlora.md)")
+        if tuple(value.shape) != tuple(self.shape):
+            return (f"{name}: the value has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(self.shape)}")
+        names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+        if sorted(names) != sorted(self.inner):
+            return f"{name}: the value has inner tensors {sorted(names)}, not {sorted(self.inner)}"
+        for n in self.inner:
+            t, mine = getattr(value, n), self.pieces[n]
+            if (tuple(t.shape), t.dtype) != (self.full_inner[n], mine.dtype):
+                return (f"{name}: the value's {n} is {t.dtype} {list(t.shape)}, the model's "
+                        f"{mine.dtype} {list(self.full_inner[n])} (quantized with other "
+                        f"settings?)")
+        return None
+
+    def take_full(self, value: torch.Tensor) -> None:
+        """Write this rank's share of the full value ``value`` (checked by
+        :meth:`full_problem`) into its shard: each inner tensor's part, or the whole, as
+        :meth:`inner_piece` says; for a weight divided by bytes, its slot's valid part
+        (Note [uneven packed parameters])."""
+        with torch.no_grad():
+            for n in self.inner:
+                off, k = self.inner_piece(n)
+                piece = getattr(value, n).detach().reshape(-1)[off:off + k]
+                mine = self.pieces[n]  # the group's bytes, which the chunk's inner views
+                if mine.data_ptr() != piece.data_ptr():
+                    mine.view(-1).copy_(piece)
 
 
 def packed_param(t: torch.Tensor) -> PackedParam | None:
@@ -540,6 +595,7 @@ class PackedGroup:
 
     # -- as a group (Note [one interface for a group] in engine/group.py) --------------
     requires_grad = False  # frozen: never reduced
+    unit: Any = None  # the engine's Unit holding the group, set by the Unit
 
     def expose(self, full: bool) -> None:
         """Register the full tensors (``full``) or the shards on their modules (Note
@@ -558,7 +614,8 @@ class PackedGroup:
         pass
 
     def read_ahead(self) -> None:
-        pass
+        if self._disk is not None:
+            self._disk.prefetch()
 
     def start_reduce(self, sync: bool) -> None:
         pass
@@ -567,10 +624,11 @@ class PackedGroup:
         return False  # frozen: no optimizer step changes its shard
 
     def page_release(self) -> Callable[[], None] | None:
-        return None  # never offloaded
+        return self._disk.release if self._disk is not None else None
 
     def release_pages(self) -> None:
-        pass
+        if self._disk is not None:
+            self._disk.release()
 
     @property
     def kept_bytes(self) -> int:
@@ -581,10 +639,10 @@ class PackedGroup:
         return 0
 
     def bytes_by_tier(self) -> dict[str, int]:
-        return {}
+        return {} if self._tier == "device" else {self._tier: self.local.numel()}
 
     def offload_description(self) -> str | None:
-        return None
+        return None if self._tier == "device" else f"quantized bytes on {self._tier}"
 
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
@@ -632,6 +690,7 @@ class PackedGroup:
 
     def start_gather(self) -> None:
         send = self._send_buffer()
+        self.release_pages()  # Note [packed bytes offloaded]: read, so dropped
         if self.comm.world_size == 1:
             self._gathered = send
             return
@@ -758,6 +817,99 @@ class PackedGroup:
         for t, _ in self._storages():
             t.untyped_storage().resize_(0)
 
+    # Note [packed bytes offloaded]
+    # Offload(params="disk") keeps this rank's packed bytes in a file of the rank's folder
+    # (engine/offload/disk.py), mapped: every tensor viewing the bytes (a chunk's inner
+    # tensors; the pieces a load writes; a byte-divided weight's slots, Note [uneven
+    # packed parameters]) is re-pointed at the mapping with ``set_``, so the chunks and
+    # the shards the modules hold stay the same objects. A gather reads them (through
+    # ``fsdp_pre_all_gather``, or the slots) as before, then drops
+    # their pages, so memory holds the bytes of the units being gathered only (the page
+    # cache keeps them; a later read maps them back). Frozen, they are written only by a
+    # checkpoint load or ``gathered(modifier_rank=)``, through the mapping. With
+    # ``params="cpu"`` on a CPU device they stay where they are, host memory. On a GPU the
+    # protocol's inputs and metadata (NF4's scaler mean, lookup table) would be host
+    # tensors: refused at ``sw.shard`` until they are staged on the device.
+    _tier = "device"
+    _disk: Any = None  # the DiskBuffer holding ``local``, on the disk tier
+
+    def place(self, placement: Any) -> None:
+        """Move this rank's bytes to ``placement``'s parameter tier (an
+        ``engine.offload.Placement``; Note [packed bytes offloaded]); call before
+        ``install``."""
+        tier = placement.params
+        if tier == "device" or self.device.type != "cpu":
+            return
+        self._tier = tier
+        if tier != "disk":
+            return
+        self._disk = placement.folder.buffer(self.local.numel(), torch.uint8, "quantized")
+        mapped = self._disk.tensor
+        mapped.copy_(self.local)
+        # The same tensor objects, re-pointed (set_) at the mapping: the shards the
+        # modules hold, the pieces a load writes, the slots a byte-divided weight sends.
+        with torch.no_grad():
+            for t in self._views():
+                t.set_(*_moved(t, self.local, mapped))
+        self.local = mapped
+        self.release_pages()
+
+    def _views(self) -> list[torch.Tensor]:
+        """Every tensor viewing this rank's bytes ``local``, once each: the chunks' inner
+        tensors, each parameter's pieces and slots."""
+        seen: dict[int, torch.Tensor] = {}
+        for pp in self.params:
+            inner = [getattr(pp.local, n) for n in pp.inner] if pp.local is not None else []
+            for t in [*inner, *pp.pieces.values(), *pp.stored]:
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def leave_full(self) -> None:
+        """Leave the gathered bytes and full tensors to whatever still references them,
+        and gather next into new ones (Note [full parameters held after gathered()] in
+        gather.py): a full weight kept past a ``gathered()`` block keeps its values."""
+        self.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for pp in self.params:
+            pp.full, pp.allocated = None, []
+
+    def twin(self) -> PackedGroup:
+        """An independent copy of the group (``copy.deepcopy`` of the model, Note [deep
+        copy] in engine/clone.py): its own copy of this rank's bytes, with new shards
+        viewing it at the same offsets, the same slots until the caller remaps them, and
+        nothing gathered. No communication."""
+        new = object.__new__(PackedGroup)
+        new.__dict__.update(self.__dict__)
+        new.local = self.local.clone()
+
+        def same_place(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                *_moved(t, self.local, new.local))
+        new._tier, new._disk = "device", None  # a copy's bytes live in memory
+        new.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        new._gathered = new._sending = new._gather_work = None
+        new.params = []
+        for pp in self.params:
+            pieces = {n: same_place(t) for n, t in pp.pieces.items()}
+            stored = [same_place(t) for t in pp.stored]
+            local = None
+            if pp.local is None:  # divided by bytes: a ByteShard, no values
+                shard = nn.Parameter(pp.shard.detach(), requires_grad=False)
+                copy_user_attributes(pp.shard, shard)
+            else:
+                ctx = pp.local.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+                local = pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+                    pieces, ctx, pp.local.size(), pp.local.stride())
+                with torch.no_grad():
+                    dt = DTensor.from_local(local, self.topology.mesh,
+                                            self.topology.placements, run_check=False,
+                                            shape=pp.shard.shape, stride=pp.shard.stride())
+                shard = nn.Parameter(dt, requires_grad=False)
+                copy_user_attributes(pp.shard, shard, besides=pp.local)
+            new.params.append(replace(pp, slots=list(pp.slots), local=local, shard=shard,
+                                      pieces=pieces, stored=stored, group=new, full=None,
+                                      allocated=[], metadata=None))
+        return new
+
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
 
@@ -772,6 +924,16 @@ class PackedGroup:
         gather): the all-gather outputs, plus what the subclass allocated."""
         extra = sum(n for pp in self.params for _, n in pp.allocated)
         return (self.gather_layout.full_numel if self.gather_layout else 0) + extra
+
+
+def _moved(t: torch.Tensor, old: torch.Tensor, new: torch.Tensor
+           ) -> tuple[torch.UntypedStorage, int, torch.Size, tuple[int, ...]]:
+    """``set_``'s arguments that make ``t``, a view of the byte buffer ``old``, view the
+    same bytes of ``new`` (a byte buffer of the same size)."""
+    assert _shares(t, old), "a quantized parameter's tensor outside the group's bytes"
+    at = t.storage_offset() * t.element_size() - old.storage_offset() + new.storage_offset()
+    assert at % t.element_size() == 0, "slots are aligned (Note [alignment] in engine/layout.py)"
+    return new.untyped_storage(), at // t.element_size(), t.size(), t.stride()
 
 
 def _shares(t: torch.Tensor, base: torch.Tensor) -> bool:

@@ -571,17 +571,3 @@ def owning_state(module: nn.Module) -> ModelState | None:
 
 def set_model_state(module: nn.Module, state: ModelState) -> None:
     attach_to(module, STATE, state)
-
-
-def refuse_packed(module: nn.Module, what: str) -> None:
-    """Raise if sharded ``module`` holds quantized parameters that ``what`` does not take
-    yet; called where leaving them out would be silent."""
-    state = model_state(module)
-    if state is None:
-        return
-    names = [pp.fqns[0] for u in state.units for g in u.packed for pp in g.params]
-    if names:
-        raise ShardwiseError(
-            f"{what} does not take quantized (tensor subclass) parameters yet, and this "
-            f"model has {len(names)} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-            f"); nothing was done. docs/qlora.md lists what works with them")

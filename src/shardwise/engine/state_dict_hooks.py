@@ -54,7 +54,7 @@ from ..comm.agree import agree
 from ..comm.order_check import announce
 from ..errors import ShardwiseError
 from .buffers import BufferPolicy
-from .packed import packed_param
+from .packed import PackedParam, packed_param
 from .state import model_state, owning_state
 from .unit import ShardedParam, sharded_param
 
@@ -81,7 +81,7 @@ def install_state_dict_hooks(root: nn.Module) -> None:
             m.register_load_state_dict_pre_hook(_take_rows)
         if any(packed_param(t) is not None for t in m._parameters.values()
                if t is not None):
-            m.register_load_state_dict_pre_hook(_refuse_packed)
+            m.register_load_state_dict_pre_hook(_load_packed)
     root.register_load_state_dict_post_hook(_sync_buffers)
     _hook_optimizers()
 
@@ -232,17 +232,58 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         state_dict[key] = _rows(sp, value, key)
 
 
-def _refuse_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                   *args: Any) -> None:
-    """Loading into a quantized shard is not supported yet: refuse the keys that would
-    (PEFT's adapter loads never name them)."""
-    keys = [prefix + name for name, t in module._parameters.items()
-            if t is not None and packed_param(t) is not None and prefix + name in state_dict]
-    if keys:
-        raise ShardwiseError(f"load_state_dict cannot load quantized (tensor subclass) "
-                             f"parameters of a sharded model yet ({', '.join(keys)}); "
-                             f"nothing was loaded. Quantize the loaded weights before "
-                             f"sw.shard instead (docs/qlora.md)")
+def _load_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                 *args: Any) -> None:
+    """A quantized parameter's value is loaded when it is its full value (the same
+    subclass, quantized with the same settings: what ``sw.full_state_dict`` gives), of
+    which this rank keeps its share (Note [packed checkpoints] in engine/packed.py), or
+    this rank's chunk in a DTensor (what ``model.state_dict()`` gives at the same world
+    size); anything else, a full-precision weight first, is refused by name before this
+    module's values are written."""
+    targets = [(prefix + name, pp) for name, t in module._parameters.items()
+               if t is not None and (pp := packed_param(t)) is not None
+               and prefix + name in state_dict]
+    problems = [why for key, pp in targets if (why := _packed_problem(pp, state_dict[key]))]
+    if problems:
+        raise ShardwiseError(f"load_state_dict cannot load the quantized parameters of a "
+                             f"sharded model from these values: {'; '.join(problems)}. "
+                             f"This module's values were not loaded")
+    with torch.no_grad():
+        for key, pp in targets:
+            value = state_dict[key]
+            if isinstance(value, DTensor):
+                assert pp.local is not None  # else refused (_packed_problem)
+                theirs = value.to_local()
+                for n in pp.inner:
+                    mine = getattr(pp.local, n)
+                    if mine.data_ptr() != getattr(theirs, n).data_ptr():
+                        mine.copy_(getattr(theirs, n))
+            else:
+                pp.take_full(value)
+            # Loaded: what torch copies into the parameter is the shard itself (a no-op).
+            state_dict[key] = pp.shard
+
+
+def _packed_problem(pp: PackedParam, value: object) -> str | None:
+    if not isinstance(value, DTensor):
+        return pp.full_problem(value)
+    local, mine = value.to_local(), pp.local
+    if mine is None:
+        return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} chunk, but "
+                f"at this world size the weight is divided by bytes, not into chunks (Note "
+                f"[uneven packed parameters] in engine/packed.py): load its full value "
+                f"(sw.full_state_dict)")
+    same = (type(local) is type(mine) and tuple(value.shape) == tuple(pp.shape)
+            and tuple(local.shape) == tuple(mine.shape)
+            and all((tuple(getattr(local, n).shape), getattr(local, n).dtype)
+                    == (tuple(getattr(mine, n).shape), getattr(mine, n).dtype)
+                    for n in pp.inner))
+    if same:
+        return None
+    return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} of shape "
+            f"{tuple(local.shape)}, not this rank's {type(mine).__qualname__} chunk of shape "
+            f"{tuple(mine.shape)}: load the full value (sw.full_state_dict), or a "
+            f"state_dict() saved at the same world size with the same settings")
 
 
 def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
