@@ -108,7 +108,9 @@ def _train(rank, world):
         # What the module holds while sharded has no values of its own: reading it
         # fails, naming the weight.
         w = model.base_model.model.model.layers[1].mlp.down_proj.weight
-        for read in (lambda: w + 1, w.to_local, w.full_tensor, lambda: w.sum().item()):
+        y = torch.ones(3, w.shape[0])  # where the weight is not the first argument too
+        for read in (lambda: w + 1, w.to_local, w.full_tensor, lambda: w.sum().item(),
+                     lambda: y @ w, lambda: torch.cat([w, w]), lambda: torch.mul(y.t(), w)):
             with pytest.raises(sw.ShardwiseError, match=r"layers\.1\.mlp\.down_proj\.weight "
                                                         r"is a quantized weight .* by bytes"):
                 read()

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -339,10 +340,11 @@ class ByteShard(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
-        t = args[0]
+        # The weight may be any argument (``x @ w``, ``torch.cat([w])``): name the first.
+        t = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ByteShard))
         if func is aten.detach.default:
             return cls(t.shape, t.dtype, t.device, t._shardwise_about)
-        if func is aten.copy_.default and args[1] is t:
+        if func is aten.copy_.default and args[0] is t and args[1] is t:
             # load_state_dict copies what the module holds into itself once its values
             # are loaded (_load_packed in engine/state_dict_hooks.py): nothing to do.
             return t
