@@ -163,6 +163,9 @@ class Unit:
         self.pins = 0      # open gathered() blocks holding this unit gathered
         self.cast_inputs = cast_inputs  # MixedPrecision.param_dtype
         self.state = UnitState.SHARDED
+        # Gathered across no_sync micro-batches (Note [gathered across micro-batches] in
+        # engine/state.py): set by :meth:`hold`, cleared by :meth:`reshard`.
+        self.held = False
         self.reset_iteration()
 
     def reset_iteration(self) -> None:
@@ -191,6 +194,18 @@ class Unit:
     def owes_backward(self) -> bool:
         """Whether a forward's backward has not reached this unit yet."""
         return self.forward_calls > self.backward_calls and not self.reduced
+
+    def hold(self) -> None:
+        """Stay gathered past this backward: its gradients were accumulated under
+        ``no_sync`` and the next micro-batch computes with the same parameters (Note
+        [gathered across micro-batches] in engine/state.py). Only :meth:`reshard` ends it."""
+        if self.state is UnitState.GATHERED:
+            self.held = True
+
+    def is_stale(self) -> bool:
+        """Whether a shard changed (an optimizer step, a load) since the unit was
+        gathered: its full parameters hold old values."""
+        return any(g.is_stale() for g in self.all_groups)
 
     def pin(self) -> None:
         """A ``gathered()`` block holds the unit gathered until :meth:`unpin`."""
@@ -277,6 +292,7 @@ class Unit:
         for g in self.all_groups:
             g.free(keep_grads)
         self.state = UnitState.SHARDED
+        self.held = False
 
     def start_reduce(self, sync: bool) -> None:
         """Hand this backward's full gradients to the reduction; see GradReduction.start."""
