@@ -91,17 +91,17 @@ Under ``no_sync`` (or ``require_backward_grad_sync=False``) a micro-batch's back
 sends nothing, and the next micro-batch computes with the same parameters. Resharding
 each unit after its backward and gathering it again for the next forward and backward
 was the whole of accumulation's cost over DDP (docs/performance.md, "Gradient
-accumulation"). So a unit whose groups are all trainable and on the device stays
+accumulation"). So a trainable unit (within the limits below) stays
 gathered (``Unit.hold``, ``_keeps``): its forward does not reshard it, its reduction
 only moves the gradients into the accumulator (engine/reduce.py), and neither the end
 of the backward nor the next forward's start releases it. The synced micro-batch's
 forward leaves it gathered too (it is held), and that backward's reduction reshards it
 as any step does, so after the optimizer step every unit is sharded again. The cost is
-memory: the full parameters beside the full gradients the accumulator holds anyway (so
-at most twice what ``no_sync`` held, in the compute dtype), which is why units with
-frozen or quantized groups (a LoRA base: its full parameters would be held for a small
-adapter's gradients) and offloaded ones are not held, and ``sw.no_sync(model,
-keep_gathered=False)`` reshards as before. A held unit is let go, with no collective,
+memory: the full parameters beside the full gradients the accumulator holds anyway. So
+a unit is held only when its frozen parameters are no larger than its trainable ones
+(a LoRA base would hold its whole full weight for a small adapter's gradients) and none
+is quantized or offloaded, and ``sw.no_sync(model, keep_gathered=False)`` reshards as
+before. A held unit is let go, with no collective,
 where its full parameters would be wrong or in the way: a shard changed since it was
 gathered (an optimizer step inside ``no_sync``; ``release_all`` checks at the next
 forward), a forward without backward or one that raised, an aborted backward, a
@@ -238,12 +238,15 @@ class ModelState:
 
     def _may_hold(self, unit: Unit) -> bool:
         """Whether ``unit`` stays gathered across the micro-batches of a ``no_sync``
-        accumulation (Note [gathered across micro-batches]): every one of its groups is
-        trainable (its accumulated gradient is as large as its full parameters) and on
-        the device (not offloaded)."""
-        return (self.keep_gathered and unit.holds_params and not unit.packed
-                and all(g.requires_grad and g.offload_description() is None
-                        for g in unit.groups))
+        accumulation (Note [gathered across micro-batches]): its groups are on the device
+        (not offloaded), none is quantized, and its frozen parameters are no larger than
+        its trainable ones, whose accumulated gradients are held anyway."""
+        if not (self.keep_gathered and unit.groups and not unit.packed):
+            return False
+        trainable = sum(g.full_bytes for g in unit.groups if g.requires_grad)
+        frozen = sum(g.full_bytes for g in unit.groups if not g.requires_grad)
+        return (frozen <= trainable
+                and all(g.offload_description() is None for g in unit.groups))
 
     def _keeps(self, unit: Unit) -> bool:
         """Whether ``unit`` stays gathered after its forward or its backward's reduction
