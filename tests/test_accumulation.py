@@ -201,6 +201,15 @@ def _memory(rank, world):
         model(x, x).backward()
     # The plan's held parameters are what the engine keeps gathered.
     assert sw.inspect(model).full_bytes == expected.held_params
+    # Gradients waiting in a held unit's .grad are waiting gradients: a cast, or a
+    # requires_grad change, is refused as when they wait in the accumulator.
+    with pytest.raises(sw.ShardwiseError, match="accumulated under sw.no_sync"):
+        model.double()
+    weight = model.blocks[0].fc.weight  # the full parameter while held
+    weight.requires_grad_(False)
+    with pytest.raises(sw.ShardwiseError, match="changed while gradients accumulated"):
+        model(x, x)
+    weight.requires_grad_(True)
     model(x, x).backward()
     assert sw.inspect(model).full_bytes == 0
     with sw.no_sync(model, keep_gathered=False):

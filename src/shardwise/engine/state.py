@@ -248,6 +248,15 @@ class ModelState:
         return (frozen <= trainable
                 and all(g.offload_description() is None for g in unit.groups))
 
+    def _defers(self, unit: Unit) -> bool:
+        """Whether a held unit's gradients may wait in ``.grad`` (Note [gathered across
+        micro-batches]): autograd's sums there are the accumulator's only where the
+        accumulator would add in the same dtype, one micro-batch after the other, from
+        empty. Not in the reproducible mode (its sums are exact), under mixed precision
+        with another reduce dtype, nor once the accumulator holds part of the step."""
+        return all(not g.reduction.exact and not g.reduction.has_accumulated()
+                   and g.reduce_dtype == g.compute_dtype for g in unit.trainable_groups)
+
     def _keeps(self, unit: Unit) -> bool:
         """Whether ``unit`` stays gathered after its forward or its backward's reduction
         because gradients accumulate (Note [gathered across micro-batches])."""
@@ -537,8 +546,11 @@ class ModelState:
             channel.settle()
         if not self.requires_grad_sync and self._keeps(unit) and unit.is_gathered():
             # Note [gathered across micro-batches]: the next micro-batch computes with
-            # these very parameters; only the gradients go to the accumulator.
-            unit.start_reduce(False)
+            # these very parameters, and adds to these very gradients where it can.
+            if self._defers(unit):
+                unit.defer()
+            else:
+                unit.start_reduce(False)
             unit.hold()
             return
         # Free the full parameters before the gradients are copied into the reduction
@@ -565,7 +577,8 @@ class ModelState:
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:
-            late = [p.fqns[0] for p in u.params if p.full.grad is not None and u.reduced]
+            late = [p.fqns[0] for p in u.params
+                    if p.full.grad is not None and u.reduced and not u.deferred]
             if late:
                 raise ShardwiseError(
                     f"internal: a gradient for {late[0]} arrived after its unit {u.name} "

@@ -166,6 +166,10 @@ class Unit:
         # Gathered across no_sync micro-batches (Note [gathered across micro-batches] in
         # engine/state.py): set by :meth:`hold`, cleared by :meth:`reshard`.
         self.held = False
+        # Its gradients wait, summed by autograd, in the full parameters' ``.grad`` (a
+        # held unit's, Note [gathered across micro-batches]): set by :meth:`defer`,
+        # moved to the reduction by :meth:`reshard`.
+        self.deferred = False
         self.reset_iteration()
 
     def reset_iteration(self) -> None:
@@ -201,6 +205,13 @@ class Unit:
         [gathered across micro-batches] in engine/state.py). Only :meth:`reshard` ends it."""
         if self.state is UnitState.GATHERED:
             self.held = True
+
+    def defer(self) -> None:
+        """Leave this backward's gradients in the full parameters' ``.grad``, where the
+        next micro-batch's backward adds to them, instead of handing them to the
+        reduction (Note [gathered across micro-batches] in engine/state.py)."""
+        self.deferred = True
+        self.reduced = True
 
     def is_stale(self) -> bool:
         """Whether a shard changed (an optimizer step, a load) since the unit was
@@ -286,6 +297,10 @@ class Unit:
         """
         if self.state is UnitState.SHARDED or self.pins:
             return
+        if self.deferred:  # the full gradients go to the accumulator, not away
+            self.deferred = False
+            for g in self.all_groups:
+                g.start_reduce(False)
         for g in self.all_groups:
             g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
