@@ -91,10 +91,16 @@ Under ``no_sync`` (or ``require_backward_grad_sync=False``) a micro-batch's back
 sends nothing, and the next micro-batch computes with the same parameters. Resharding
 each unit after its backward and gathering it again for the next forward and backward
 was the whole of accumulation's cost over DDP (docs/performance.md, "Gradient
-accumulation"). So a trainable unit (within the limits below) stays
-gathered (``Unit.hold``, ``_keeps``): its forward does not reshard it, its reduction
-only moves the gradients into the accumulator (engine/reduce.py), and neither the end
-of the backward nor the next forward's start releases it. The synced micro-batch's
+accumulation"). So a trainable unit (within the limits below) stays gathered
+(``Unit.hold``, ``_keeps``): its forward does not reshard it, and neither the end of the
+backward nor the next forward's start releases it. Its gradients stay in the full
+parameters' ``.grad``, where autograd adds the next micro-batch's, as DDP's do
+(``Unit.defer``, ``_defers``): the same additions, in the same order and dtype, as the
+accumulator's (engine/reduce.py), which the synced backward then scales and reduces, so
+the result is the same bits. Where autograd would sum differently (the reproducible
+mode, a reduce dtype other than the compute dtype) or the accumulator already holds part
+of the step, its reduction moves them into the accumulator instead; resharding a unit
+whose gradients wait in ``.grad`` moves them there first. The synced micro-batch's
 forward leaves it gathered too (it is held), and that backward's reduction reshards it
 as any step does, so after the optimizer step every unit is sharded again. The cost is
 memory: the full parameters beside the full gradients the accumulator holds anyway. So

@@ -295,9 +295,11 @@ class Unit:
 
         A unit pinned by an open ``gathered()`` block stays gathered.
         """
+        if keep_grads:  # the caller hands the gradients, the step's sum, to the reduction
+            self.deferred = False
         if self.state is UnitState.SHARDED or self.pins:
             return
-        if self.deferred:  # the full gradients go to the accumulator, not away
+        if self.deferred:  # to the accumulator, not away
             self.deferred = False
             for g in self.all_groups:
                 g.start_reduce(False)
