@@ -134,7 +134,9 @@ def _reduction_states(rank, world):
     model = sw.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     reduction = model_state(model).units[1].groups[0].reduction
     assert reduction.state is Reduction.IDLE
-    with sw.no_sync(model):
+    # keep_gathered=False: a held unit's gradients would wait in .grad instead (Note
+    # [gathered across micro-batches]), leaving the reduction idle until the synced step
+    with sw.no_sync(model, keep_gathered=False):
         model(torch.ones(2, 4)).sum().backward()
     assert reduction.state is Reduction.ACCUMULATING
     model(torch.ones(2, 4)).sum().backward()

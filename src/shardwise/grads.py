@@ -129,18 +129,24 @@ def _norms(groups: list, norm_type: float) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def no_sync(module: nn.Module) -> Iterator[None]:
+def no_sync(module: nn.Module, *, keep_gathered: bool = True) -> Iterator[None]:
     """Accumulate gradients locally, without communicating them, inside the block.
 
     Backward passes inside keep each unit's *full* gradient (so a rank holds the whole
     model's gradients until the next synchronised backward); the first backward outside
-    the block adds its gradients and reduce-scatters the sum. Parameters are still
-    gathered for every forward and backward. DDP's attribute form works the same way:
-    while ``model.require_backward_grad_sync`` is False (nanoGPT sets it per
+    the block adds its gradients and reduce-scatters the sum. Each trainable unit also
+    stays gathered from one micro-batch to the next and through the synced one, whose
+    backward reshards it (Note [gathered across micro-batches] in engine/state.py): no
+    gather per micro-batch, as DDP has none, at the cost of holding the full parameters
+    beside the full gradients (docs/performance.md). DDP's attribute form works the same
+    way: while ``model.require_backward_grad_sync`` is False (nanoGPT sets it per
     micro-step), backward passes accumulate as inside this block.
 
     Args:
         module: the root returned by :func:`shardwise.shard`.
+        keep_gathered: ``False`` reshards every unit after each micro-batch and gathers
+            it again for the next, as any step does: only the gradients are held, for
+            when full parameters and gradients do not fit together.
 
     Raises:
         ShardwiseError: when ``module`` is not a sharded root.
@@ -153,9 +159,9 @@ def no_sync(module: nn.Module) -> Iterator[None]:
         >>> opt.step()
     """
     state = _require_state(module, "no_sync")
-    previous = state.in_no_sync
-    state.in_no_sync = True
+    previous = state.in_no_sync, state.keep_gathered
+    state.in_no_sync, state.keep_gathered = True, keep_gathered
     try:
         yield
     finally:
-        state.in_no_sync = previous
+        state.in_no_sync, state.keep_gathered = previous

@@ -153,6 +153,7 @@ def abandon_unfinished(module: nn.Module) -> None:
     state = owning_state(module)
     if state is not None:
         state.recover()
+        state.release_held()  # Note [gathered across micro-batches] in engine/state.py
 
 
 def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:

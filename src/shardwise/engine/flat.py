@@ -171,7 +171,10 @@ class FlatGroup:
                 wanted = p.full.requires_grad  # set while the unit was gathered
             if wanted != p.requires_grad:
                 changed.append((p, wanted))
-        if changed and self.reduction.has_accumulated():
+        # Gradients accumulated under no_sync wait in the reduction, or in the full
+        # parameters of a held unit (Note [gathered across micro-batches]).
+        if changed and (self.reduction.has_accumulated()
+                        or any(p.full.grad is not None for p in self.params)):
             return changed, "no_sync"
         if changed:
             return changed, self.storage.freezing_refusal(len(changed), len(self.params),

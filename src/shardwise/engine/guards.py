@@ -612,7 +612,7 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
             problems.append(f"unit {unit.name} is held by an open sw.gathered() block")
         elif unit.model.awaiting_backward:
             problems.append("the model is between a forward and its backward")
-        elif g.reduction.has_accumulated():
+        elif g.reduction.has_accumulated() or unit.deferred:
             problems.append(f"unit {unit.name} holds gradients accumulated under "
                             f"sw.no_sync")
         elif (why := g.cast_refusal()) is not None:

@@ -85,6 +85,36 @@ started, releasing its units, or returning to the awaited backward when the forw
 joined one (unless ranks diverged meanwhile: that iteration is abandoned too, as every
 collective it left in flight is). The partial order it
 recorded is dropped, so that it decides no prefetch.
+
+Note [gathered across micro-batches]
+Under ``no_sync`` (or ``require_backward_grad_sync=False``) a micro-batch's backward
+sends nothing, and the next micro-batch computes with the same parameters. Resharding
+each unit after its backward and gathering it again for the next forward and backward
+was the whole of accumulation's cost over DDP (docs/performance.md, "Gradient
+accumulation"). So a trainable unit (within the limits below) stays gathered
+(``Unit.hold``, ``_keeps``): its forward does not reshard it, and neither the end of the
+backward nor the next forward's start releases it. Its gradients stay in the full
+parameters' ``.grad``, where autograd adds the next micro-batch's, as DDP's do
+(``Unit.defer``, ``_defers``): the same additions, in the same order and dtype, as the
+accumulator's (engine/reduce.py), which the synced backward then scales and reduces, so
+the result is the same bits. Where autograd would sum differently (the reproducible
+mode, a reduce dtype other than the compute dtype) or the accumulator already holds part
+of the step, its reduction moves them into the accumulator instead; resharding a unit
+whose gradients wait in ``.grad`` moves them there first. The synced micro-batch's
+forward leaves it gathered too (it is held), and that backward's reduction reshards it
+as any step does, so after the optimizer step every unit is sharded again. The cost is
+memory: the full parameters beside the full gradients the accumulator holds anyway. So
+a unit is held only when its frozen parameters are no larger than its trainable ones
+(a LoRA base would hold its whole full weight for a small adapter's gradients) and none
+is quantized or offloaded, and ``sw.no_sync(model, keep_gathered=False)`` reshards as
+before. A held unit is let go, with no collective,
+where its full parameters would be wrong or in the way: a shard changed since it was
+gathered (an optimizer step inside ``no_sync``; ``release_all`` checks at the next
+forward), a forward without backward or one that raised, an aborted backward, a
+checkpoint read or written and ``load_state_dict`` (``release_held``). Each of these
+happens on every rank alike, so every rank gathers the same units afterwards (Note
+[collective order]); ``model.state_dict()``, which one rank may call alone, changes
+nothing and hands out the shards of held units (engine/state_dict_hooks.py).
 """
 
 from __future__ import annotations
@@ -149,6 +179,8 @@ class ModelState:
         self.settings = settings
         self.src_rank = settings.src_rank
         self.in_no_sync = False  # inside sw.no_sync
+        # sw.no_sync(keep_gathered=): Note [gathered across micro-batches]
+        self.keep_gathered = True
         self.prefetch = settings.prefetch
         self.phase = Phase.IDLE
         self._prev_order: list[Unit] = []
@@ -192,11 +224,49 @@ class ModelState:
         """Whether a forward's backward has not finished (full parameters may be saved)."""
         return self.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD)
 
-    def release_all(self) -> None:
-        """Reshard every unit and forget the iteration's bookkeeping."""
+    def release_all(self, keep_held: bool = False) -> None:
+        """Reshard every unit and forget the iteration's bookkeeping. ``keep_held``: a
+        unit held across micro-batches stays gathered, unless its shard changed since
+        (Note [gathered across micro-batches])."""
         for u in self.units:
-            u.reshard()
+            if not (keep_held and u.held and self.keep_gathered and not u.is_stale()):
+                u.reshard()
             u.reset_iteration()
+
+    def release_held(self) -> None:
+        """Reshard the units held across micro-batches (no communication), before
+        something reads or writes the shards: a checkpoint, ``load_state_dict``. Every
+        rank must call it at the same point (Note [gathered across micro-batches])."""
+        if self.phase is Phase.IDLE:
+            for u in self.units:
+                if u.held:
+                    u.reshard()
+
+    def _may_hold(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered across the micro-batches of a ``no_sync``
+        accumulation (Note [gathered across micro-batches]): its groups are on the device
+        (not offloaded), none is quantized, and its frozen parameters are no larger than
+        its trainable ones, whose accumulated gradients are held anyway."""
+        if not (self.keep_gathered and unit.groups and not unit.packed):
+            return False
+        trainable = sum(g.full_bytes for g in unit.groups if g.requires_grad)
+        frozen = sum(g.full_bytes for g in unit.groups if not g.requires_grad)
+        return (frozen <= trainable
+                and all(g.offload_description() is None for g in unit.groups))
+
+    def _defers(self, unit: Unit) -> bool:
+        """Whether a held unit's gradients may wait in ``.grad`` (Note [gathered across
+        micro-batches]): autograd's sums there are the accumulator's only where the
+        accumulator would add in the same dtype, one micro-batch after the other, from
+        empty. Not in the reproducible mode (its sums are exact), under mixed precision
+        with another reduce dtype, nor once the accumulator holds part of the step."""
+        return all(not g.reduction.exact and not g.reduction.has_accumulated()
+                   and g.reduce_dtype == g.compute_dtype for g in unit.trainable_groups)
+
+    def _keeps(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered after its forward or its backward's reduction
+        because gradients accumulate (Note [gathered across micro-batches])."""
+        return (unit.held or not self.requires_grad_sync) and self._may_hold(unit)
 
     def recover(self) -> None:
         """Start clean if the last iteration cannot complete.
@@ -306,6 +376,8 @@ class ModelState:
             unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
         elif not torch.is_grad_enabled():
             unit.reshard()
+        elif self._keeps(unit):
+            unit.drop_kept()  # Note [gathered across micro-batches]
         elif unit.reshard_after_forward:
             # A unit that stays gathered is not gathered again for its backward: the part
             # kept for that (Note [secondary shards]) would only take memory.
@@ -332,11 +404,15 @@ class ModelState:
         self.buffers.forward_started(self.number, communicates=not pinned)
         if self.dropout is not None:
             self.dropout.forward_started()
+        # Note [gathered across micro-batches]: held units stay only after an iteration
+        # that ended as it should on every rank; else ranks may hold different ones.
+        keep_held = self.phase is Phase.IDLE
         if self.checks.diverged():
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
             # forward prefetches nothing on every rank.
             self._prev_order, self._order = [], []
+            keep_held = False
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
         # Note [a forward inside gathered]: no collective, so nothing to check; joining
@@ -347,7 +423,7 @@ class ModelState:
             if self._order:  # Note [a forward inside gathered]: none recorded there
                 self._prev_order = self._order
             self._order = []
-            self.release_all()
+            self.release_all(keep_held)
         self._entry, self._entry_module = entry, module
         self._pinned = pinned
         self.phase = Phase.FORWARD
@@ -474,6 +550,15 @@ class ModelState:
         channel = self.comm.channel
         if channel.pending():
             channel.settle()
+        if not self.requires_grad_sync and self._keeps(unit) and unit.is_gathered():
+            # Note [gathered across micro-batches]: the next micro-batch computes with
+            # these very parameters, and adds to these very gradients where it can.
+            if self._defers(unit):
+                unit.defer()
+            else:
+                unit.start_reduce(False)
+            unit.hold()
+            return
         # Free the full parameters before the gradients are copied into the reduction
         # buffer, not after: at the root's reduction, at the end of the backward, that
         # is the difference between holding the root's parameters, gradients and buffer
@@ -498,12 +583,13 @@ class ModelState:
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:
-            late = [p.fqns[0] for p in u.params if p.full.grad is not None and u.reduced]
+            late = [p.fqns[0] for p in u.params
+                    if p.full.grad is not None and u.reduced and not u.deferred]
             if late:
                 raise ShardwiseError(
                     f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
                     f"was reduced; please report this with your model")
-        self.release_all()
+        self.release_all(keep_held=True)  # Note [gathered across micro-batches]
         self.phase = Phase.IDLE
         self.steps += 1
         if self.running_stats is not None and self.requires_grad_sync:

@@ -98,9 +98,16 @@ def _sharded(module: nn.Module) -> list[tuple[str, torch.Tensor, ShardedParam]]:
 def _saveable_values(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                      local_metadata: dict) -> None:
     """Note [DTensor storage offset]; each value tagged with its rows (Note [rows of one
-    rank]; not the parameters themselves, which ``keep_vars=True`` hands out)."""
+    rank]; not the parameters themselves, which ``keep_vars=True`` hands out). A unit
+    held across micro-batches gives its shards (Note [gathered across micro-batches])."""
     for name, t, sp in _sharded(module):
         value = state_dict.get(prefix + name)
+        if (t is sp.full and value is not None and sp.unit is not None and sp.unit.held
+                and not sp.unit.pins):
+            if value is t:  # keep_vars=True: the parameter itself, the shard
+                state_dict[prefix + name] = sp.shard
+                continue
+            value = state_dict[prefix + name] = sp.shard.detach()
         if isinstance(value, DTensor) and value is not t:
             state_dict[prefix + name] = tagged(sp, value)
 
@@ -172,6 +179,7 @@ def _check_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     state = state or owning_state(module)
     if state is None:
         return
+    state.release_held()  # a load writes the shards (Note [gathered across micro-batches])
 
     found: dict[tuple[int, int], list[str]] = {}
     error = None

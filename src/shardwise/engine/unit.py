@@ -165,6 +165,13 @@ class Unit:
         self.pins = 0      # open gathered() blocks holding this unit gathered
         self.cast_inputs = cast_inputs  # MixedPrecision.param_dtype
         self.state = UnitState.SHARDED
+        # Gathered across no_sync micro-batches (Note [gathered across micro-batches] in
+        # engine/state.py): set by :meth:`hold`, cleared by :meth:`reshard`.
+        self.held = False
+        # Its gradients wait, summed by autograd, in the full parameters' ``.grad`` (a
+        # held unit's, Note [gathered across micro-batches]): set by :meth:`defer`,
+        # moved to the reduction by :meth:`reshard`.
+        self.deferred = False
         self.reset_iteration()
 
     def reset_iteration(self) -> None:
@@ -193,6 +200,25 @@ class Unit:
     def owes_backward(self) -> bool:
         """Whether a forward's backward has not reached this unit yet."""
         return self.forward_calls > self.backward_calls and not self.reduced
+
+    def hold(self) -> None:
+        """Stay gathered past this backward: its gradients were accumulated under
+        ``no_sync`` and the next micro-batch computes with the same parameters (Note
+        [gathered across micro-batches] in engine/state.py). Only :meth:`reshard` ends it."""
+        if self.state is UnitState.GATHERED:
+            self.held = True
+
+    def defer(self) -> None:
+        """Leave this backward's gradients in the full parameters' ``.grad``, where the
+        next micro-batch's backward adds to them, instead of handing them to the
+        reduction (Note [gathered across micro-batches] in engine/state.py)."""
+        self.deferred = True
+        self.reduced = True
+
+    def is_stale(self) -> bool:
+        """Whether a shard changed (an optimizer step, a load) since the unit was
+        gathered: its full parameters hold old values."""
+        return any(g.is_stale() for g in self.all_groups)
 
     def pin(self) -> None:
         """A ``gathered()`` block holds the unit gathered until :meth:`unpin`."""
@@ -271,14 +297,21 @@ class Unit:
 
         A unit pinned by an open ``gathered()`` block stays gathered.
         """
+        if keep_grads:  # the caller hands the gradients, the step's sum, to the reduction
+            self.deferred = False
         if self.state is UnitState.SHARDED or self.pins:
             return
+        if self.deferred:  # to the accumulator, not away
+            self.deferred = False
+            for g in self.all_groups:
+                g.start_reduce(False)
         for g in self.all_groups:
             g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
         for g in self.all_groups:
             g.free(keep_grads)
         self.state = UnitState.SHARDED
+        self.held = False
 
     def start_reduce(self, sync: bool) -> None:
         """Hand this backward's full gradients to the reduction; see GradReduction.start."""

@@ -54,6 +54,13 @@ class MemoryPlan:
     tiers: dict[str, int] = field(default_factory=dict)
     moved_per_step: int = 0
     moved_minimum: int = 0
+    # Gradient accumulation under sw.no_sync, held until the synced backward on top of
+    # ``total``: the full gradients it sums (every trainable group's, unsharded), and the
+    # full parameters of the units it keeps gathered from one micro-batch to the next
+    # (Note [gathered across micro-batches] in engine/state.py; 0 with
+    # ``sw.no_sync(model, keep_gathered=False)`` or an Offload).
+    accumulated_grads: int = 0
+    held_params: int = 0
 
     @property
     def total(self) -> int:
@@ -72,6 +79,9 @@ class MemoryPlan:
             rows += [(f"offloaded, on {tier}", n) for tier, n in self.tiers.items()]
             rows += [("moved to and from tiers per step", self.moved_per_step),
                      ("  the least possible", self.moved_minimum)]
+        if self.accumulated_grads:
+            rows += [("under sw.no_sync, also: full gradients", self.accumulated_grads),
+                     ("  and units kept gathered", self.held_params)]
         width = max(len(r[0]) for r in rows)
         lines = [f"per rank, world size {self.world_size}, {self.units} units"
                  + (f", offload: {self.offload}" if self.offload else "")]
@@ -120,19 +130,23 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     names = [n for n, _ in chosen]
     per_unit = assign_units(discover_params(model, names), names)
     per_elem, per_param = _OPTIMIZERS[optimizer]
-    params = grads = opt = 0
+    params = grads = opt = accumulated = held = 0
     unit_bytes = []
     traffic = _Traffic(offload, per_elem)
     for i, recs in enumerate(per_unit):
-        full = 0
+        full = frozen = 0
         for spec in group_specs(recs, param_dtype, None):
             p = spec.records[0].param
             size = p.element_size()
             layout = build_layout([tuple(r.param.shape) for r in spec.records], world_size)
             params += layout.shard_numel * size
-            full += layout.full_numel * torch.empty(0, dtype=spec.compute_dtype).element_size()
+            group_full = layout.full_numel * _itemsize(spec.compute_dtype)
+            full += group_full
+            if not p.requires_grad:
+                frozen += group_full
             if p.requires_grad:
                 grads += layout.shard_numel * size
+                accumulated += layout.gathered_numel * _itemsize(spec.reduce_dtype)
                 rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
                 opt += per_elem * rows * size + per_param * len(layout.slots)
             # Gathered once a step: the root (for the whole step) and the unit running
@@ -141,10 +155,13 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
             traffic.add(layout, size, _itemsize(spec.compute_dtype), p.requires_grad,
                         gathers=1 if i in (0, len(per_unit) - 1) else 2)
         unit_bytes.append(full)
+        # The engine's rule (ModelState._may_hold): frozen no larger than trainable.
+        if offload is None and full > frozen and frozen <= full - frozen:
+            held += full
     ranked = sorted(unit_bytes, reverse=True) + [0, 0]
     return MemoryPlan(world_size, params, grads, opt, ranked[0], ranked[1], activation_bytes,
                       len(chosen), traffic.describe, traffic.tiers, traffic.moved,
-                      traffic.minimum)
+                      traffic.minimum, accumulated, held)
 
 
 class _Traffic:
