@@ -231,3 +231,50 @@ def _memory(rank, world):
 
 def test_the_plan_states_what_accumulation_holds():
     run_ranks(_memory, 2)
+
+
+class _WithAside(torch.nn.Module):
+    """Two units on the main path and one (``aside``) that only the first micro-batch calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.aside = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, aside: bool = False):
+        if aside:
+            self.aside(x)  # its output unused: no gradient reaches it
+        return self.b(self.a(x)).square().mean()
+
+
+def _aside_and_stale(rank, world):
+    """A held unit no micro-batch gave a gradient to is sharded after the synced step; a
+    sw.gathered block after an optimizer step inside no_sync sees the new shards."""
+    torch.manual_seed(0)
+    base = _WithAside()
+    units = lambda name, m: name in ("a", "b", "aside")  # noqa: E731
+    for keep in (True, False):
+        model = sw.shard(copy.deepcopy(base), units=units)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        with sw.no_sync(model, keep_gathered=keep):
+            model(x, aside=True).backward()
+        model(x).backward()
+        assert _states(model) == ["sharded"] * 3, (keep, _states(model))
+        assert sw.inspect(model).full_bytes == 0
+        assert isinstance(model.aside.weight, DTensor)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with sw.no_sync(model, keep_gathered=keep):
+            model(x).backward()
+        opt.step()  # inside the accumulation: the held units' shards change
+        want = sw.full_state_dict(model, rank0_only=False)
+        with sw.gathered(model, modifier_rank=0):
+            assert torch.equal(model.a.weight, want["a.weight"]), keep
+            if rank == 0:
+                with torch.no_grad():
+                    model.a.weight.mul_(2)
+        got = sw.full_state_dict(model, rank0_only=False)
+        assert torch.equal(got["a.weight"], want["a.weight"] * 2), keep
+        assert torch.equal(got["b.weight"], want["b.weight"]), keep
+
+
+def test_an_unused_held_unit_is_released_and_gathered_sees_a_step_inside_no_sync():
+    run_ranks(_aside_and_stale, 2)

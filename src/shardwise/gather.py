@@ -270,6 +270,10 @@ class _GatherSession:
             if u.model.awaiting_backward:
                 raise ShardwiseError("gathered() was entered between a forward and its "
                                      "backward; use it outside training steps")
+            # A unit held across no_sync micro-batches may hold values older than its
+            # shard (an optimizer step since): every rank lets it go here, alike (Note
+            # [gathered across micro-batches] in engine/state.py).
+            u.model.release_held()
             if r is not None and any(g.compute_dtype != g.dtype for g in u.groups):
                 raise ShardwiseError("gathered(..., modifier_rank=...) is not supported "
                                      "with mixed_precision: full parameters are in "
@@ -289,8 +293,8 @@ class _GatherSession:
         self.group_versions = [g.full._version for g in self.groups]
         self.packed_versions = [(pp, _version(pp)) for g in self.packed for pp in g.params]
         # Note [quantized parameters in gathered()]: what a write may reach of the shards.
-        self.packed_kept = ([(t, t.detach().clone()) for g in self.packed for pp in g.params
-                             for t in _shared_inner(pp)] if r is None else [])
+        self.packed_kept = [(t, t.detach().clone()) for g in self.packed for pp in g.params
+                            for t in _shared_inner(pp)]
         buffers = named_buffers(self.module) if self.module is not None else []
         self.buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
                                 if r is None else [])
@@ -330,6 +334,10 @@ class _GatherSession:
             else:
                 _apply_modifications(self.comm, self.groups, replaced, self.module,
                                      self.plain, self.modifier_rank)
+                if self.comm.rank != self.modifier_rank:
+                    # Only the modifier's edits count: another rank's write into what its
+                    # shard shares with the full tensor goes (rank r's then arrive).
+                    _restore(self.packed_kept)
                 _apply_packed(self.comm, self.packed_versions, replaced_packed,
                               self.modifier_rank)
         finally:
@@ -363,9 +371,7 @@ class _GatherSession:
                     b.copy_(old)
             # Quantized shards, then their full values (a gather of every rank's bytes),
             # go back to what they were on entry.
-            for t, old in self.packed_kept:
-                if not _same_bytes(t, old):
-                    t.copy_(old)
+            _restore(self.packed_kept)
         for g in self.packed:
             g.start_gather()
             g.wait_gather()
@@ -467,16 +473,26 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # counters do not move: the subclass writes them below autograd). Some of the full
 # tensor's inner tensors are the shard's own (NF4's scaler mean and lookup table come
 # from ``fsdp_pre_all_gather``'s metadata, not the all-gather), so a write reaches the
-# shard: a read-only block keeps a copy of those (a few bytes) and restores them, then
+# shard: a block keeps a copy of those (a few bytes); a read-only one restores them, then
 # gathers the full values again, so the shards are unchanged and an enclosing block sees
 # the values of its entry. With ``modifier_rank=r`` rank r's written full tensors (in
 # place, ``w.copy_(merged)``, which for an NF4Tensor quantizes a float value with the
 # weight's block sizes; or replaced by a value ``copy_`` accepts) are broadcast inner
 # tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
-# rule of Note [packed checkpoints]). A weight divided by bytes (Note [uneven packed
-# parameters] in engine/packed.py) is the same full subclass tensor, rebuilt around the
-# gathered bytes: none of its inner tensors is the shard's, so a read-only block's
-# regather alone restores it, and ``take_full`` keeps each rank's element ranges.
+# rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
+# a write of theirs to a weight rank r left alone does not stay in their shard. A weight
+# divided by bytes (Note [uneven packed parameters] in engine/packed.py) is the same full
+# subclass tensor, rebuilt around the gathered bytes: none of its inner tensors is the
+# shard's, so a read-only block's regather alone restores it, and ``take_full`` keeps
+# each rank's element ranges.
+def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put back each tensor's snapshot where it changed."""
+    with torch.no_grad():
+        for t, old in kept:
+            if not _same_bytes(t, old):
+                t.copy_(old)
+
+
 def _version(pp: PackedParam) -> int:
     return -1 if pp.full is None else pp.full._version
 

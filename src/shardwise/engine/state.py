@@ -111,7 +111,11 @@ before. A held unit is let go, with no collective,
 where its full parameters would be wrong or in the way: a shard changed since it was
 gathered (an optimizer step inside ``no_sync``; ``release_all`` checks at the next
 forward), a forward without backward or one that raised, an aborted backward, a
-checkpoint read or written and ``load_state_dict`` (``release_held``). Each of these
+checkpoint read or written, ``load_state_dict`` and entering ``sw.gathered``
+(``release_held``), and the end of a synced backward (a held unit that no micro-batch
+gave a gradient to is still reduced, with zeros, on every rank that deferred it, so that
+ranks agree on who reduces). An aborted backward's gradients that autograd already added
+to a held unit's ``.grad`` stay in the step's sum, as they do in DDP's ``.grad``. Each of these
 happens on every rank alike, so every rank gathers the same units afterwards (Note
 [collective order]); ``model.state_dict()``, which one rank may call alone, changes
 nothing and hands out the shards of held units (engine/state_dict_hooks.py).
@@ -589,7 +593,9 @@ class ModelState:
                 raise ShardwiseError(
                     f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
                     f"was reduced; please report this with your model")
-        self.release_all(keep_held=True)  # Note [gathered across micro-batches]
+        # Note [gathered across micro-batches]: after a synced backward nothing stays held
+        # (a held unit no micro-batch gave a gradient to would otherwise outlive the step).
+        self.release_all(keep_held=not self.requires_grad_sync)
         self.phase = Phase.IDLE
         self.steps += 1
         if self.running_stats is not None and self.requires_grad_sync:
@@ -615,9 +621,13 @@ class ModelState:
         # gradients came without a counted forward (reentrant checkpointing recomputes in
         # backward; a second backward through a retained graph), and units holding
         # gradients accumulated under no_sync.
+        # A held unit's gradients deferred in .grad count as accumulated on every rank
+        # that deferred them, whether or not this rank's .grad is None (Note [gathered
+        # across micro-batches]): ranks must agree on who reduces without a collective.
         return (u.forward_calls > 0 or any(p.full.grad is not None for p in u.params)
                 or (self.requires_grad_sync
-                    and any(g.reduction.has_accumulated() for g in u.trainable_groups)))
+                    and (u.deferred
+                         or any(g.reduction.has_accumulated() for g in u.trainable_groups))))
 
     def _publish_gradients(self, reduced: list[Unit]) -> None:
         """Wait for the reductions and hand each parameter its gradient shard."""
