@@ -16,7 +16,8 @@ import pytest
 import torch
 from harness import run_ranks
 from test_quantize_load import _peft_names, _with_adapters
-from test_quantized import _adapters, _batches, _bytes, _step
+from test_quantized import _adapters, _batches, _step
+from test_quantized import _nf4_bytes as _all_nf4_bytes
 
 import shardwise as sw
 
@@ -54,15 +55,8 @@ def _qlora(seed: int = 0):
 
 
 def _nf4_bytes(model) -> dict[str, bytes]:
-    """Every NF4 weight's inner tensors, whole, as bytes (a collective when sharded)."""
-    nf4 = nf4_module().NF4Tensor
-    sd = sw.full_state_dict(model, rank0_only=False) if sw.is_sharded(model) else \
-        model.state_dict()
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, nf4):
-            names, _ = v.__tensor_flatten__()
-            out.update({f"{k}/{n}": _bytes(getattr(v, n)) for n in names})
+    """test_quantized's, which must find NF4 weights here."""
+    out = _all_nf4_bytes(model)
     assert out
     return out
 

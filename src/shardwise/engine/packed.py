@@ -55,7 +55,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._registry import PACKED, attach_to, attached, copy_user_attributes
+from .._registry import PACKED, attach_to, attached, copy_all_attributes, copy_user_attributes
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
 from .copies import copy_out
@@ -880,7 +880,7 @@ class PackedGroup:
         viewing it at the same offsets, the same slots until the caller remaps them, and
         nothing gathered. No communication."""
         new = object.__new__(PackedGroup)
-        new.__dict__.update(self.__dict__)
+        copy_all_attributes(self, new)
         new.local = self.local.clone()
 
         def same_place(t: torch.Tensor) -> torch.Tensor:
