@@ -109,6 +109,16 @@ def _gathered(rank, world, kind):
     assert torch.equal(_logits(ours, x), _logits(ref, x))
     sw.check_consistency(ours)
 
+    # Only the modifier's edits count: another rank's write to a weight rank 0 left alone
+    # goes, with what its shard shares with the full tensor (NF4's scaler mean).
+    with sw.gathered(ours, modifier_rank=0):
+        if rank == world - 1:
+            with torch.no_grad():
+                w = targets[1][1].base_layer.weight
+                w.copy_(torch.randn(tuple(w.shape)) * 7)
+    assert _nf4_bytes(ours) == _nf4_bytes(ref)
+    assert torch.equal(_logits(ours, x), _logits(ref, x))
+
     # A replacement that cannot be a quantized weight's value: refused by name, kept.
     layer = targets[1][1]
     with pytest.raises(sw.ShardwiseError, match="cannot keep the edits of quantized"):
