@@ -37,6 +37,7 @@ import threading
 import time
 
 from procstat import status_mib
+from qlora_load import train
 
 
 def _mapped_weights_mib() -> float:
@@ -119,18 +120,7 @@ def main() -> None:
 
     model = get_peft_model(base, LoraConfig(r=16, target_modules=["q_proj", "v_proj"],
                                             lora_dropout=0.0))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator().manual_seed(0)
-    step_s, losses = [], []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        x = torch.randint(0, config.vocab_size, (1, args.seq), generator=g)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        step_s.append(time.perf_counter() - t)
-        losses.append(loss.item())
+    step_s, losses = train(model, config.vocab_size, args.steps, args.seq, 0)
     mib = 2**20
     print(json.dumps({
         "system": "peft+bitsandbytes", "bitsandbytes": bnb.__version__,

@@ -181,20 +181,7 @@ def child(folder: str, steps: int, seq: int) -> None:
     load_peak = status_mib("VmHWM")
     after_load = status_mib("VmRSS")
     say(f"loaded in {load_s:.0f} s, peak RSS so far {load_peak:.0f} MiB; training")
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    g = torch.Generator().manual_seed(rank)
-    step_s, losses = [], []
-    for step in range(steps):
-        t = time.perf_counter()
-        x = torch.randint(0, config.vocab_size, (1, seq), generator=g)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        step_s.append(time.perf_counter() - t)
-        losses.append(loss.item())
-        say(f"step {step}: {step_s[-1]:.1f} s, loss {losses[-1]:.3f}, "
-            f"peak RSS {status_mib('VmHWM'):.0f} MiB")
+    step_s, losses = train(model, config.vocab_size, steps, seq, rank, say)
     view = sw.inspect(model)
     # The largest unit in full precision (bf16): a decoder layer, or the root's
     # embeddings and head, whichever is larger.
@@ -215,6 +202,29 @@ def child(folder: str, steps: int, seq: int) -> None:
         "target_mib": round(target), "build_s": round(build_s, 1),
         "shard_s": round(shard_s, 1), "load_s": round(load_s, 1),
         "step_s": [round(s, 1) for s in step_s], "losses": losses}), flush=True)
+
+
+def train(model, vocab: int, steps: int, seq: int, seed: int,
+          say=lambda line: None) -> tuple[list[float], list[float]]:
+    """``steps`` AdamW steps of the adapters on one random sequence of ``seq`` tokens each
+    (this benchmark's and qlora_anchor_bnb.py's); each step's seconds and loss."""
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(seed)
+    step_s, losses = [], []
+    for step in range(steps):
+        t = time.perf_counter()
+        x = torch.randint(0, vocab, (1, seq), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        step_s.append(time.perf_counter() - t)
+        losses.append(loss.item())
+        say(f"step {step}: {step_s[-1]:.1f} s, loss {losses[-1]:.3f}, "
+            f"peak RSS {status_mib('VmHWM'):.0f} MiB")
+    return step_s, losses
 
 
 def run(folder: str, world: int, steps: int, seq: int) -> list[dict]:
