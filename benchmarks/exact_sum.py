@@ -19,8 +19,10 @@ Each is compared with the fp64 sum of the same fp32 terms (exact for 8 terms unl
 more than 29 binades; the table gives how many elements differ from the fp64 sum rounded to
 fp32). Cost: encode/align/add/decode time per element on this CPU (one thread), with the eager
 ops and with the fused kernels (``--timings-only`` prints just that table), including the
-narrow accumulator's passes (Note [narrow accumulator]) against the wide encode + add_ of
-a micro-batch, and bytes per element on the wire.
+gradient path's float64 partials (Note [float64 partials]: a micro-batch added, one
+micro-batch per rank summed at the receiver) against the binned encode + add_, and bytes
+per element on the wire. The accuracy table has the float64 partials' rows too, at N=1, 2
+and 8 (which must give identical bits).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 
 import torch
 
-from shardwise.exact import narrow as nw
+from shardwise.exact import partial as ep
 from shardwise.exact import sums as es
 from shardwise.models import GPT, GPTConfig
 
@@ -92,6 +94,22 @@ def exact_grouped(encoded: list[es.Binned], world: int, block: int | None = None
     return es.decode(es.Binned(index, bins, terms=len(encoded)))
 
 
+def partials_grouped(terms: torch.Tensor, world: int) -> torch.Tensor:
+    """What the reproducible mode's gradient path gives (Note [float64 partials]): each of
+    ``world`` ranks accumulates its share, the rows are summed from every rank's partial
+    (here unsplit)."""
+    per = terms.shape[0] // world
+    parts, errors = [], []
+    for r in range(world):
+        acc = None
+        for m in range(r * per, (r + 1) * per):
+            acc = ep.accumulate(acc, terms[m].clone())
+        assert acc is not None
+        parts.append(acc.value)
+        errors += acc.errors
+    return ep.total(parts, errors)
+
+
 def accuracy(grads: torch.Tensor, chunk: int, block: int) -> dict[str, torch.Tensor]:
     """Every method's sum, chunk by chunk of elements (bounded memory)."""
     n = grads.shape[1]
@@ -113,6 +131,10 @@ def accuracy(grads: torch.Tensor, chunk: int, block: int) -> dict[str, torch.Ten
             raise AssertionError("exact sums differ across groupings")
         put("exact, N=1, 2, 8 (identical bits)", same[0])
         put(f"exact, index shared by {block} elements", exact_grouped(encoded, 2, block))
+        same = [partials_grouped(terms, w) for w in (1, 2, 8)]
+        if not all(torch.equal(s.view(torch.int32), same[0].view(torch.int32)) for s in same):
+            raise AssertionError("float64 partials differ across groupings")
+        put("float64 partials (the gradient path), N=1, 2, 8 (identical bits)", same[0])
     return {k: torch.cat(v) for k, v in out.items()}
 
 
@@ -133,8 +155,7 @@ def timings(n: int, repeat: int) -> dict[str, float]:
     a, b = es.encode(x), es.encode(y)
     index = torch.maximum(a.index, b.index)
     s = es.add(a, b)
-    n0 = nw.start(x)
-    assert n0 is not None
+    p0 = ep.accumulate(ep.accumulate(None, x.clone()), y)
     per_m = 1e3 / (n / 1e6)
     return {
         "fp32 add (the default mode)": median_time(lambda: x + y, repeat) * per_m,
@@ -146,17 +167,19 @@ def timings(n: int, repeat: int) -> dict[str, float]:
         )
         * per_m,
         "decode": median_time(lambda: es.decode(s), repeat) * per_m,
-        # A micro-batch under no_sync: the wide form encodes and adds (before Note
-        # [narrow accumulator]); the narrow one adds in one pass.
-        "wide: encode + add_ (a micro-batch)": median_time(
+        # A micro-batch under no_sync: the binned form encodes and adds; the gradient
+        # path adds into a float64 partial (Note [float64 partials]).
+        "binned: encode + add_ (a micro-batch)": median_time(
             lambda: es.add_(es.Binned(s.index, s.bins.clone(), 2), es.encode(y)), repeat)
         * per_m,
-        "narrow: start (the first micro-batch)": median_time(lambda: nw.start(x), repeat)
-        * per_m,
-        "narrow: add (a micro-batch)": median_time(lambda: nw.add(n0, y), repeat) * per_m,
-        "narrow: add + widen (the last micro-batch)": median_time(
-            lambda: nw.add_widen(n0, y), repeat) * per_m,
-        "narrow: widen": median_time(lambda: nw.widen(n0), repeat) * per_m,
+        "partial: second micro-batch (fp32 + fp32 into float64)": median_time(
+            lambda: ep.accumulate(ep.Partial(x), y), repeat) * per_m,
+        "partial: a later micro-batch (float64 += fp32, in place)": median_time(
+            lambda: ep.accumulate(p0, y), repeat) * per_m,
+        "partial: one micro-batch per rank, 2 ranks' fp32 rows summed (per row)": median_time(
+            lambda: ep.total([x, y], []), repeat) * per_m,
+        "partial: 2 ranks' float64 rows summed (per row)": median_time(
+            lambda: ep.total([p0.value, p0.value], []), repeat) * per_m,
     }
 
 

@@ -9,19 +9,16 @@ step, cut into ``--micro`` micro-batches per rank: all but the last backward und
 ``sw.no_sync`` (DDP: ``no_sync()``), the last one reducing. Systems, in interleaved
 rounds (step_time.py's ``run_rounds``): ``ddp``, ``shardwise`` (default mode, each
 micro-batch's loss divided by their number), ``reproducible`` (``shard(...,
-reproducible=True)``, Note [reproducible reduction]), ``reproducible_wide`` (the same
-with the wide accumulator of before Note [narrow accumulator], ``SHARDWISE_NARROW=0``).
-Printed: step times and their ratios, the bytes each rank fed into collectives per step
+reproducible=True)``, Note [reproducible reduction]). Printed: step times and their
+ratios, the bytes each rank fed into collectives per step
 (``sw.inspect``), the bytes the gradient accumulators held just before the reducing
 backward (read from the engine's own buffers: fp32 rank-major buffers by default, the
-exact accumulators in the reproducible mode), and whether both reproducible systems'
-losses are bit-identical.
+exact partials in the reproducible mode: Note [float64 partials]).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
@@ -46,10 +43,10 @@ def accumulator_bytes(model) -> int:
             if r._buf is not None:
                 total += r._buf.numel() * r._buf.element_size()
             acc = getattr(r, "_acc", None)  # the reproducible mode's ExactReduction
-            if acc is not None:  # narrow (index, float64 value, carry) or wide (index, bins)
-                total += sum(t.numel() * t.element_size() for t in (
-                    (acc.index, acc.value, acc.carry) if hasattr(acc, "value")
-                    else (acc.index, acc.bins)))
+            if acc is not None:  # a Partial: its value, its add pass's mask, kept errors
+                held = [acc.value] + ([acc.mask] if acc.mask is not None else [])
+                held += [t for pair in acc.errors for t in pair]
+                total += sum(t.numel() * t.element_size() for t in held)
     return total
 
 
@@ -58,13 +55,10 @@ def _call(model, x, y):
     return model(x, y) if y is not None else model(input_ids=x, labels=x).loss
 
 
-def make_loss(micro: int, reproducible: bool, held: list[int], narrow: str = "1"):
+def make_loss(micro: int, reproducible: bool, held: list[int]):
     """A step_time loss function that runs ``micro`` micro-batches and returns the last
-    one's loss (whose backward, run by System.run, reduces). ``narrow`` is
-    ``SHARDWISE_NARROW`` for this system's step (read at each accumulation, so systems
-    interleaved in one process can differ)."""
+    one's loss (whose backward, run by System.run, reduces)."""
     def loss_fn(model, batch):
-        os.environ["SHARDWISE_NARROW"] = narrow
         parts = [p if len(p) == 2 else (p[0], None)
                  for p in zip(*(t.chunk(micro) for t in batch))]
         sync_off = model.no_sync if isinstance(model, DDP) else (lambda: sw.no_sync(model))
@@ -89,7 +83,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt", choices=["gpt", "llama"],
                         help="llama: workloads.py's small Hugging Face Llama, 4 sequences "
                              "of 64 tokens per rank and step")
-    parser.add_argument("--systems", default="ddp,shardwise,reproducible,reproducible_wide",
+    parser.add_argument("--systems", default="ddp,shardwise,reproducible",
                         help="which to run (ddp always runs: the ratios are to it)")
     args = parser.parse_args()
     sw.init_distributed(backend="gloo")
@@ -113,17 +107,13 @@ def main() -> None:
         return sw.shard(m, units=units(m), reproducible=reproducible)
 
     device = torch.device("cpu")
-    held: dict[str, list[int]] = {"shardwise": [], "reproducible": [], "reproducible_wide": []}
+    held: dict[str, list[int]] = {"shardwise": [], "reproducible": []}
     systems = [
         System("ddp", DDP(model()), device, make_loss(args.micro, False, [])),
         System("shardwise", shard(False), device,
                make_loss(args.micro, False, held["shardwise"])),
         System("reproducible", shard(True), device,
                make_loss(args.micro, True, held["reproducible"])),
-        # The same mode with the wide accumulator (SHARDWISE_NARROW=0): before/after
-        # Note [narrow accumulator] in one run, the same bits.
-        System("reproducible_wide", shard(True), device,
-               make_loss(args.micro, True, held["reproducible_wide"], narrow="0")),
     ]
     wanted = set(args.systems.split(",")) | {"ddp"}
     systems = [s for s in systems if s.name in wanted]
@@ -157,12 +147,6 @@ def main() -> None:
         acc = f"{max(held[s.name]) / 2**20:.0f} MiB" if s.name in held else ""
         print(f"| {s.name} | {' '.join(f'{med(s, r):.3f}' for r in range(args.rounds))} | "
               f"{statistics.median(ratios):.3f} | {moved} | {acc} |")
-    by_name = {s.name: s for s in systems}
-    if "reproducible" in by_name and "reproducible_wide" in by_name:
-        narrow, wide = by_name["reproducible"], by_name["reproducible_wide"]
-        same = [float(a) for a in narrow.losses] == [float(b) for b in wide.losses]
-        print(f"\nreproducible and reproducible_wide losses bit-identical on all "
-              f"{len(narrow.losses)} steps: {same}")
     dist.destroy_process_group()
 
 

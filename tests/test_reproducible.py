@@ -130,16 +130,15 @@ def _errors(rank, world):
     # A rank that summed one micro-batch more than the others is named at the reduction
     # (in a training loop the order check sees its extra forward first).
     from shardwise.comm.collectives import Comm
-    from shardwise.exact.reduce import exchange
-    from shardwise.exact.sums import add, encode
+    from shardwise.exact.partial import accumulate, exchange
 
-    acc = encode(torch.ones(8))
+    acc = accumulate(None, torch.ones(8))
     if rank == 0:
-        acc = add(acc, encode(torch.ones(8)))
+        acc = accumulate(acc, torch.ones(8))
     with pytest.raises(sw.ShardwiseError, match="different numbers of micro-batches"):
-        exchange(Comm(None), acc, "a test buffer")
+        exchange(Comm(None), acc, "a test buffer").result()
     # The reduction itself: every rank's rows of the mean, exactly.
-    total = exchange(Comm(None), encode(torch.arange(8.0) * (rank + 1)), "x").result()
+    total = exchange(Comm(None), accumulate(None, torch.arange(8.0) * (rank + 1)), "x").result()
     assert torch.equal(total, torch.arange(2.0 * rank, 2.0 * rank + 2) * 2.5)
 
 
@@ -248,19 +247,6 @@ def test_the_reproducible_modes_traps_are_said_at_run_time():
     run_ranks(_traps, 2)
 
 
-def test_the_narrow_accumulator_gives_the_wide_bits_in_training(monkeypatch):
-    # Note [narrow accumulator]: the test models sit below the fused kernels' threshold,
-    # where the engine keeps the wide form; SHARDWISE_NARROW=all runs the narrow passes
-    # (eagerly) on every unit. Their training must give the wide form's bits, at another
-    # world size too.
-    monkeypatch.setenv("SHARDWISE_NARROW", "0")
-    wide = run_ranks(_run, 1, "gpt", True, None, timeout=300)[0]
-    monkeypatch.setenv("SHARDWISE_NARROW", "all")
-    narrow = run_ranks(_run, 3, "gpt", True, None, timeout=300)[0]
-    assert narrow[0] == wide[0], "losses differ from the wide form's"
-    assert narrow[1] == wide[1], "final state differs from the wide form's"
-
-
 def _run_micro(rank, world, m):
     """Four steps of the GPT with ``m`` micro-batches a step (the reproducible mode)."""
     global M
@@ -270,15 +256,11 @@ def _run_micro(rank, world, m):
     return losses, _digest(model, opt)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_one_micro_batch_per_rank_gives_the_wide_bits_in_training(monkeypatch, world):
-    # Note [aligned wire]: with one micro-batch per rank, the synced backward's gradient
-    # goes to the exchange unencoded and is encoded at every rank's tops in one pass.
-    # SHARDWISE_NARROW=all runs that pass (eagerly) on every unit of the test model. The
-    # training must give the bits of the wide form's (encode, align) at one rank.
-    monkeypatch.setenv("SHARDWISE_NARROW", "0")
-    wide = run_ranks(_run_micro, 1, world, timeout=300)[0]
-    monkeypatch.setenv("SHARDWISE_NARROW", "all")
-    fused_path = run_ranks(_run_micro, world, world, timeout=300)[0]
-    assert fused_path[0] == wide[0], "losses differ from the wide form's"
-    assert fused_path[1] == wide[1], "final state differs from the wide form's"
+def test_one_micro_batch_per_rank_gives_the_one_rank_bits():
+    # Note [float64 partials]: with one micro-batch per rank the fp32 gradient itself goes
+    # on the wire and the receiver sums the ranks' terms; one rank holding all three sums
+    # them into a float64 partial first. Same bits.
+    one = run_ranks(_run_micro, 1, 3, timeout=300)[0]
+    three = run_ranks(_run_micro, 3, 3, timeout=300)[0]
+    assert three[0] == one[0], "losses differ from one rank's"
+    assert three[1] == one[1], "final state differs from one rank's"

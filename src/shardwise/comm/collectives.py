@@ -98,7 +98,7 @@ class Comm:
         self.checks_over: Comm = self
         self._channel: Channel | None = None
         # Wire buffers of the reproducible mode's exchanges over this group, kept between
-        # steps for reuse (Note [aligned wire] in exact/wire.py): they live as long as the
+        # steps for reuse (exact/partial.py's ``buffer``): they live as long as the
         # model that holds this communicator, not the process.
         self.spare_buffers: list[torch.Tensor] = []
         if self.world_size > 1 and "gloo" in self.backend:
@@ -162,6 +162,21 @@ class Comm:
         """
         self.stats.add("reduce_scatter", inp)
         work = self.transport(inp).reduce_scatter(self, out, inp, what)
+        return self._finish(work, async_op)
+
+    def all_to_all(self, outs: list[torch.Tensor], inps: list[torch.Tensor],
+                   async_op: bool = False, what: str = "an all-to-all"):
+        """Send ``inps[r]`` to rank r and receive rank r's into ``outs[r]``, for every
+        other rank r (this rank's own entries are neither sent nor written). Every rank
+        passes chunks of the same sizes and dtype.
+
+        With ``async_op``, ``inps`` must stay unchanged and ``outs`` unread until the
+        returned work is waited for.
+        """
+        for r, t in enumerate(inps):
+            if r != self.rank:
+                self.stats.add("all_to_all", t)
+        work = self.transport(inps[0]).all_to_all(self, outs, inps, what)
         return self._finish(work, async_op)
 
     def transport(self, t: torch.Tensor) -> Transport:
@@ -299,6 +314,10 @@ class Transport:
                        what: str) -> _Pending:
         raise NotImplementedError
 
+    def all_to_all(self, comm: Comm, outs: list[torch.Tensor], inps: list[torch.Tensor],
+                   what: str) -> _Pending:
+        raise NotImplementedError
+
 
 class _Collectives(Transport):
     """The backend's collectives (NCCL; gloo's for CUDA tensors)."""
@@ -310,6 +329,12 @@ class _Collectives(Transport):
     def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
                        what: str) -> _Pending:
         return comm._run(what, True, _reduce_scatter_flat, out, inp)
+
+    def all_to_all(self, comm: Comm, outs: list[torch.Tensor], inps: list[torch.Tensor],
+                   what: str) -> _Pending:
+        received = list(outs)
+        received[comm.rank] = torch.empty_like(inps[comm.rank])  # the backend writes it
+        return comm._run(what, True, dist.all_to_all, received, list(inps))
 
 
 class _Exchanges(Transport):
@@ -356,6 +381,13 @@ class _Exchanges(Transport):
 
         work.then = add_up
         return work
+
+
+    def all_to_all(self, comm: Comm, outs: list[torch.Tensor], inps: list[torch.Tensor],
+                   what: str) -> _Pending:
+        peers = _peers(comm)
+        return _exchange(comm, [(p, inps[p]) for p, _ in peers],
+                         [(p, outs[p]) for _, p in peers], what, "reduce_scatter")
 
 
 COLLECTIVES: Transport = _Collectives()

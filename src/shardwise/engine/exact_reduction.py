@@ -20,9 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from ..exact.narrow import Narrow, Term, accumulate
-from ..exact.reduce import ExactExchange, exact_total, exchange
-from ..exact.sums import Binned
+from ..exact.partial import Exchange, Partial, accumulate, exchange
+from ..exact.reduce import exact_total
 from .copies import write_rank_major
 from .reduce import GradReduction, Group, Reduction
 
@@ -43,8 +42,8 @@ class ExactReduction(GradReduction):
 
     def __init__(self, group: Group) -> None:
         super().__init__(group)
-        self._acc: Binned | Narrow | Term | None = None  # ACCUMULATING: the exact sum so far
-        self._exchange: ExactExchange | None = None  # REDUCING
+        self._acc: Partial | None = None  # ACCUMULATING: the exact sum so far
+        self._exchange: Exchange | None = None  # REDUCING
         # Each .grad handed out, and its version then (_before_publishing).
         self._published: dict[int, tuple[weakref.ref, int]] = {}
         self._handed: float | None = None  # rescaled_elsewhere
@@ -61,7 +60,7 @@ class ExactReduction(GradReduction):
                 if grad is not None:
                     write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
                     self.used[i] = True
-        self._acc = accumulate(self._acc, buf, final=sync)  # Note [narrow accumulator]
+        self._acc = accumulate(self._acc, buf)  # Note [float64 partials]
         del buf
         if not sync:
             self._move(Reduction.ACCUMULATING)

@@ -1,0 +1,389 @@
+"""Exact sums of micro-batch gradients as float64 partials: the reproducible mode's numbers.
+
+Note [float64 partials]
+=======================
+The reproducible mode (Note [reproducible reduction] in exact/reduce.py) needs each
+element's sum over a step's micro-batch gradients to have the same bits however the
+micro-batches are spread over ranks and in whatever order they are added. This module
+gives, per element,
+
+    fp32(round64(S)),   S the exact sum of the element's fp32 terms,
+
+``round64`` rounding to the nearest float64 (ties to even), ``fp32`` to the nearest fp32 of
+that; every NaN is the same NaN. S is a function of the multiset of terms, so the result is.
+
+Every addition is a float64 one checked by TwoSum: for ``s = fl(a + b)``,
+``e = (a - (s - (s - a))) + (b - (s - a))`` is exactly ``a + b - s`` (round to nearest, no
+contraction or reassociation: inductor compiles without them, and a probe checks the
+compiled passes against these eager ops bit for bit before first use, as in Note [fused
+kernels]). A float64 holds 53 bits and an fp32 term 24, so the sums of a step's terms are
+exact unless an element's terms lie more than about 2**29 apart; where one is not, the
+exact value is still kept:
+
+* A rank's micro-batches (``accumulate``). The first gradient is kept as it is, fp32: with
+  one micro-batch per rank, the common case, nothing else is done before the exchange. Each
+  later one is added into a float64 partial ``P``, in place, in one fused pass (12 bytes an
+  element read, 9 written: ``P`` and a mask). An element whose addition is inexact keeps its
+  old ``P`` in that pass and is then added eagerly: ``P`` becomes ``s`` and the error ``e``,
+  exact, goes into a sparse list (element indices and values). So ``P`` plus the kept errors
+  is exactly the sum of the rank's terms, always.
+* The exchange (``Exchange``). Each rank sends every other rank that rank's rows of its
+  ``P`` (fp32 while it holds one term: 4 bytes an element, the default mode's volume; else
+  float64) in one all-to-all, and its header (terms, kept errors) in one all-gather issued
+  beside it: no round trip before the data. The receiver adds the ranks' partials of its
+  rows in rank order in float64, TwoSum-checked, in one pass. Where every addition was exact
+  and no rank kept an error for the element, that sum is S itself, and its fp32 the result.
+  Elsewhere (rare) every contribution, partials and kept errors (gathered from every rank
+  only when some rank kept one), is summed by ``math.fsum``: round64(S), correctly rounded,
+  hence the same float64 however the terms were grouped.
+* Inf and NaN. An inf or NaN term makes ``P`` inf or NaN (no error is kept for it); which of
+  NaN, +inf and -inf a float64 sum gives does not depend on the order of its terms, and
+  NaN is made canonical. A zero sum is -0.0 exactly when every term is -0.0 (IEEE's rule,
+  kept by any grouping).
+
+Why not the binned sums of Note [exact sums] in exact/sums.py (this path's predecessor):
+they are exact too, but the state is 10 to 17 bytes an element, the wire 16 plus the tops
+agreed by an all-reduce before it, and encoding, aligning and decoding cost 4 to 9 ns an
+element each (BENCHMARKS.md, "Exact sums"). Here the state is the gradient itself or a
+float64, the wire 4 or 8 bytes, and each pass a float64 addition. The two define different
+results (the binned sums keep 40 to 80 bits below an element's largest term; this keeps S
+whole before rounding), so the gradients take this path at every world size; the binned
+sums remain for ``exact_total`` and ``exact_average`` (norms, buffers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ShardwiseError
+from . import fused
+
+__all__ = ["Exchange", "Partial", "accumulate", "exchange", "total"]
+
+F64 = torch.float64
+
+
+@dataclass
+class Partial:
+    """A rank's exact running sum of ``terms`` fp32 tensors (flat, rank-major): ``value``
+    (fp32 while one term, then float64) plus the kept ``errors`` (Note [float64 partials])."""
+
+    value: torch.Tensor
+    terms: int = 1
+    errors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    mask: torch.Tensor | None = None  # the add pass's scratch, reused by later terms
+
+    @property
+    def numel(self) -> int:
+        return self.value.shape[0]
+
+    def error_count(self) -> int:
+        return sum(i.numel() for i, _ in self.errors)
+
+
+def accumulate(acc: Partial | None, x: torch.Tensor) -> Partial:
+    """``acc`` plus one more term ``x`` (a flat fp32 gradient), exactly. The first term is
+    kept as given (not copied: the caller hands it over).
+
+    Raises:
+        ShardwiseError: ``x`` is not fp32 or not the accumulator's length.
+
+    Example:
+        >>> acc = None
+        >>> for g in grads:
+        ...     acc = accumulate(acc, g)
+    """
+    x = x.reshape(-1)
+    if x.dtype != torch.float32:
+        raise ShardwiseError(f"exact accumulate: gradients reach it as fp32 (the engine's "
+                             f"rank-major buffer), got {x.dtype}; pass x.float()")
+    if acc is None:
+        return Partial(x)
+    if x.numel() != acc.numel:
+        raise ShardwiseError(f"exact accumulate: a term of {x.numel()} elements added to "
+                             f"an accumulator of {acc.numel}")
+    n = acc.numel
+    mask = acc.mask if acc.mask is not None else torch.empty(n, dtype=torch.bool,
+                                                             device=x.device)
+    if acc.value.dtype == F64:
+        value = acc.value
+        flag = _run("add", _add_into, n)(value, x, mask)
+    else:
+        value = torch.empty(n, dtype=F64, device=x.device)
+        flag = _run("first add", _add_first, n)(acc.value, x, value, mask)
+    errors = acc.errors
+    if bool(flag):
+        # The inexact elements kept their old partial: add them here, keeping the errors.
+        idx = mask.nonzero().squeeze(1)
+        s, e = _two_sum(value[idx], x[idx])
+        value[idx] = s
+        errors = [*errors, (idx, e)]
+    return Partial(value, acc.terms + 1, errors, mask)
+
+
+# -- the passes, as plain torch ops (compiled by _run; these eager ops are their spec) ----
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = fl(a + b)`` in float64 and its exact error ``a + b - s`` (TwoSum)."""
+    a, b = a.to(F64), b.to(F64)
+    s = a + b
+    bv = s - a
+    return s, (a - (s - bv)) + (b - bv)
+
+
+def _add_into(p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``p += x`` (float64, in place) where exact; ``mask`` marks the rest, left as they
+    were. Returns whether any is marked."""
+    s, e = _two_sum(p, x)
+    bad = (e != 0) & torch.isfinite(s)
+    p.copy_(torch.where(bad, p, s))
+    mask.copy_(bad)
+    return bad.any()
+
+
+def _add_first(p: torch.Tensor, x: torch.Tensor, out: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """``_add_into`` from an fp32 ``p`` (the first term) into the float64 ``out``."""
+    s, e = _two_sum(p, x)
+    bad = (e != 0) & torch.isfinite(s)
+    out.copy_(torch.where(bad, p.to(F64), s))
+    mask.copy_(bad)
+    return bad.any()
+
+
+def _chain(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank-order float64 sum of ``parts`` and where an addition was inexact."""
+    s = parts[0].to(F64)
+    bad = torch.zeros_like(s, dtype=torch.bool)
+    for part in parts[1:]:
+        s, e = _two_sum(s, part)
+        bad = bad | ((e != 0) & torch.isfinite(s))
+    return s, bad
+
+
+def _total(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 of the rank-order sum of ``parts`` (canonical NaN), and whether any addition
+    was inexact."""
+    s, bad = _chain(parts)
+    out = s.to(torch.float32)
+    out = torch.where(torch.isnan(out), float("nan"), out)
+    return out, bad.any()
+
+
+def total(parts: list[torch.Tensor], errors: list[tuple[torch.Tensor, torch.Tensor]]
+          ) -> torch.Tensor:
+    """fp32(round64(S)) per element, S the exact sum of ``parts`` (each a partial of the
+    same rows: fp32 or float64) and of the kept ``errors`` ((row indices, float64 values)
+    pairs, any number per row). Note [float64 partials]."""
+    out, flag = _run(f"total of {len(parts)} {parts[0].dtype}", _total,
+                     parts[0].numel())(parts)
+    if not bool(flag) and not errors:
+        return out
+    rows = [i for i, _ in errors]
+    if bool(flag):  # which rows: recomputed eagerly, for this is rare
+        rows.append(_chain(parts)[1].nonzero().squeeze(1))
+    fix = torch.unique(torch.cat(rows))
+    extra: dict[int, list[float]] = {}
+    for idx, val in errors:
+        for i, v in zip(idx.tolist(), val.tolist()):
+            extra.setdefault(i, []).append(v)
+    columns = torch.stack([p[fix].to(F64) for p in parts], dim=1).tolist()
+    exact = []
+    for i, values in zip(fix.tolist(), columns):
+        values += extra.get(i, [])
+        # A non-finite term: the kernel's answer (its class is order-independent).
+        exact.append(math.fsum(values) if all(map(math.isfinite, values)) else math.nan)
+    fixed = torch.tensor(exact, dtype=F64).to(torch.float32).to(out.device)
+    keep = torch.isnan(fixed)
+    out[fix] = torch.where(keep, out[fix], fixed)
+    return out
+
+
+# -- the exchange ---------------------------------------------------------------------------
+
+
+@dataclass
+class Exchange:
+    """An issued exchange of partials (Note [float64 partials]); :meth:`result` gives this
+    rank's rows of the mean over every rank's micro-batches."""
+
+    comm: Any                 # comm.collectives.Comm
+    what: str
+    acc: Partial              # this rank's partial (its rows are read in place)
+    headers: torch.Tensor     # [world, 2] int64: each rank's terms and kept errors
+    received: list[torch.Tensor | None]  # rank r's rows of its partial (None: this rank)
+    header_work: Any = None
+    data_work: Any = None
+    spare: list[torch.Tensor] | None = None
+
+    def result(self) -> torch.Tensor:
+        """This rank's rows of the mean over micro-batches, fp32.
+
+        Raises:
+            ShardwiseError: ranks accumulated different numbers of micro-batches.
+        """
+        world, rank = self.comm.world_size, self.comm.rank
+        if self.header_work is not None:
+            self.header_work.wait()
+            self.header_work = None
+        terms = self.headers[:, 0].tolist()
+        if len(set(terms)) > 1:
+            self._abandon()
+            raise ShardwiseError(
+                f"reproducible mode: ranks accumulated different numbers of micro-batches "
+                f"({', '.join(f'rank {r}: {t}' for r, t in enumerate(terms))}) before "
+                f"reducing {self.what}: every rank must run as many backward passes per "
+                f"step (sw.micro_batches gives each rank the same number)")
+        if self.data_work is not None:
+            self.data_work.wait()
+            self.data_work = None
+        rows = self.acc.numel // world
+        mine = self.acc.value[rank * rows:(rank + 1) * rows]
+        parts = [mine if t is None else t for t in self.received]
+        errors = self._errors(rows) if int(self.headers[:, 1].sum()) else []
+        out = total(parts, errors).div_(sum(terms))
+        if self.spare is not None:
+            for t in self.received:
+                if t is not None:
+                    give_back(t, self.spare)
+        self.received = []
+        return out
+
+    def _errors(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every rank's kept errors of this rank's rows (a collective: every rank calls it,
+        for every rank sees the same headers)."""
+        mine = [(i.cpu(), e.cpu()) for i, e in self.acc.errors]
+        everyone = ([mine] if self.comm.world_size == 1 else self.comm.all_gather_object(
+            mine, what=f"the exchange of {self.what}'s kept errors"))
+        lo, out = self.comm.rank * rows, []
+        device = self.acc.value.device
+        for theirs in everyone:
+            for idx, val in theirs:
+                here = (idx >= lo) & (idx < lo + rows)
+                out.append(((idx[here] - lo).to(device), val[here].to(device)))
+        return out
+
+    def _abandon(self) -> None:
+        """Ranks disagree: the data messages may never pair (their sizes differ); every
+        rank leaves them to the backend at the same point (Note [checks ride the
+        exchanges] in comm/channel.py)."""
+        if self.data_work is not None:
+            self.comm.channel.new_epoch()
+            self.data_work.discard()
+            self.data_work = None
+
+    def discard(self) -> None:
+        """Let the exchange finish without using it (its backward was aborted)."""
+        for attr in ("header_work", "data_work"):
+            work = getattr(self, attr)
+            if work is not None:
+                work.discard()
+                setattr(self, attr, None)
+
+
+def exchange(comm: Any, acc: Partial, what: str) -> Exchange:
+    """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``: the
+    header all-gather and the all-to-all of partials, both in flight on return (Note
+    [float64 partials]). ``comm.spare_buffers`` lends the receiving buffers."""
+    world, rank = comm.world_size, comm.rank
+    header = torch.tensor([acc.terms, acc.error_count()], dtype=torch.int64)
+    if world == 1:
+        return Exchange(comm, what, acc, header.view(1, 2), [None])
+    n = acc.numel
+    rows = n // world
+    headers = torch.empty(world, 2, dtype=torch.int64)
+    header_work = comm.all_gather(headers.view(-1), header, async_op=True,
+                                  what=f"the exchange of {what}'s micro-batch counts")
+    spare = comm.spare_buffers
+    sends = list(acc.value.view(world, rows).unbind(0))
+    received: list[torch.Tensor | None] = [
+        None if r == rank else buffer(rows, acc.value.dtype, acc.value.device, spare)
+        for r in range(world)]
+    outs = [t if t is not None else sends[rank] for t in received]
+    data_work = comm.all_to_all(outs, sends, async_op=True,
+                                what=f"the exchange of {what}")
+    return Exchange(comm, what, acc, headers, received, header_work, data_work, spare)
+
+
+def buffer(numel: int, dtype: torch.dtype, device: torch.device,
+           spare: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """A receiving buffer: one of that size and dtype from ``spare`` if there is one (on
+    CPU a fresh tensor of tens of MiB is fresh pages from the kernel, which cost about as
+    much again as writing them)."""
+    for i, t in enumerate(spare or ()):
+        if t.numel() == numel and t.dtype == dtype and t.device == device:
+            assert spare is not None
+            return spare.pop(i)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def give_back(t: torch.Tensor, spare: list[torch.Tensor]) -> None:
+    """``t`` (from :func:`buffer`) is read: keep it for the next exchange of its size, on
+    CPU, the ``_SPARES`` most recent ones (at most that many buffers stay allocated between
+    steps, and go with the model's communicator)."""
+    if t.device.type != "cpu":  # the CUDA caching allocator reuses memory already
+        return
+    spare.append(t)
+    del spare[:-_SPARES]
+
+
+_SPARES = 4
+
+
+# -- compiled passes (Note [fused kernels]) ---------------------------------------------------
+
+
+def _run(name: str, fn: Callable[..., Any], n: int) -> Callable[..., Any]:
+    """``fn`` compiled and checked on the probe, or ``fn`` itself (eager, the same bits)."""
+    if n < fused.FUSE_MIN or not fused.enabled():
+        return fn
+    return fused.kernel(f"partial {name}", fn, lambda c: _matches(fn, c)) or fn
+
+
+def _probe_terms() -> list[torch.Tensor]:
+    """Three terms of every kind: fused.probe()'s values (every exponent, ties, inf, NaN,
+    random bits), and two shuffles of them, one scaled by 2**-35, so that many additions
+    are inexact and many exact."""
+    x = fused.probe()
+    return [x, x.roll(1), x.roll(7) * 2.0**-35]
+
+
+def _matches(fn: Callable[..., Any], compiled: Callable[..., Any]) -> bool:
+    """Whether a compiled pass gives the eager pass's bits on the probe."""
+    a, b, c = _probe_terms()
+    if fn is _total:
+        partial = a.to(F64) + b  # a float64 partial (inexact where it is: any value will do)
+        return all(_same(fn([*parts]), compiled([*parts]))
+                   for parts in ([a, b], [a, b, c], [partial, c.to(F64)]))
+    want_mask, got_mask = (torch.empty(a.numel(), dtype=torch.bool) for _ in range(2))
+    if fn is _add_first:
+        want_out, got_out = (torch.empty(a.numel(), dtype=F64) for _ in range(2))
+        flags = fn(a, b, want_out, want_mask), compiled(a, b, got_out, got_mask)
+    else:
+        want_out, got_out = a.to(F64) + b, a.to(F64) + b
+        flags = fn(want_out, c, want_mask), compiled(got_out, c, got_mask)
+    return (_same(want_out, got_out) and torch.equal(want_mask, got_mask)
+            and bool(flags[0]) == bool(flags[1]))
+
+
+def _same(want: Any, got: Any) -> bool:
+    """Bit for bit, through tuples; any NaN equals any NaN (a partial's NaN payload depends
+    on which operand the hardware propagates, and never reaches a result: ``_total`` makes
+    every NaN canonical, which this compares bit for bit too)."""
+    if isinstance(want, tuple):
+        return len(want) == len(got) and all(_same(w, g) for w, g in zip(want, got))
+    if want.dtype != got.dtype or want.shape != got.shape:
+        return False
+    if want.is_floating_point():
+        bits = {torch.float64: torch.int64, torch.float32: torch.int32}[want.dtype]
+        nan = torch.isnan(want)
+        return (torch.equal(nan, torch.isnan(got))
+                and torch.equal(want.view(bits)[~nan], got.view(bits)[~nan]))
+    return torch.equal(want, got)
+
