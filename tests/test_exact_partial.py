@@ -228,7 +228,7 @@ def _compiled() -> None:
             three = ep.total([terms[0], terms[1], terms[2]], [])
             wide = ep.total([acc.value, terms[2].double()], acc.errors)
         runs[mode] = (acc.value.view(torch.int64), acc.error_count(), one, three, wide)
-    for name in ("first add", "add", "total of 2 torch.float32", "total of 3 torch.float32",
+    for name in ("add", "total of 2 torch.float32", "total of 3 torch.float32",
                  "total of 2 torch.float64"):
         assert fused._kernels.get(f"partial {name}") is not None, name
     (v1, e1, *r1), (v0, e0, *r0) = runs["1"], runs["0"]

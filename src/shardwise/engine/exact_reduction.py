@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from ..exact.partial import Exchange, Partial, accumulate, exchange
+from ..exact.partial import Exchange, Partial, add_pieces, exchange
 from ..exact.reduce import exact_total
-from .copies import write_rank_major
+from .copies import row_regions, write_rank_major
 from .reduce import GradReduction, Group, Reduction
 
 
@@ -52,21 +52,40 @@ class ExactReduction(GradReduction):
         """This backward's gradients, unscaled, become one exact term of the accumulator;
         if ``sync``, the accumulator is exchanged (Note [reproducible reduction])."""
         g = self.group
-        buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.device)
+        grads: list[tuple[int, torch.Tensor]] = []
+        for i, p in enumerate(g.params):
+            grad = p.full.grad
+            p.full.grad = None
+            if grad is not None:
+                grads.append((i, grad.detach().float()))
+                self.used[i] = True
+
+        def term() -> torch.Tensor:
+            """The term in a rank-major buffer (zeros where no gradient)."""
+            buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.device)
+            for i, grad in grads:
+                write_rank_major(buf, g.layout, g.layout.slots[i], grad)
+            return buf
+
+        def pieces(t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            """Each gradient's rows in ``t`` (laid out rank-major) and its values there."""
+            out = []
+            for i, grad in grads:
+                flat = grad.reshape(-1)
+                for region, sl in row_regions(t, g.layout, g.layout.slots[i]):
+                    out.append((region, flat[sl].view(region.shape)))
+            return out
+
         with torch.no_grad():
-            for i, p in enumerate(g.params):
-                grad = p.full.grad
-                p.full.grad = None
-                if grad is not None:
-                    write_rank_major(buf, g.layout, g.layout.slots[i], grad.float())
-                    self.used[i] = True
-        self._acc = accumulate(self._acc, buf)  # Note [float64 partials]
-        del buf
+            # Note [float64 partials]: the first term as a rank-major fp32 buffer, each
+            # later one added from .grad into the partial's rows.
+            self._acc = (Partial(term()) if self._acc is None
+                         else add_pieces(self._acc, pieces, term))
         if not sync:
             self._move(Reduction.ACCUMULATING)
             return
-        # The accumulator is let go only once the exchange started: if ranks diverged it
-        # raises first, and what was accumulated stays, as under ACCUMULATING.
+        # The exchange holds the accumulator until its result is read (its own rows are
+        # summed in place); ranks that accumulated different counts are named there.
         self._exchange = exchange(g.comm, self._acc, f"unit {g.unit_name!r}'s gradients")
         self._acc = None
         self._move(Reduction.REDUCING)
