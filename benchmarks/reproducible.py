@@ -43,9 +43,8 @@ def accumulator_bytes(model) -> int:
             if r._buf is not None:
                 total += r._buf.numel() * r._buf.element_size()
             acc = getattr(r, "_acc", None)  # the reproducible mode's ExactReduction
-            if acc is not None:  # a Partial: its value, its add pass's mask, kept errors
-                held = [acc.value] + ([acc.mask] if acc.mask is not None else [])
-                held += [t for pair in acc.errors for t in pair]
+            if acc is not None:  # a Partial: its value and kept errors
+                held = [acc.value] + [t for pair in acc.errors for t in pair]
                 total += sum(t.numel() * t.element_size() for t in held)
     return total
 

@@ -139,6 +139,32 @@ def test_the_double_rounding_is_the_documented_one():
     assert got[0].item() == 1.0
 
 
+def test_terms_added_piece_by_piece_keep_their_errors_where_they_are():
+    # The engine adds each parameter's gradient into its rows of the rank-major partial
+    # (2-D strided views, Note [float64 partials]); a kept error must name the element
+    # of the flat partial, as when the term is added whole.
+    terms = _spread("spread")
+    grid = (3, N_ELEM // 3)
+    cuts = ((0, 5), (5, 250), (250, grid[1]))
+
+    def pieces_of(x):
+        return lambda t: [(t.view(grid)[:, a:b], x.view(grid)[:, a:b]) for a, b in cuts]
+
+    whole = piecewise = None
+    for t in terms[:6]:
+        whole = ep.accumulate(whole, t.clone())
+        piecewise = (ep.accumulate(None, t.clone()) if piecewise is None
+                     else ep.add_pieces(piecewise, pieces_of(t)))
+    assert whole is not None and piecewise is not None and whole.error_count() > 0
+    assert torch.equal(whole.value.view(torch.int64), piecewise.value.view(torch.int64))
+    assert _bits(ep.total([piecewise.value], piecewise.errors)) == _bits(
+        _reference(terms[:6]))
+    kept = sorted(zip(torch.cat([i for i, _ in piecewise.errors]).tolist(),
+                      torch.cat([e for _, e in piecewise.errors]).tolist()))
+    assert kept == sorted(zip(torch.cat([i for i, _ in whole.errors]).tolist(),
+                              torch.cat([e for _, e in whole.errors]).tolist()))
+
+
 def test_accumulate_refuses_what_it_cannot_add():
     with pytest.raises(ShardwiseError, match="fp32"):
         ep.accumulate(None, torch.zeros(4, dtype=torch.float64))

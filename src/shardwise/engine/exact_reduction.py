@@ -60,13 +60,6 @@ class ExactReduction(GradReduction):
                 grads.append((i, grad.detach().float()))
                 self.used[i] = True
 
-        def term() -> torch.Tensor:
-            """The term in a rank-major buffer (zeros where no gradient)."""
-            buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32, device=g.device)
-            for i, grad in grads:
-                write_rank_major(buf, g.layout, g.layout.slots[i], grad)
-            return buf
-
         def pieces(t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
             """Each gradient's rows in ``t`` (laid out rank-major) and its values there."""
             out = []
@@ -79,8 +72,14 @@ class ExactReduction(GradReduction):
         with torch.no_grad():
             # Note [float64 partials]: the first term as a rank-major fp32 buffer, each
             # later one added from .grad into the partial's rows.
-            self._acc = (Partial(term()) if self._acc is None
-                         else add_pieces(self._acc, pieces, term))
+            if self._acc is None:
+                buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32,
+                                  device=g.device)  # zeros: padding, absent gradients
+                for i, grad in grads:
+                    write_rank_major(buf, g.layout, g.layout.slots[i], grad)
+                self._acc = Partial(buf)
+            else:
+                self._acc = add_pieces(self._acc, pieces, g.comm.spare_buffers)
         if not sync:
             self._move(Reduction.ACCUMULATING)
             return

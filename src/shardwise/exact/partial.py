@@ -24,11 +24,11 @@ exact value is still kept:
   it is, fp32: with one micro-batch per rank, the common case, nothing else is done before
   the exchange. The second makes it a float64 partial ``P``, and each later one is added
   into ``P`` in place, straight from each parameter's ``.grad`` (no rank-major copy of the
-  term), in one fused pass per piece (12 bytes an element read, 9 written: ``P`` and a
-  mask). An element whose addition is inexact keeps its old ``P`` in that pass, is marked,
-  and is then added eagerly: ``P`` becomes ``s`` and the error ``e``, exact, goes into a
-  sparse list (element indices and values). So ``P`` plus the kept errors is exactly the
-  sum of the rank's terms, always.
+  term), in one fused pass per piece that writes ``s`` into ``P`` and ``e`` into a scratch
+  plane (12 bytes an element read, 16 written); the scratch's minimum and maximum (one
+  more read) tell whether any ``e`` is not 0, and those, exact, go into a sparse list
+  (element indices and values). So ``P`` plus the kept errors is exactly the sum of the
+  rank's terms, always.
 * The exchange (``Exchange``). Each rank sends every other rank that rank's rows of its
   ``P`` (fp32 while it holds one term: 4 bytes an element, the default mode's volume; else
   float64) in one all-to-all, and its header (terms, kept errors) in one all-gather issued
@@ -78,7 +78,6 @@ class Partial:
     value: torch.Tensor
     terms: int = 1
     errors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    mask: torch.Tensor | None = None  # the add pass's scratch, reused by later terms
 
     @property
     def numel(self) -> int:
@@ -109,32 +108,36 @@ def accumulate(acc: Partial | None, x: torch.Tensor) -> Partial:
     if x.numel() != acc.numel:
         raise ShardwiseError(f"exact accumulate: a term of {x.numel()} elements added to "
                              f"an accumulator of {acc.numel}")
-    return add_pieces(acc, lambda t: [(t, x)], lambda: x)
+    return add_pieces(acc, lambda t: [(t, x)])
 
 
-def add_pieces(acc: Partial, pieces: Callable[[torch.Tensor], list[tuple[torch.Tensor,
-                                                                       torch.Tensor]]],
-               term: Callable[[], torch.Tensor]) -> Partial:
+Pieces = Callable[[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def add_pieces(acc: Partial, pieces: Pieces, spare: list[torch.Tensor] | None = None
+               ) -> Partial:
     """``acc`` plus one more term given piece by piece, exactly: ``pieces(t)`` lists, for a
     tensor ``t`` laid out as ``acc.value``, pairs (a view of ``t``, the term's fp32 values
-    there); elements in no piece add zero. ``term()`` builds the whole flat term, called
-    only where an addition was inexact (rare). The engine hands each parameter's gradient
-    this way, straight from ``.grad`` into the partial's rank-major rows."""
+    there); elements in no piece add zero. The engine hands each parameter's gradient this
+    way, straight from ``.grad`` into the partial's rank-major rows. ``spare`` lends the
+    pass's scratch (``buffer``)."""
     value = acc.value if acc.value.dtype == F64 else acc.value.to(F64)
-    n = value.numel()
-    mask = acc.mask if acc.mask is not None else torch.zeros(n, dtype=torch.bool,
-                                                             device=value.device)
-    for (v, x), (m, _) in zip(pieces(value), pieces(mask)):
-        _run("add", _add_into, v.numel())(v, x, m)
-    errors = acc.errors
-    if bool(mask.any()):
-        # The inexact elements kept their old partial: add them here, keeping the errors.
-        idx = mask.nonzero().squeeze(1)
-        s, e = _two_sum(value[idx], term().reshape(-1)[idx])
-        value[idx] = s
-        mask[idx] = False  # all clear between additions: the next pass writes only its pieces
-        errors = [*errors, (idx, e)]
-    return Partial(value, acc.terms + 1, errors, mask)
+    scratch = buffer(value.numel(), F64, value.device, spare)
+    errors = list(acc.errors)
+    base = value.storage_offset()
+    for (v, x), (e, _) in zip(pieces(value), pieces(scratch)):
+        _run("add", _add_into, v.numel())(v, x, e)
+        low, high = torch.aminmax(e)  # NaN (an inf term) shows here too
+        if bool(low != 0) or bool(high != 0):
+            kept = (e != 0) & torch.isfinite(v)  # an inf or NaN sum keeps no error
+            if bool(kept.any()):
+                where = kept.nonzero()
+                strides = torch.tensor(v.stride(), device=where.device)
+                idx = (where * strides).sum(1) + int(v.storage_offset() - base)
+                errors.append((idx, e[kept]))
+    if spare is not None:
+        give_back(scratch, spare)
+    return Partial(value, acc.terms + 1, errors)
 
 
 # -- the passes, as plain torch ops (compiled by _run; these eager ops are their spec) ----
@@ -148,14 +151,13 @@ def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return s, (a - (s - bv)) + (b - bv)
 
 
-def _add_into(p: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> None:
-    """``p += x`` (float64, in place) where exact; ``mask`` marks the rest, left as they
-    were. (Whether any is marked is asked of ``mask`` afterwards: a reduction here would be
-    a second loop over ``p`` and ``x``, not fused into this one.)"""
+def _add_into(p: torch.Tensor, x: torch.Tensor, err: torch.Tensor) -> None:
+    """``p += x`` in float64, in place, and each addition's exact error into ``err``.
+    (Arithmetic only: a mask or a reduction here, comparisons inductor vectorizes badly
+    or a second loop, made this pass 3 to 7 times slower on CPU.)"""
     s, e = _two_sum(p, x)
-    bad = (e != 0) & torch.isfinite(s)
-    p.copy_(torch.where(bad, p, s))
-    mask.copy_(bad)
+    p.copy_(s)
+    err.copy_(e)
 
 
 def _chain(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,11 +364,11 @@ def _matches(fn: Callable[..., Any], compiled: Callable[..., Any]) -> bool:
         partial = a.to(F64) + b  # a float64 partial (inexact where it is: any value will do)
         return all(_same(fn([*parts]), compiled([*parts]))
                    for parts in ([a, b], [a, b, c], [partial, c.to(F64)]))
-    want_mask, got_mask = (torch.empty(a.numel(), dtype=torch.bool) for _ in range(2))
+    want_err, got_err = (torch.empty(a.numel(), dtype=F64) for _ in range(2))
     want_out, got_out = a.to(F64) + b, a.to(F64) + b
-    fn(want_out, c, want_mask)
-    compiled(got_out, c, got_mask)
-    return _same(want_out, got_out) and torch.equal(want_mask, got_mask)
+    fn(want_out, c, want_err)
+    compiled(got_out, c, got_err)
+    return _same(want_out, got_out) and _same(want_err, got_err)
 
 
 def _same(want: Any, got: Any) -> bool:
