@@ -294,13 +294,14 @@ def exchange(comm: Any, acc: Partial, what: str) -> Exchange:
     """Start the reduction of ``acc`` (rank-major, every rank's rows) over ``comm``: the
     header all-gather and the all-to-all of partials, both in flight on return (Note
     [float64 partials]). ``comm.spare_buffers`` lends the receiving buffers."""
-    world, rank = comm.world_size, comm.rank
-    header = torch.tensor([acc.terms, acc.error_count()], dtype=torch.int64)
+    world, rank, device = comm.world_size, comm.rank, acc.value.device
+    # On the partial's device: a backend may not take host tensors (NCCL).
+    header = torch.tensor([acc.terms, acc.error_count()], dtype=torch.int64, device=device)
     if world == 1:
         return Exchange(comm, what, acc, header.view(1, 2), [None])
     n = acc.numel
     rows = n // world
-    headers = torch.empty(world, 2, dtype=torch.int64)
+    headers = torch.empty(world, 2, dtype=torch.int64, device=device)
     header_work = comm.all_gather(headers.view(-1), header, async_op=True,
                                   what=f"the exchange of {what}'s micro-batch counts")
     spare = comm.spare_buffers
