@@ -64,6 +64,10 @@ PARTS = [
     ("reshard (free full params)", [("engine/unit.py", "reshard")]),
     ("synced end: reduce-scatter wait + publish", [("engine/state.py", "_publish_gradients")]),
     ("model checks (check_model)", [("engine/guards.py", "check_model")]),
+    ("reproducible: a micro-batch's term (ExactReduction.start, incl. the add passes)",
+     [("engine/exact_reduction.py", "start")]),
+    ("reproducible: of which the add passes (add_pieces)", [("exact/partial.py", "add_pieces")]),
+    ("reproducible: the exchange's sums (Exchange.result)", [("exact/partial.py", "result")]),
 ]
 
 COPIES = {"aten::copy_", "aten::cat", "aten::fill_", "aten::zero_", "aten::zeros",

@@ -125,16 +125,21 @@ def add_pieces(acc: Partial, pieces: Pieces, spare: list[torch.Tensor] | None = 
     scratch = buffer(value.numel(), F64, value.device, spare)
     errors = list(acc.errors)
     base = value.storage_offset()
-    for (v, x), (e, _) in zip(pieces(value), pieces(scratch)):
+    pairs = list(zip(pieces(value), pieces(scratch)))
+    for (v, x), (e, _) in pairs:
         _run("add", _add_into, v.numel())(v, x, e)
-        low, high = torch.aminmax(e)  # NaN (an inf term) shows here too
-        if bool(low != 0) or bool(high != 0):
+    # One look at the whole scratch (contiguous: faster than a look per piece); what lies
+    # outside the pieces is stale, so a hit is confirmed piece by piece. NaN shows too.
+    low, high = torch.aminmax(scratch)
+    if bool(low != 0) or bool(high != 0):
+        for (v, _), (e, _) in pairs:
             kept = (e != 0) & torch.isfinite(v)  # an inf or NaN sum keeps no error
             if bool(kept.any()):
                 where = kept.nonzero()
                 strides = torch.tensor(v.stride(), device=where.device)
                 idx = (where * strides).sum(1) + int(v.storage_offset() - base)
                 errors.append((idx, e[kept]))
+        scratch.zero_()  # nothing stale for the next look
     if spare is not None:
         give_back(scratch, spare)
     return Partial(value, acc.terms + 1, errors)
@@ -317,14 +322,16 @@ def exchange(comm: Any, acc: Partial, what: str) -> Exchange:
 
 def buffer(numel: int, dtype: torch.dtype, device: torch.device,
            spare: list[torch.Tensor] | None = None) -> torch.Tensor:
-    """A receiving buffer: one of that size and dtype from ``spare`` if there is one (on
-    CPU a fresh tensor of tens of MiB is fresh pages from the kernel, which cost about as
-    much again as writing them)."""
+    """A receiving buffer or an add pass's scratch: one of that size and dtype from
+    ``spare`` if there is one (on CPU a fresh tensor of tens of MiB is fresh pages from the
+    kernel, which cost about as much again as writing them). A reused one holds what it
+    held: a scratch's stale values cost ``add_pieces`` a false alarm at most."""
     for i, t in enumerate(spare or ()):
         if t.numel() == numel and t.dtype == dtype and t.device == device:
             assert spare is not None
             return spare.pop(i)
-    return torch.empty(numel, dtype=dtype, device=device)
+    # Zeros: ``add_pieces`` reads its scratch whole, where it wrote only pieces.
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def give_back(t: torch.Tensor, spare: list[torch.Tensor]) -> None:
