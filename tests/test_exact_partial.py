@@ -165,6 +165,22 @@ def test_terms_added_piece_by_piece_keep_their_errors_where_they_are():
                               torch.cat([e for _, e in whole.errors]).tolist()))
 
 
+def test_a_stale_scratch_is_a_false_alarm_only():
+    # add_pieces reads its whole scratch once; a reused one is stale outside the pieces.
+    # The pieces are then looked at one by one: no error is made up, and the scratch is
+    # left clean.
+    x = torch.randn(N_ELEM)
+    y = torch.randn(N_ELEM)
+    stale = torch.full((N_ELEM,), math.nan, dtype=torch.float64)
+    spare = [stale]
+    acc = ep.add_pieces(ep.accumulate(None, x.clone()),
+                        lambda t: [(t[: N_ELEM // 2], y[: N_ELEM // 2])], spare)
+    assert acc.errors == [] and spare == [stale] and not bool(stale.any())
+    want = torch.cat([x[: N_ELEM // 2].double() + y[: N_ELEM // 2].double(),
+                      x[N_ELEM // 2:].double()])
+    assert torch.equal(acc.value, want)
+
+
 def test_accumulate_refuses_what_it_cannot_add():
     with pytest.raises(ShardwiseError, match="fp32"):
         ep.accumulate(None, torch.zeros(4, dtype=torch.float64))
