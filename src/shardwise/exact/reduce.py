@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import Comm, unflatten_into
-from .partial import Exchange, Partial, exchange
 from .sums import (
     DEFAULT,
     INDEX_DTYPE,
@@ -44,7 +43,7 @@ from .sums import (
     max_terms,
 )
 
-__all__ = ["Exchange", "Partial", "exact_average", "exact_total", "exchange"]
+__all__ = ["exact_average", "exact_total"]
 
 
 def exact_total(comm: Comm, tensors: list[torch.Tensor]) -> float:
