@@ -63,24 +63,29 @@ def main() -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=3e-4) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu: dict[str, list[float]] = {k: [] for k in KINDS}
     losses: dict[str, list[float]] = {k: [] for k in KINDS}
     for _ in range(args.steps):
         x = torch.randint(0, vocab, (4, seq), generator=g)
         for kind in KINDS:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = _loss(models[kind], args.model, x)
             loss.backward()
             opts[kind].step()
             opts[kind].zero_grad()
             times[kind].append(time.perf_counter() - t0)
+            cpu[kind].append(time.process_time() - c0)
             losses[kind].append(loss.item())
     if rank == 0:
         med = {k: statistics.median(t[2:]) for k, t in times.items()}
-        print(f"{args.model}, {dist.get_world_size()} ranks, medians of steps 3-{args.steps}")
+        busy = {k: statistics.median(t[2:]) for k, t in cpu.items()}
+        print(f"{args.model}, {dist.get_world_size()} ranks, medians of steps 3-{args.steps} "
+              f"(rank 0)")
         for kind in KINDS:
             print(f"{kind:20s} {med[kind] * 1e3:8.1f} ms  {med[kind] / med['ddp compiled']:.3f}x "
-                  f"compiled DDP   losses {losses[kind][:3]}")
+                  f"compiled DDP   CPU {busy[kind] * 1e3:8.1f} ms  "
+                  f"{busy[kind] / busy['ddp compiled']:.3f}x   losses {losses[kind][:3]}")
 
 
 if __name__ == "__main__":

@@ -97,18 +97,22 @@ def order_checks_enabled(comm: Any) -> bool:
 class _Posted:
     """One header sent to every peer, and theirs being received."""
 
-    __slots__ = ("gen", "mine", "text", "label", "inbox", "recvs", "sends", "waiter")
+    __slots__ = ("gen", "mine", "text", "label", "inbox", "recvs", "sends", "waiter",
+                 "_sentinels")
 
     def __init__(self, gen: int, mine: np.ndarray, text: str, label: str,
                  inbox: torch.Tensor, recvs: list, sends: list) -> None:
         self.gen, self.mine, self.text, self.label = gen, mine, text, label
         self.inbox, self.recvs, self.sends = inbox, recvs, sends
         self.waiter: tuple[threading.Event, list[BaseException]] | None = None
+        # A view of the inbox's memory, made once: ``arrived`` is asked up to _NAPS
+        # times a wait.
+        self._sentinels = inbox.numpy()[:, -1]
 
     def arrived(self) -> bool:
         # gloo writes a message into the tensor as it arrives, before any wait: a nonzero
         # sentinel (the last field) says the wait will return at once.
-        return bool(self.inbox.numpy()[:, -1].all())
+        return bool(self._sentinels.all())
 
 
 class Channel:
