@@ -270,9 +270,9 @@ def _compiled() -> None:
             three = ep.total([terms[0], terms[1], terms[2]], [])
             wide = ep.total([acc.value, terms[2].double()], acc.errors)
         runs[mode] = (acc.value.view(torch.int64), acc.error_count(), one, three, wide)
-    for name in ("add", "total of 2 torch.float32", "total of 3 torch.float32",
-                 "total of 2 torch.float64"):
-        assert fused._kernels.get(f"partial {name}") is not None, name
+    for name in ("add", "total of float32, float32", "total of float32, float32, float32",
+                 "total of float64, float64"):
+        assert fused._kernels.get(f"partial {name} on cpu") is not None, name
     (v1, e1, *r1), (v0, e0, *r0) = runs["1"], runs["0"]
     assert e1 == e0 > 0
     nan = torch.isnan(v1.view(torch.float64))
@@ -280,3 +280,27 @@ def _compiled() -> None:
     assert torch.equal(v1[~nan], v0[~nan])
     for a, b in zip(r1, r0):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _as_dtensor(rank: int, world: int) -> None:
+    import shardwise as sw
+    from shardwise.engine.state import model_state
+
+    torch.manual_seed(0)
+    model = sw.shard(torch.nn.Linear(4, 6))
+    state = model_state(model)
+    assert state is not None
+    p = state.units[0].params[0]
+    local = p.local.detach().clone().requires_grad_(True)
+    with torch.no_grad():
+        got = p.as_dtensor(local)
+        want = torch.distributed.tensor.DTensor.from_local(
+            local, got.device_mesh, got.placements, run_check=False, shape=p.shape,
+            stride=p.shard.stride())
+    # Note [a gradient's DTensor]: the shortcut gives what from_local gives.
+    assert got.requires_grad == want.requires_grad is False
+    assert got.placements == want.placements and got.shape == want.shape
+
+
+def test_a_gradients_dtensor_is_what_from_local_gives():
+    run_ranks(_as_dtensor, 2)

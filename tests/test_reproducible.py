@@ -264,3 +264,41 @@ def test_one_micro_batch_per_rank_gives_the_one_rank_bits():
     three = run_ranks(_run_micro, 3, 3, timeout=300)[0]
     assert three[0] == one[0], "losses differ from one rank's"
     assert three[1] == one[1], "final state differs from one rank's"
+
+
+class _Branches(nn.Module):
+    """A linear layer and a scale ``b``; ``use_b`` leaves ``b`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Parameter(torch.ones(4))
+
+    def forward(self, x, use_b):
+        y = self.a(x).sum()
+        return y + (self.b * x[0]).sum() if use_b else y
+
+
+def _signed_zero(rank, world, order):
+    torch.manual_seed(0)
+    model = sw.shard(_Branches(), reproducible=True)
+    # Micro-batch "zero": the input is -0.0, so b's gradient is -0.0 everywhere;
+    # micro-batch "skip": b is not used (an absent gradient, a zero term).
+    steps = {"zero": (torch.full((2, 4), -0.0), True), "skip": (torch.ones(2, 4), False)}
+    mine = [steps[name] for name in order][rank::world]
+    for i, (x, use_b) in enumerate(mine):
+        with contextlib.nullcontext() if i == len(mine) - 1 else sw.no_sync(model):
+            model(x, use_b).backward()
+    grad = model.b.grad.full_tensor()
+    return torch.signbit(grad).tolist()
+
+
+def test_an_absent_gradient_is_the_same_zero_in_any_order():
+    # Note [float64 partials]: before, a first micro-batch without a gradient wrote +0.0
+    # and a later one added nothing, so -0.0 and "absent" summed to -0.0 in one order and
+    # +0.0 in the other (and at two ranks). An absent gradient now is -0.0 throughout.
+    one = run_ranks(_signed_zero, 1, ("zero", "skip"))[0]
+    other = run_ranks(_signed_zero, 1, ("skip", "zero"))[0]
+    two = run_ranks(_signed_zero, 2, ("zero", "skip"))[0]
+    assert one == other == two
+    assert all(one), "b's gradient: a sum of -0.0 terms is -0.0"

@@ -73,8 +73,11 @@ class ExactReduction(GradReduction):
             # Note [float64 partials]: the first term as a rank-major fp32 buffer, each
             # later one added from .grad into the partial's rows.
             if self._acc is None:
-                buf = torch.zeros(g.layout.gathered_numel, dtype=torch.float32,
-                                  device=g.device)  # zeros: padding, absent gradients
+                # -0.0, the additive identity, where a parameter has no gradient: what a
+                # later micro-batch's absent gradient adds (nothing), so a zero's sign does
+                # not depend on which micro-batch came first (Note [float64 partials]).
+                buf = torch.full((g.layout.gathered_numel,), -0.0, dtype=torch.float32,
+                                 device=g.device)
                 for i, grad in grads:
                     write_rank_major(buf, g.layout, g.layout.slots[i], grad)
                 self._acc = Partial(buf)

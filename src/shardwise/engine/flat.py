@@ -98,7 +98,8 @@ class ShardedParam:
             if (spec.tensor_meta is not None and local.dtype == spec.tensor_meta.dtype
                     and local.shape == dt._local_tensor.shape
                     and local.device.type == spec.mesh.device_type):
-                return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+                # requires_grad as from_local gives it under no_grad: False.
+                return DTensor(local.view_as(local), spec, requires_grad=False)
             return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False,
                                       shape=self.shape, stride=self.shard.stride())
 

@@ -41,7 +41,13 @@ exact value is still kept:
 * Inf and NaN. An inf or NaN term makes ``P`` inf or NaN (no error is kept for it); which of
   NaN, +inf and -inf a float64 sum gives does not depend on the order of its terms, and
   NaN is made canonical. A zero sum is -0.0 exactly when every term is -0.0 (IEEE's rule,
-  kept by any grouping).
+  kept by any grouping); a parameter without a gradient in a micro-batch is a -0.0 term
+  (the engine fills the first term's buffer with -0.0, and a later absent gradient adds
+  nothing), so an absent gradient means the same whichever micro-batch it is.
+* The wire under a backend's own all-to-all (NCCL) is always float64: it pairs messages
+  by order, not size, and ranks whose counts differ must not exchange fp32 rows against
+  float64 ones before the headers are compared. Under gloo each message's tag carries
+  its size, so mismatched ones never pair: the fp32 wire is safe there.
 
 Why not the binned sums of Note [exact sums] in exact/sums.py (this path's predecessor):
 they are exact too, but the state is 10 to 17 bytes an element, the wire 16 plus the tops
@@ -62,6 +68,7 @@ from typing import Any
 
 import torch
 
+from ..comm.collectives import EXCHANGES
 from ..errors import ShardwiseError
 from . import fused
 
@@ -127,7 +134,7 @@ def add_pieces(acc: Partial, pieces: Pieces, spare: list[torch.Tensor] | None = 
     base = value.storage_offset()
     pairs = list(zip(pieces(value), pieces(scratch)))
     for (v, x), (e, _) in pairs:
-        _run("add", _add_into, v.numel())(v, x, e)
+        _run("add", _add_into, v)(v, x, e)
     # One look at the whole scratch (contiguous: faster than a look per piece); what lies
     # outside the pieces is stale, so a hit is confirmed piece by piece. NaN shows too.
     low, high = torch.aminmax(scratch)
@@ -189,8 +196,8 @@ def total(parts: list[torch.Tensor], errors: list[tuple[torch.Tensor, torch.Tens
     """fp32(round64(S)) per element, S the exact sum of ``parts`` (each a partial of the
     same rows: fp32 or float64) and of the kept ``errors`` ((row indices, float64 values)
     pairs, any number per row). Note [float64 partials]."""
-    out, flag = _run(f"total of {len(parts)} {parts[0].dtype}", _total,
-                     parts[0].numel())(parts)
+    name = "total of " + ", ".join(str(p.dtype).removeprefix("torch.") for p in parts)
+    out, flag = _run(name, _total, parts[0], parts)(parts)
     if not bool(flag) and not errors:
         return out
     rows = [i for i, _ in errors]
@@ -287,7 +294,13 @@ class Exchange:
             self.data_work = None
 
     def discard(self) -> None:
-        """Let the exchange finish without using it (its backward was aborted)."""
+        """Let the exchange finish without using it (its backward was aborted). The
+        headers first: data whose counts differ may never arrive, and is left behind."""
+        if self.header_work is not None:
+            self.header_work.discard()
+            self.header_work = None
+            if len(set(self.headers[:, 0].tolist())) > 1:
+                self._abandon()
         for attr in ("header_work", "data_work"):
             work = getattr(self, attr)
             if work is not None:
@@ -300,6 +313,12 @@ def exchange(comm: Any, acc: Partial, what: str) -> Exchange:
     header all-gather and the all-to-all of partials, both in flight on return (Note
     [float64 partials]). ``comm.spare_buffers`` lends the receiving buffers."""
     world, rank, device = comm.world_size, comm.rank, acc.value.device
+    if world > 1 and acc.value.dtype != F64 and comm.transport(acc.value) is not EXCHANGES:
+        # A backend's own all-to-all (NCCL) pairs messages by order, not by size: ranks
+        # whose counts differ would exchange fp32 rows against float64 ones before the
+        # headers say so. One wire dtype whatever the count; gloo's exchanges tag each
+        # message with its size, so mismatched ones never pair and the fp32 wire is safe.
+        acc = Partial(acc.value.to(F64), acc.terms, acc.errors)
     # On the partial's device: a backend may not take host tensors (NCCL).
     header = torch.tensor([acc.terms, acc.error_count()], dtype=torch.int64, device=device)
     if world == 1:
@@ -350,39 +369,58 @@ _SPARES = 4
 # -- compiled passes (Note [fused kernels]) ---------------------------------------------------
 
 
-def _run(name: str, fn: Callable[..., Any], n: int) -> Callable[..., Any]:
-    """``fn`` compiled and checked on the probe, or ``fn`` itself (eager, the same bits)."""
-    if n < fused.FUSE_MIN or not fused.enabled():
+def _run(name: str, fn: Callable[..., Any], like: torch.Tensor,
+         parts: list[torch.Tensor] | None = None) -> Callable[..., Any]:
+    """``fn`` compiled and checked on the probe, or ``fn`` itself (eager, the same bits).
+    The probe runs on ``like``'s device; for ``_total``, with as many ``parts`` of their
+    dtypes (one compiled kernel per name, so the name says both)."""
+    if like.numel() < fused.FUSE_MIN or not fused.enabled():
         return fn
-    return fused.kernel(f"partial {name}", fn, lambda c: _matches(fn, c)) or fn
+    kinds = [(p.dtype, p.device) for p in parts] if parts is not None else None
+    return fused.kernel(f"partial {name} on {like.device.type}", fn,
+                        lambda c: _matches(fn, c, like.device, kinds)) or fn
 
 
-def _probe_terms() -> list[torch.Tensor]:
+def _probe_terms(device: torch.device) -> list[torch.Tensor]:
     """Three terms of every kind: fused.probe()'s values (every exponent, ties, inf, NaN,
     random bits), and two shuffles of them, one scaled by 2**-35, so that many additions
     are inexact and many exact."""
-    x = fused.probe()
+    x = fused.probe().to(device)
     return [x, x.roll(1), x.roll(7) * 2.0**-35]
 
 
-def _matches(fn: Callable[..., Any], compiled: Callable[..., Any]) -> bool:
-    """Whether a compiled pass gives the eager pass's bits on the probe."""
-    a, b, c = _probe_terms()
+def _matches(fn: Callable[..., Any], compiled: Callable[..., Any], device: torch.device,
+             kinds: list[tuple[torch.dtype, torch.device]] | None) -> bool:
+    """Whether a compiled pass gives the eager pass's bits on the probe: ``_total`` with
+    parts of ``kinds`` (partials where float64), ``_add_into`` on a contiguous tensor and
+    on 2-D strided pieces as the engine hands them (Note [float64 partials])."""
+    a, b, c = _probe_terms(device)
     if fn is _total:
-        partial = a.to(F64) + b  # a float64 partial (inexact where it is: any value will do)
-        return all(_same(fn([*parts]), compiled([*parts]))
-                   for parts in ([a, b], [a, b, c], [partial, c.to(F64)]))
-    want_err, got_err = (torch.empty(a.numel(), dtype=F64) for _ in range(2))
-    want_out, got_out = a.to(F64) + b, a.to(F64) + b
-    fn(want_out, c, want_err)
-    compiled(got_out, c, got_err)
-    return _same(want_out, got_out) and _same(want_err, got_err)
+        assert kinds is not None
+        terms = [(a, b, c)[i % 3] * 2.0 ** -(i // 3) for i in range(len(kinds))]
+        parts = [t.to(F64) + t.roll(3) if dtype == F64 else t.to(dtype)
+                 for t, (dtype, _) in zip(terms, kinds)]
+        return _same(fn(parts), compiled(parts))
+    n = a.numel() - a.numel() % 6
+    for shape, cols in (((n,), None), ((3, n // 3), slice(5, n // 3 - 7))):
+        want_out, got_out = ((a.to(F64) + b)[:n].view(shape) for _ in range(2))
+        want_err, got_err = (torch.full(shape, 7.0, dtype=F64, device=device)
+                             for _ in range(2))
+        x = c[:n].view(shape)
+        if cols is not None:  # a parameter's rows in a rank-major buffer: strided
+            want_out, got_out, want_err, got_err, x = (
+                t[:, cols] for t in (want_out, got_out, want_err, got_err, x))
+        fn(want_out, x, want_err)
+        compiled(got_out, x, got_err)
+        if not (_same(want_out, got_out) and _same(want_err, got_err)):
+            return False
+    return True
 
 
 def _same(want: Any, got: Any) -> bool:
-    """Bit for bit, through tuples; any NaN equals any NaN (a partial's NaN payload depends
-    on which operand the hardware propagates, and never reaches a result: ``_total`` makes
-    every NaN canonical, which this compares bit for bit too)."""
+    """Bit for bit, through tuples, except that any NaN equals any NaN: a partial's NaN
+    payload depends on which operand the hardware propagates and never reaches a result
+    (``_total`` makes every NaN canonical after the sum)."""
     if isinstance(want, tuple):
         return len(want) == len(got) and all(_same(w, g) for w, g in zip(want, got))
     if want.dtype != got.dtype or want.shape != got.shape:
