@@ -382,7 +382,6 @@ class _Exchanges(Transport):
         work.then = add_up
         return work
 
-
     def all_to_all(self, comm: Comm, outs: list[torch.Tensor], inps: list[torch.Tensor],
                    what: str) -> _Pending:
         peers = _peers(comm)
