@@ -105,3 +105,17 @@ class LogCollector(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def run_fresh(module: str, fn: str, env: dict[str, str], timeout: float = 600) -> None:
+    """Run ``module.fn()`` (a test module next to this file) in a fresh interpreter with
+    ``env`` added to the environment; fail with its stderr if it fails. For what cannot
+    run in pytest's forked ranks (inductor's compile workers do not survive a fork)."""
+    import subprocess
+    import sys
+
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); import {module}; {module}.{fn}()"
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
+                         env=dict(os.environ, **env), capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]

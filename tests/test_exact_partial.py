@@ -14,12 +14,10 @@ from __future__ import annotations
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_fresh, run_ranks
 from test_exact_sum import KINDS, N_ELEM, WORLDS, M, _assignments, _terms
 
 from shardwise.errors import ShardwiseError
@@ -239,12 +237,7 @@ def test_the_compiled_passes_give_the_eager_bits():
     # other data, uneven lengths (vectorized loops' tails) and kept errors, the results
     # must equal the eager passes' bit for bit. In a fresh interpreter: inductor's compile
     # workers do not survive a fork (conftest.py turns the kernels off in tests).
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_partial; "
-            "test_exact_partial._compiled()")
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
-                         env=dict(os.environ, SHARDWISE_FUSED="1"), capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
+    run_fresh("test_exact_partial", "_compiled", {"SHARDWISE_FUSED": "1"})
 
 
 def _compiled() -> None:

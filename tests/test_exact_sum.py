@@ -11,14 +11,12 @@ on the same data must not (so the test shows something).
 from __future__ import annotations
 
 import math
-import os
 import random
-import subprocess
-import sys
 from fractions import Fraction
 
 import pytest
 import torch
+from harness import run_fresh
 
 from shardwise.errors import ShardwiseError
 from shardwise.exact import sums as es
@@ -411,12 +409,7 @@ def test_the_fused_kernels_give_the_eager_codes_bits():
     # bits of the eager code (SHARDWISE_FUSED=0), non-finite elements and errors included.
     # In a fresh interpreter: inductor's compile workers do not survive a fork, and
     # pytest's process forks every test's ranks (conftest.py turns the kernels off there).
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_exact_sum; "
-            "test_exact_sum._fused_kernels()")
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
-                         env=dict(os.environ, SHARDWISE_FUSED="1"), capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
+    run_fresh("test_exact_sum", "_fused_kernels", {"SHARDWISE_FUSED": "1"})
 
 
 def _fused_kernels() -> None:
