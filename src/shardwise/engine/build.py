@@ -20,6 +20,7 @@ from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained
 from .packed import PackedGroup
 from .state import ModelState, Settings, set_model_state
 from .unit import FlatGroup, Unit, set_unit
+from .zero_grad import guard_module_zero_grad
 
 
 def build(root: nn.Module, topology: Topology,
@@ -45,4 +46,5 @@ def build(root: nn.Module, topology: Topology,
     for sub in root.modules():
         mark_collective_forward(sub)
         guard_apply(sub)
+        guard_module_zero_grad(sub)  # Note [zero_grad reaches held gradients]
     return state

@@ -93,6 +93,30 @@ class ExactReduction(GradReduction):
         self._move(Reduction.REDUCING)
 
 
+    def clear_refusal(self, which: list[int]) -> str | None:
+        """Why ``zero_grad`` may not clear only the parameters at ``which`` now: the
+        exact sum of the micro-batches accumulated so far is one value per group (its
+        count of micro-batches included), dropped whole or not at all."""
+        g = self.group
+        if self.state is not Reduction.ACCUMULATING or set(which) >= set(range(len(g.params))):
+            return None
+        names = [g.params[i].fqns[0] for i in which]
+        return (f"reproducible mode: zero_grad reached {len(names)} of the {len(g.params)} "
+                f"parameters of unit {g.unit_name!r} ({', '.join(names[:3])}) while its "
+                f"micro-batch gradients accumulate under sw.no_sync: their exact sum is "
+                f"kept for the unit's parameters together. Clear every parameter "
+                f"(model.zero_grad(), or an optimizer over all of them), or clear after "
+                f"the step")
+
+    def clear(self, which: list[int]) -> None:
+        """``zero_grad`` reached every parameter of the group (:meth:`clear_refusal`
+        refused anything less): the exact sum so far is dropped."""
+        if self.state is not Reduction.ACCUMULATING:
+            return
+        self._acc = None
+        self.used = [False] * len(self.group.params)
+        self._move(Reduction.IDLE)
+
     def advance(self) -> None:
         """The exchange's result, once there: this rank's rows of the exact mean."""
         if self.state is Reduction.REDUCING and self._exchange is not None:

@@ -9,6 +9,7 @@ its two buffers are to the modules and to autograd.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, SupportsIndex, cast
@@ -57,6 +58,7 @@ class ShardedParam:
     unit: Any = None  # its Unit (engine/unit.py, which imports this module)
     group: FlatGroup | None = None
     hooked: bool = False  # ``full`` carries the end-of-backward trigger (engine/build.py)
+    proxies_hooks: bool = False  # ``full`` calls the shard's hooks (Note [tensor hooks on shards])
 
     @property
     def numel(self) -> int:
@@ -104,6 +106,28 @@ class ShardedParam:
                                       shape=self.shape, stride=self.shard.stride())
 
 
+# Note [tensor hooks on shards]
+# Autograd computes with a unit's full parameters, so hooks registered on the shards (what
+# ``model.parameters()`` yields) were never called. ``register_hook`` on a shard now runs
+# where it runs under DDP: on each backward's local gradient of the whole parameter, before
+# it is accumulated and reduced, its return value replacing the gradient; the engine
+# registers one hook on the full parameter that calls the shard's hooks in order (taken up
+# at each forward that records a graph). ``register_post_accumulate_grad_hook`` on a shard
+# runs as under FSDP2: once the reduced gradient shard is in ``p.grad``, at the end of each
+# synchronised backward, with the shard as its argument, so that an optimizer stepped
+# inside the hook (the optimizer-in-backward idiom) steps on the averaged gradient. Under
+# ``no_sync`` it runs at the synchronised backward only, the first time the shard's
+# ``.grad`` changes (DDP runs it after every micro-batch, on the local gradient).
+def _run_shard_hooks(shard: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The shard's ``register_hook`` hooks, in order, on its full parameter's gradient
+    (Note [tensor hooks on shards])."""
+    for hook in list((shard._backward_hooks or {}).values()):
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad
+
+
 class FlatGroup:
     """Parameters of one dtype and one ``requires_grad`` value, sharded by rows.
 
@@ -147,6 +171,7 @@ class FlatGroup:
         self._gather_work: Any = None
         self._sending: torch.Tensor | None = None  # read by the all-gather until waited for
         self._gathered_version = -1
+        self._full_version = -1  # ``full``'s version counter once filled (keep_edits)
         # Used by trainable groups only.
         self.reduction: GradReduction = reduction(self)
         self.unit_name = "?"  # set by its Unit; names the group's collectives
@@ -206,6 +231,14 @@ class FlatGroup:
             if wanted and not p.hooked:
                 self._hook(p)
         self.requires_grad = any(p.requires_grad for p in self.params)
+
+    def follow_tensor_hooks(self) -> None:
+        """Give each full parameter whose shard has ``register_hook`` hooks the one hook
+        that calls them (Note [tensor hooks on shards])."""
+        for p in self.params:
+            if p.shard._backward_hooks and not p.proxies_hooks:
+                p.full.register_hook(functools.partial(_run_shard_hooks, p.shard))
+                p.proxies_hooks = True
 
     def cast_refusal(self) -> str | None:
         """Why the group cannot be cast to another dtype now that it is at rest (Note
@@ -335,6 +368,32 @@ class FlatGroup:
             self.storage.full_freed(nbytes)
         return old
 
+    def keep_edits(self) -> bool:
+        """Note [edits of held parameters] in engine/unit.py: copy into the shard this
+        rank's rows of the full parameters where code changed them since the gather.
+        Returns whether an in-place operation wrote to the full parameters (their
+        version counter moved: every rank making the same edit sees it, whichever rows
+        it touched)."""
+        if not self.full_is_allocated():
+            return False
+        compute = self.compute_dtype
+        with torch.no_grad():
+            for p in self.params:
+                rows = p.slot.local_rows(self.comm.rank) * p.slot.row_numel
+                if not rows:
+                    continue
+                start = p.slot.full_offset + p.piece.param_offset
+                mine = self.full[start:start + rows]
+                local = p.local.view(-1)
+                seen = local if local.dtype == compute else local.to(compute)
+                if torch.equal(mine, seen):
+                    continue
+                changed = (mine != seen) & ~(mine.isnan() & seen.isnan())
+                if bool(changed.any()):
+                    local.copy_(torch.where(changed, mine.to(local.dtype), local))
+        self.storage.release()
+        return self.full._version != self._full_version
+
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
 
@@ -343,6 +402,13 @@ class FlatGroup:
         [what the module sees] in engine/unit.py)."""
         for p in self.params:
             tensor = p.full if full else p.shard
+            if not full and p.full.requires_grad != p.requires_grad \
+                    and p.shard.requires_grad == p.requires_grad:
+                # Note [flags of a forward without gradients] in engine/unit.py: a flag
+                # code set on the full parameter while it was registered goes to the
+                # shard, where it is taken up and where code sets it next.
+                p.shard.requires_grad_(p.full.requires_grad)
+                p.full.requires_grad_(p.requires_grad)
             for module, attr in p.slots:
                 module._parameters[attr] = tensor
 
@@ -481,6 +547,7 @@ class FlatGroup:
                 self._alloc_full()
                 copy_out(self._gathered, self.layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+                self._full_version = version
                 if keep:
                     self.secondary.keep(self._gathered, self._gathered_version)
             self._gathered = None

@@ -423,19 +423,21 @@ def _names(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     return [named.get(id(p), f"a {tuple(p.shape)} parameter") for p in params]
 
 
-def check_model(root: nn.Module, units: list[Unit]) -> None:
+def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
     of modules are handled by :func:`guard_apply`) detaches it from shardwise's storage;
     a parameter added later would be neither sharded nor kept identical across ranks.
-    Each would train silently wrong. ``requires_grad`` changes are taken up here, except
-    while ``no_sync`` gradients wait and, in part, for offloaded units (Note [freezing
-    after shard]).
+    Each would train silently wrong. ``requires_grad`` changes are taken up here when
+    ``follow_flags`` (a forward that records a graph, Note [flags of a forward without
+    gradients] in engine/unit.py), except while ``no_sync`` gradients wait and, in part,
+    for offloaded units (Note [freezing after shard]).
     """
     moved = [n for u in units for g in u.groups for n in g.detached()]
     # Note [freezing after shard]: every change is checked before any is taken up.
-    changes = [(g, *g.freezing_changes()) for u in units for g in u.groups]
+    changes = [(g, *g.freezing_changes()) for u in units for g in u.groups] \
+        if follow_flags else []
     refused = [(p.fqns[0], why) for _, ch, why in changes if why for p, _ in ch]
     flipped = [n for n, _ in refused]
     why = refused[0][1] if refused else ""
@@ -466,9 +468,13 @@ def check_model(root: nn.Module, units: list[Unit]) -> None:
              if sharded_param(p) is None and packed_param(p) is None]
     if added:
         raise ShardwiseError(
-            f"{len(added)} parameter(s) ({_some(added)}) were added to the model after "
-            f"sw.shard: they are not sharded and nothing keeps them identical across ranks. "
-            f"Add every module before sw.shard(model)")
+            f"{len(added)} parameter(s) ({_some(added)}) are not the shards sw.shard "
+            f"registered: added to the model after sw.shard, or put in place of a shard "
+            f"(torch.func.functional_call and torch.nn.utils.stateless replace parameters "
+            f"for a call, which a sharded model's units cannot follow: they compute with "
+            f"the full parameters they gather). Nothing keeps such a parameter identical "
+            f"across ranks. Add every module before sw.shard(model); for another set of "
+            f"weights, load them (load_state_dict, sw.load_pretrained) or use a copy")
 
 
 _CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "

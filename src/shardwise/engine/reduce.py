@@ -77,7 +77,8 @@ _ALLOWED = {
     Reduction.IDLE: {Reduction.ACCUMULATING, Reduction.REDUCING, Reduction.REPLICATING,
                      Reduction.REDUCED},
     Reduction.ACCUMULATING: {Reduction.ACCUMULATING, Reduction.REDUCING,
-                             Reduction.REPLICATING, Reduction.REDUCED},
+                             Reduction.REPLICATING, Reduction.REDUCED,
+                             Reduction.IDLE},  # every accumulated gradient cleared
     Reduction.REDUCING: {Reduction.REPLICATING, Reduction.REDUCED, Reduction.IDLE},
     Reduction.REPLICATING: {Reduction.REDUCED, Reduction.IDLE},
     Reduction.REDUCED: {Reduction.IDLE},
@@ -161,6 +162,30 @@ class GradReduction:
         if seen and sync:  # accumulated micro-batches: scale the sum once
             for region, _ in row_regions(buf, g.layout, slot):
                 region.mul_(inv_n)
+
+    def clear_refusal(self, which: list[int]) -> str | None:
+        """Why :meth:`clear` may not clear only ``which`` (the default: it always may)."""
+        return None
+
+    def clear(self, which: list[int]) -> None:
+        """``zero_grad`` reached the parameters at ``which``: forget what ``no_sync``
+        backward passes accumulated for them, as DDP's ``zero_grad`` clears its local
+        ``.grad`` (Note [zero_grad reaches held gradients] in engine/state.py). Their
+        rows in the buffer become zeros and they count as unused, so the next backward
+        writes its gradient there instead of adding to it."""
+        if self.state is not Reduction.ACCUMULATING:
+            return
+        assert self._buf is not None
+        g = self.group
+        with torch.no_grad():
+            for i in which:
+                if self.used[i]:
+                    write_rank_major(self._buf, g.layout, g.layout.slots[i],
+                                     torch.zeros(()).expand(g.layout.slots[i].shape))
+                    self.used[i] = False
+        if not any(self.used):
+            self._buf = None
+            self._move(Reduction.IDLE)
 
     def has_accumulated(self) -> bool:
         """Whether gradients accumulated under ``no_sync`` await their reduction."""
@@ -252,6 +277,12 @@ class GradReduction:
         g.storage.release()  # Note [the disk tier]: the gradients are written
         self.used = [False] * len(g.params)
         self._after_publishing(used_anywhere)
+        # Note [tensor hooks on shards] in engine/flat.py: last, for a hook may step an
+        # optimizer on the shard and clear its gradient.
+        for i, p in enumerate(g.params):
+            hooks = p.shard._post_accumulate_grad_hooks if used_anywhere[i] else None
+            for hook in list((hooks or {}).values()):
+                hook(p.shard)
 
     def _before_publishing(self, used_anywhere: list[bool]) -> None:
         """A mode's check before the reduced rows are handed out (the default: none)."""

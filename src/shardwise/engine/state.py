@@ -119,6 +119,17 @@ to a held unit's ``.grad`` stay in the step's sum, as they do in DDP's ``.grad``
 happens on every rank alike, so every rank gathers the same units afterwards (Note
 [collective order]); ``model.state_dict()``, which one rank may call alone, changes
 nothing and hands out the shards of held units (engine/state_dict_hooks.py).
+
+Note [a backward that records a graph]
+A backward with ``create_graph=True`` runs with gradient mode on, and the graph it
+records (a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``, a
+double backward) saves the full parameters each unit's backward computes with. The
+engine frees them when that unit's backward ends and reduces its gradients then, so the
+second backward read freed storage (a bare ``setStorage`` error) and its gradients for
+the weights would have come after their reduction. It is refused at its first hook,
+before anything changes, on every rank running it. DDP supports it; FSDP2 frees the same
+way. Supporting it means holding every unit a recorded backward reached gathered, and
+reducing only at the backward that records nothing.
 """
 
 from __future__ import annotations
@@ -195,6 +206,8 @@ class ModelState:
         self._pinned = False  # the running forward computes on pinned units alone
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
+        # Note [flags of a forward without gradients] in engine/unit.py
+        self._frozen_for_backward: list[Any] = []
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
@@ -287,6 +300,7 @@ class ModelState:
             return
         self.phase = Phase.IDLE
         self._reducing = None
+        self._thaw_after_backward()
         for u in self.units:
             for g in u.trainable_groups:
                 g.reduction.drop()
@@ -403,7 +417,13 @@ class ModelState:
     def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
         own (Note [forward entries])."""
-        check_model(self.root, self.units)
+        # Note [flags of a forward without gradients] in engine/unit.py
+        recording = torch.is_grad_enabled()
+        check_model(self.root, self.units, follow_flags=recording)
+        if recording:  # Note [tensor hooks on shards] in engine/flat.py
+            for u in self.units:
+                for g in u.trainable_groups:
+                    g.follow_tensor_hooks()
         pinned = self._all_pinned(entry)
         self.buffers.forward_started(self.number, communicates=not pinned)
         if self.dropout is not None:
@@ -524,10 +544,64 @@ class ModelState:
     def ensure_backward_callback(self) -> None:
         """Queue :meth:`finish_backward` once per backward (the first gradient's hook)."""
         if self.phase is not Phase.BACKWARD:
+            if torch.is_grad_enabled():
+                # Note [a backward that records a graph]
+                raise ShardwiseError(
+                    "a backward with create_graph=True (torch.autograd.grad(..., "
+                    "create_graph=True), a gradient penalty, a double backward) reached a "
+                    "sharded model: the graph it records computes with the full parameters "
+                    "that the engine frees after each unit's backward, and the gradients "
+                    "it later adds would arrive after their unit was reduced. This is not "
+                    "supported yet; nothing was changed. Compute the penalty on a model "
+                    "outside sw.shard, or without create_graph")
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
+            self._freeze_for_backward()
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             self.checks.backward(self.requires_grad_sync)
+
+    def _freeze_for_backward(self) -> None:
+        """Note [flags of a forward without gradients] in engine/unit.py: a parameter
+        frozen on its shard between its forward and this backward gets no gradient, as
+        autograd gives none to a leaf frozen after its forward: its full parameter, which
+        autograd accumulates into, is frozen for the backward."""
+        for u in self.units:
+            for g in u.trainable_groups:
+                for p in g.params:
+                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
+                        p.full.requires_grad_(False)
+                        self._frozen_for_backward.append(p)
+
+    def _thaw_after_backward(self) -> None:
+        """Undo :meth:`_freeze_for_backward`: the shard's flag is taken up at the next
+        forward that records a graph (Note [freezing after shard])."""
+        for p in self._frozen_for_backward:
+            p.full.requires_grad_(p.requires_grad)
+        self._frozen_for_backward = []
+
+    def clear_grads(self, tensors: list[torch.Tensor]) -> None:
+        """``zero_grad`` reached ``tensors`` (shards or full parameters): drop what the
+        engine holds of their gradients, before anything reduces it (Note [zero_grad
+        reaches held gradients] in engine/zero_grad.py). Raises, with nothing changed, where
+        a mode cannot drop part of what it holds."""
+        if not any(u.deferred or any(g.reduction.has_accumulated() for g in u.trainable_groups)
+                   for u in self.units):
+            return
+        wanted = {id(sp) for t in tensors if (sp := sharded_param(t)) is not None}
+        plan = []
+        for u in self.units:
+            for g in u.trainable_groups:
+                which = [i for i, p in enumerate(g.params) if id(p) in wanted]
+                if which:
+                    plan.append((g, which))
+        for g, which in plan:
+            refusal = g.reduction.clear_refusal(which)
+            if refusal:
+                raise ShardwiseError(refusal)
+        for g, which in plan:
+            for i in which:
+                g.params[i].full.grad = None  # a held unit's, deferred there
+            g.reduction.clear(which)
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
@@ -584,6 +658,7 @@ class ModelState:
             if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
         self._reducing = None
+        self._thaw_after_backward()
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:
@@ -634,12 +709,27 @@ class ModelState:
         groups = [g for u in reduced for g in u.trainable_groups]
         if not groups:
             return
-        # One small all-reduce says which parameters got a gradient anywhere.
-        used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
+        # One small all-reduce says which parameters got a gradient anywhere, and, for
+        # each unit, whether an in-place edit of its held full parameters was kept on
+        # some rank and not on another (Note [edits of held parameters] in engine/unit.py).
+        edited = [u.edited for u in self.units]
+        for u in self.units:
+            u.edited = False
+        flags = [x for g in groups for x in g.reduction.used]
+        used = torch.tensor(flags + edited + [not e for e in edited], dtype=torch.int32,
                             device=groups[0].device)
         self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
                              what="the exchange of used-parameter flags ending the backward")
         used_list = used.bool().tolist()
+        n, k = len(flags), len(edited)
+        split = [u.name for i, u in enumerate(self.units)
+                 if used_list[n + i] and used_list[n + k + i]]
+        if split:
+            raise ShardwiseError(
+                f"the full parameters of unit(s) {split[:3]} were changed in place between "
+                f"micro-batches under sw.no_sync on some ranks and not on others, so no "
+                f"rank computed with the model the step would update. Make the same edit "
+                f"on every rank, or edit after the step (Note [edits of held parameters])")
         offset = 0
         for g in groups:
             g.reduction.finish(used_list[offset:offset + len(g.params)])

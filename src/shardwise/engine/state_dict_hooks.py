@@ -57,6 +57,7 @@ from .buffers import BufferPolicy
 from .packed import PackedParam, packed_param
 from .state import model_state, owning_state
 from .unit import ShardedParam, sharded_param
+from .zero_grad import guard_optimizer_zero_grad
 
 ROWS = "_shardwise_rows"
 """The attribute tagging a value of ``state_dict()`` with the ``(rank, ranks)`` of the shard
@@ -376,6 +377,7 @@ def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
             for p in g["params"]):
         return
     attach_to(optimizer, OPTIMIZER_HOOKED, True)
+    guard_optimizer_zero_grad(optimizer)  # Note [zero_grad reaches held gradients]
     optimizer.register_state_dict_post_hook(_tag_optimizer_rows)
     optimizer.register_load_state_dict_pre_hook(_optimizer_rows)
 

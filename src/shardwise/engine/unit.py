@@ -54,6 +54,39 @@ a change while ``no_sync`` gradients wait in the group's reduction (they were su
 the old set), and, for an offloaded group, anything but freezing and unfreezing all of
 a group that was trainable at ``shard`` (its tiers were planned for that).
 
+Note [flags of a forward without gradients]
+A forward under ``torch.no_grad()`` records no graph, so the trainable set means nothing
+to it, and it does not take up ``requires_grad`` changes. PEFT's ``disable_adapter()``
+switches every adapter's ``requires_grad`` off and on again around the forward it wraps;
+TRL's DPO computes the reference log-probabilities that way, under ``no_grad``, between
+the policy's forward and its backward. Taken up there, the adapters' groups were frozen
+for the backward already awaited (every LoRA gradient lost, silently), and their full
+parameters recomputed by activation checkpointing no longer required grad (a different
+number of saved tensors). Changes are therefore taken up only by a forward that records
+a graph, at its start, as before. Between a forward and its backward autograd decides
+by the flag at accumulation: a leaf frozen after its forward gets no gradient. The
+engine does the same for a shard frozen then (``ModelState._freeze_for_backward``: its
+full parameter is frozen for that backward only, and the change is taken up at the next
+recording forward); a parameter unfrozen then gets none either, having no place in the
+graph.
+
+Note [edits of held parameters]
+Under ``no_sync`` a held unit's full parameters stay registered between micro-batches
+(Note [gathered across micro-batches] in engine/state.py), so code that edits
+``model.parameters()`` there (``p.mul_`` under ``no_grad``, ``p.copy_``, ``p.data``)
+edits them, and later micro-batches compute with the edit, as under DDP. Resharding
+dropped them and kept the shards: the edit vanished at the step, silently. So resharding
+a held unit whose shard did not change meanwhile first copies into the shard this rank's
+rows of the full parameters wherever they differ from it (``FlatGroup.keep_edits``; one
+comparison of this rank's rows, no collective). Every rank making the same edit keeps
+its own rows of it: DDP's result. An edit on some ranks only would leave a model that no
+rank computed with; an in-place operation moves the full buffer's version counter
+whichever rows it touches, so each rank notes whether one wrote there, and the ranks
+compare the notes in the exchange of used-parameter flags that ends the next synced
+backward (``ModelState._publish_gradients``): a difference raises on every rank, naming
+the units. Not seen by that comparison: an edit through ``p.data`` (it moves no version
+counter) on some ranks only; it is still kept on the ranks that made it.
+
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
 ``torch.distributed.checkpoint``, accelerate, transformers) understand DTensor, so a
@@ -174,6 +207,9 @@ class Unit:
         # held unit's, Note [gathered across micro-batches]): set by :meth:`defer`,
         # moved to the reduction by :meth:`reshard`.
         self.deferred = False
+        # An in-place edit of its full parameters while held was kept (Note [edits of
+        # held parameters]); read and cleared by the model at the next synced backward.
+        self.edited = False
         self.reset_iteration()
 
     def reset_iteration(self) -> None:
@@ -303,6 +339,8 @@ class Unit:
             self.deferred = False
         if self.state is UnitState.SHARDED or self.pins:
             return
+        if self.held and not self.is_stale():  # Note [edits of held parameters]
+            self.edited |= any([g.keep_edits() for g in self.groups])
         if self.deferred:  # to the accumulator, not away
             self.deferred = False
             for g in self.all_groups:
