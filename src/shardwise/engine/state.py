@@ -610,6 +610,11 @@ class ModelState:
             for owner in self._borrowed(unit):
                 owner.finish_gather()
         unit.finish_gather()
+        # Prefetch by this forward's order only. A backward of a forward whose iteration
+        # an earlier backward ended (FSDP2's chunked loss: a backward per slice through
+        # the head called on its own, then the root's) finds a later forward's order.
+        if not (call_index < len(self._order) and self._order[call_index] is unit):
+            return
         for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
             if prev.owes_backward():
                 prev.start_gather()
