@@ -253,8 +253,8 @@ def test_a_linear_deferred_then_replaced_in_the_block_is_refused():
 
 def _misses_under_strict_false(rank, world, folder):
     """strict=False forgives the adapters, not a base parameter the source does not
-    fill: a rename= that misses the embeddings, the final norm and the head is refused
-    at load time on every rank, nothing changed."""
+    fill: a rename= that misses the embeddings, the final norm and the head, and a
+    forgotten rename=, are refused at load time on every rank, nothing changed."""
     from transformers import LlamaForCausalLM
 
     with sw.sharded_init(quantize=BLOCKS):
@@ -274,6 +274,14 @@ def _misses_under_strict_false(rank, world, folder):
                  "'model.embed_tokens.weight'", "rename="):  # what is missing, what is left
         assert name in said, (name, said)
     assert "lora_" not in said, said  # the adapters are what strict=False is for
+    # A forgotten rename=: no name in the source matched, said with an example of each
+    # side, under strict=False and strict=True alike.
+    for strict in (False, True):
+        with pytest.raises(sw.ShardwiseError, match=(
+                r"no name in the source matched.*'model\.embed_tokens\.weight'.*"
+                r"'base_model\.model\.model\.embed_tokens\.weight'.*"
+                r"rename=\{'': 'base_model\.model\.'\}")):
+            sw.load_pretrained(model, folder, strict=strict)
     # Nothing was loaded: the forward still refuses, naming the embeddings too.
     with pytest.raises(sw.ShardwiseError,
                        match=r"^base_model\.model\.model\.embed_tokens\.weight, "

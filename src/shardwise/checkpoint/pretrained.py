@@ -52,6 +52,10 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
                  for t in packed]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
     match = match_targets(params + stand_ins, buffers, saved, key_of, "source")
+    names = [n for t in params + stand_ins for n in t.names] + list(buffers)
+    if saved and names and len(match.unexpected) == len(saved):
+        raise ShardwiseError(_nothing_matched(src.description, key_of, names,
+                                              rename is not None))
     problems = match.problems("source", strict)
     of_stand_in = {id(s): t for s, t in zip(stand_ins, packed)}
     quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
@@ -145,6 +149,45 @@ def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
                     x.copy_(got[offset:offset + x.numel()])
                     offset += x.numel()
         del send
+
+
+def _nothing_matched(description: str, key_of: dict[str, str], names: list[str],
+                     renamed: bool) -> str:
+    """The message for a source none of whose names is the model's (a forgotten or wrong
+    ``rename=``): one source key and one model name, a pair differing by a prefix when
+    there is one, and then the prefix mapping that joins them."""
+    pair, fix = None, None
+    for name in names:  # the model's names longer: it adds a prefix
+        parts = name.split(".")
+        tails = ((".".join(parts[:i]) + ".", ".".join(parts[i:]))
+                 for i in range(1, len(parts)))
+        found = next(((prefix, tail) for prefix, tail in tails if tail in key_of), None)
+        if found is not None:
+            pair, fix = (found[1], name), {"": found[0]}
+            break
+    if pair is None:
+        model = set(names)
+        for name in key_of:  # the source's names longer: the model drops a prefix
+            parts = name.split(".")
+            tails = ((".".join(parts[:i]) + ".", ".".join(parts[i:]))
+                     for i in range(1, len(parts)))
+            found = next(((prefix, tail) for prefix, tail in tails if tail in model), None)
+            if found is not None:
+                pair, fix = (name, found[1]), {found[0]: ""}
+                break
+    source_name, model_name = pair if pair is not None else (next(iter(key_of)), names[0])
+    key = key_of[source_name]
+    shown = f"{key!r}" + (f" (renamed to {source_name!r})" if source_name != key else "")
+    suggestion = (f"; here rename={fix!r} joins the two"
+                  if fix is not None and not renamed else "")
+    peft = (" A PeftModel also names an adapted layer's weight '...base_layer.weight': a "
+            "callable rename handles both (docs/qlora.md)."
+            if any(".base_layer." in n for n in names) else "")
+    return (f"{description}: no name in the source matched one in the model, so nothing "
+            f"would be loaded. The source has keys such as {shown} ({len(key_of)} keys), "
+            f"the model names such as {model_name!r} ({len(names)} names). Pass rename= "
+            f"mapping the source's names to the model's (a dict of prefixes or a "
+            f"callable){suggestion}.{peft}")
 
 
 def _check_base_filled(module: nn.Module, loaded: set[str], unexpected: list[str],
@@ -247,10 +290,11 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     Raises:
         ShardwiseError: on every rank, before anything is modified, listing missing,
             unexpected and wrongly shaped keys, naming an unreadable file, a tensor
-            whose kind (integer or floating point) is not the model's, when a
-            quantized base's parameter is not in the source (whatever ``strict``), or
-            when ranks were given different weights (Note [one source] in
-            sources.py). Quantized weights
+            whose kind (integer or floating point) is not the model's, when no name in
+            the source is the model's (whatever ``strict``; with a key of each, for
+            ``rename=``), when a quantized base's parameter is not in the source
+            (whatever ``strict``), or when ranks were given different weights (Note
+            [one source] in sources.py). Quantized weights
             (Note [quantize while loading] in engine/quantize.py) are read and
             quantized after the plain ones are written: a file that fails to read
             then, on some rank, raises on every rank with the plain weights loaded and
