@@ -133,10 +133,11 @@ def _load_quantized(rank, world, source):
     assert q.quantized_data.stride() == (0,)  # a placeholder in no memory
     model = sw.shard(_with_adapters(base), reproducible=True)
     x = torch.randint(0, 64, (1, 4))
-    with pytest.raises(sw.ShardwiseError, match=r"q_proj\.base_layer\.weight.*hold no values yet"):
+    with pytest.raises(sw.ShardwiseError,
+                       match=r"q_proj\.base_layer\.weight.*have not been loaded"):
         model(input_ids=x)
-    # strict=False: the source has no adapters; a base weight left out would still be
-    # refused at the first forward (checked below by training).
+    # strict=False: the source has no adapters; a base parameter it leaves out is refused
+    # (test_strict_false_refuses_base_weights_the_source_does_not_fill).
     sw.load_pretrained(model, source, rename=_peft_names, strict=False)
 
     reference = _reference()
@@ -217,14 +218,18 @@ def _refusals(rank, world, folder):
               "model.norm.weight"):
         assert torch.equal(got[k], want[k]), k
     model(input_ids=torch.randint(0, 64, (1, 4)))  # loaded: runs
-    # strict=False and a quantized weight missing from the source: the forward says which.
+    # strict=False and a quantized weight missing from the source: refused by name before
+    # anything changes (Note [the base awaits loading]), so the forward still refuses.
     with sw.sharded_init(quantize=BLOCKS):
         base = LlamaForCausalLM(_config())
     model = sw.shard(base)
     partial = {k: v for k, v in want.items() if k != "model.layers.1.mlp.up_proj.weight"}
-    sw.load_pretrained(model, partial, strict=False)
-    with pytest.raises(sw.ShardwiseError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight "
-                                                r"\(1 weights\).*hold no values yet"):
+    with pytest.raises(sw.ShardwiseError, match=r"(?s)nothing was changed.*1 parameters of a "
+                                                r"base.*\['model\.layers\.1\.mlp\.up_proj"
+                                                r"\.weight'\]"):
+        sw.load_pretrained(model, partial, strict=False)
+    with pytest.raises(sw.ShardwiseError, match=r"^model\.embed_tokens\.weight, .* \(21 "
+                                                r"parameters\).*have not been loaded"):
         model(input_ids=torch.randint(0, 64, (1, 4)))
     return True
 
@@ -244,3 +249,55 @@ def test_a_linear_deferred_then_replaced_in_the_block_is_refused():
         return True
 
     assert run_ranks(replaced, 2) == [True] * 2
+
+
+def _misses_under_strict_false(rank, world, folder):
+    """strict=False forgives the adapters, not a base parameter the source does not
+    fill: a rename= that misses the embeddings, the final norm and the head, and a
+    forgotten rename=, are refused at load time on every rank, nothing changed."""
+    from transformers import LlamaForCausalLM
+
+    with sw.sharded_init(quantize=BLOCKS):
+        base = LlamaForCausalLM(_config())
+    model = sw.shard(_with_adapters(base))
+    x = torch.randint(0, 64, (1, 4))
+
+    def layers_only(key: str) -> str:  # misses model.embed_tokens, model.norm, lm_head
+        return _peft_names(key) if ".layers." in key else key
+
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.load_pretrained(model, folder, rename=layers_only, strict=False)
+    said = str(err.value)
+    assert "nothing was changed" in said, said
+    for name in ("base_model.model.model.embed_tokens.weight",
+                 "base_model.model.model.norm.weight", "base_model.model.lm_head.weight",
+                 "'model.embed_tokens.weight'", "rename="):  # what is missing, what is left
+        assert name in said, (name, said)
+    assert "lora_" not in said, said  # the adapters are what strict=False is for
+    # A forgotten rename=: no name in the source matched, said with an example of each
+    # side, under strict=False and strict=True alike.
+    for strict in (False, True):
+        with pytest.raises(sw.ShardwiseError, match=(
+                r"no name in the source matched.*'model\.embed_tokens\.weight'.*"
+                r"'base_model\.model\.model\.embed_tokens\.weight'.*"
+                r"rename=\{'': 'base_model\.model\.'\}")):
+            sw.load_pretrained(model, folder, strict=strict)
+    # Nothing was loaded: the forward still refuses, naming the embeddings too.
+    with pytest.raises(sw.ShardwiseError,
+                       match=r"^base_model\.model\.model\.embed_tokens\.weight, "
+                             r".*q_proj\.base_layer\.weight.*sw\.load_pretrained"):
+        model(input_ids=x)
+    # The right rename= loads everything and the adapters are left to train.
+    sw.load_pretrained(model, folder, rename=_peft_names, strict=False)
+    want = _weights().state_dict()
+    got = sw.full_state_dict(model, rank0_only=False)
+    for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        assert torch.equal(got[_peft_names(k)], want[k]), k
+    model(input_ids=x)
+    return True
+
+
+def test_strict_false_refuses_base_weights_the_source_does_not_fill(tmp_path):
+    folder = str(tmp_path / "hf")
+    _save_folder(folder)
+    assert run_ranks(_misses_under_strict_false, 2, folder) == [True] * 2

@@ -18,6 +18,7 @@ from ..engine.packed import packed_param, uses_protocol
 from ..engine.quantize import NF4, awaiting, mark_loaded, nf4_module
 from ..engine.state import owning_state
 from ..errors import ShardwiseError
+from ._format import summary
 from ._targets import (
     PackedTarget,
     ParamTarget,
@@ -51,6 +52,10 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
                  for t in packed]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
     match = match_targets(params + stand_ins, buffers, saved, key_of, "source")
+    names = [n for t in params + stand_ins for n in t.names] + list(buffers)
+    if saved and names and len(match.unexpected) == len(saved):
+        raise ShardwiseError(_nothing_matched(src.description, key_of, names,
+                                              rename is not None))
     problems = match.problems("source", strict)
     of_stand_in = {id(s): t for s, t in zip(stand_ins, packed)}
     quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
@@ -63,6 +68,9 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
                 "prefix, or strict=False to ignore missing and unexpected keys)")
         raise ShardwiseError(f"{src.description}: " + "; ".join(problems) + hint)
+    loaded = {n for t, _ in match.params for n in t.names}
+    loaded |= {n for t, _ in quantized for n in t.names}
+    _check_base_filled(module, loaded, match.unexpected, src.description)
     # Read everything this rank needs before changing anything.
     casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
     values = []
@@ -71,8 +79,6 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         values.append((t, _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)))
     buffer_values = [(b, _cast(src.read(key), b.dtype, key, casts))
                      for b, key in match.buffers]
-    loaded = {n for t, _ in match.params for n in t.names}
-    loaded |= {n for t, _ in quantized for n in t.names}
     return ((src.description, src.fingerprint()), values, buffer_values, casts, src,
             quantized, loaded)
 
@@ -145,6 +151,64 @@ def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
         del send
 
 
+def _nothing_matched(description: str, key_of: dict[str, str], names: list[str],
+                     renamed: bool) -> str:
+    """The message for a source none of whose names is the model's (a forgotten or wrong
+    ``rename=``): one source key and one model name, a pair differing by a prefix when
+    there is one, and then the prefix mapping that joins them."""
+    pair, fix = None, None
+    for name in names:  # the model's names longer: it adds a prefix
+        parts = name.split(".")
+        tails = ((".".join(parts[:i]) + ".", ".".join(parts[i:]))
+                 for i in range(1, len(parts)))
+        found = next(((prefix, tail) for prefix, tail in tails if tail in key_of), None)
+        if found is not None:
+            pair, fix = (found[1], name), {"": found[0]}
+            break
+    if pair is None:
+        model = set(names)
+        for name in key_of:  # the source's names longer: the model drops a prefix
+            parts = name.split(".")
+            tails = ((".".join(parts[:i]) + ".", ".".join(parts[i:]))
+                     for i in range(1, len(parts)))
+            found = next(((prefix, tail) for prefix, tail in tails if tail in model), None)
+            if found is not None:
+                pair, fix = (name, found[1]), {found[0]: ""}
+                break
+    source_name, model_name = pair if pair is not None else (next(iter(key_of)), names[0])
+    key = key_of[source_name]
+    shown = f"{key!r}" + (f" (renamed to {source_name!r})" if source_name != key else "")
+    suggestion = (f"; here rename={fix!r} joins the two"
+                  if fix is not None and not renamed else "")
+    peft = (" A PeftModel also names an adapted layer's weight '...base_layer.weight': a "
+            "callable rename handles both (docs/qlora.md)."
+            if any(".base_layer." in n for n in names) else "")
+    return (f"{description}: no name in the source matched one in the model, so nothing "
+            f"would be loaded. The source has keys such as {shown} ({len(key_of)} keys), "
+            f"the model names such as {model_name!r} ({len(names)} names). Pass rename= "
+            f"mapping the source's names to the model's (a dict of prefixes or a "
+            f"callable){suggestion}.{peft}")
+
+
+def _check_base_filled(module: nn.Module, loaded: set[str], unexpected: list[str],
+                       description: str) -> None:
+    """Refuse a load that would leave a parameter of a quantized base unloaded, even under
+    ``strict=False`` (Note [the base awaits loading] in engine/quantize.py): it would
+    keep its random init (or zeros) and train silently."""
+    left = [n for n in awaiting(module) if n not in loaded]
+    if not left:
+        return
+    untaken = (f"; the source keys nothing took: {summary(unexpected, limit=5)}"
+               if unexpected else "")
+    raise ShardwiseError(
+        f"{description}: {len(left)} parameters of a base built under "
+        f"sw.sharded_init(quantize=...) are not in the source and would keep no loaded "
+        f"values: {summary(left, limit=5)}{untaken}. strict=False forgives only what the "
+        f"source cannot hold (adapters, added after the block); every base parameter must "
+        f"come from this one source. Fix rename= so that these names are reached, or "
+        f"load a source that has them (docs/qlora.md)")
+
+
 def _check_quantized(module: nn.Module) -> None:
     """Refuse quantized weights of a model not sharded yet: their stand-ins (built under
     ``sharded_init(quantize=)``) or whole ``NF4Tensor`` s, which would be rewritten as if
@@ -153,10 +217,15 @@ def _check_quantized(module: nn.Module) -> None:
     pending = awaiting(module) if state is None else []
     whole = [n for n, p in module.named_parameters()
              if uses_protocol(p) and packed_param(p) is None]
-    if pending or whole:
-        names = pending or whole
+    if pending:
         raise ShardwiseError(
-            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} are quantized "
+            f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''} belong to a "
+            f"model built under sw.sharded_init(quantize=...) and not sharded yet; "
+            f"load_pretrained loads (and quantizes) into each rank's share of them: call "
+            f"model = sw.shard(model) first")
+    if whole:
+        raise ShardwiseError(
+            f"{', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''} are quantized "
             f"weights of a model not sharded yet; load_pretrained quantizes into each "
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
@@ -209,14 +278,23 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
             ``.bin``/``.pt`` file is accepted only if ``torch.load(weights_only=True)``
             loads it: nothing is ever unpickled.
         strict: raise on keys missing from the source or unknown to the model.
+            ``strict=False`` ignores them, except for a model built under
+            ``sw.sharded_init(quantize=...)``: every parameter built in that block (all
+            but LoRA adapters) must come from the source, since it would otherwise keep
+            a random init or zeros; what was added after the block (the adapters of
+            ``get_peft_model``) may be missing (Note [the base awaits loading] in
+            engine/quantize.py).
         rename: how source keys map to module keys, never guessed: a prefix mapping such
             as ``{"model.": ""}`` (strip) or ``{"": "model."}`` (add), or a callable.
 
     Raises:
         ShardwiseError: on every rank, before anything is modified, listing missing,
-            unexpected and wrongly shaped keys, naming an unreadable file, a tensor whose
-            kind (integer or floating point) is not the model's, or when ranks were given
-            different weights (Note [one source] in sources.py). Quantized weights
+            unexpected and wrongly shaped keys, naming an unreadable file, a tensor
+            whose kind (integer or floating point) is not the model's, when no name in
+            the source is the model's (whatever ``strict``; with a key of each, for
+            ``rename=``), when a quantized base's parameter is not in the source
+            (whatever ``strict``), or when ranks were given different weights (Note
+            [one source] in sources.py). Quantized weights
             (Note [quantize while loading] in engine/quantize.py) are read and
             quantized after the plain ones are written: a file that fails to read
             then, on some rank, raises on every rank with the plain weights loaded and

@@ -22,8 +22,21 @@ QLoRA exists for bases whose full-precision weights do not fit, so under
   quantization work is split N ways, and each byte equals what quantizing the whole model
   then sharding gives (the same ``to_nf4`` on the same values, then the same share).
 
-A model with weights awaiting load refuses to run forward, naming them: zeros would
-train silently.
+Note [the base awaits loading]
+A model built under ``sharded_init(quantize=)`` is a pretrained base whose values come
+from ``load_pretrained``: at the end of the block *every* parameter it has is marked
+awaiting load, not only the deferred linear weights. The others (embeddings, norms, a
+head the rule keeps) hold ``src_rank``'s random init, which would train as silently as
+zeros. PEFT adapters (a module path with a ``lora_`` part) are not marked, nor is
+anything added after the block (adapters from ``get_peft_model``): those are what the
+source does not hold. So:
+
+- ``load_pretrained`` refuses, before changing anything, a load that leaves a base
+  parameter unloaded, even under ``strict=False`` (which forgives only the rest): the
+  usual cause is a ``rename=`` that misses some names, and the error names them and the
+  source keys nothing took. One source must hold the whole base.
+- A model with parameters awaiting load refuses to run forward, naming them (it was
+  never loaded, or a load failed part-way).
 """
 
 from __future__ import annotations
@@ -205,13 +218,15 @@ _AWAITING: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDicti
 
 
 def mark_awaiting(mod: nn.Module, attr: str) -> None:
-    """Record that ``mod.<attr>`` is a quantized weight still to be loaded (a forward
-    is refused, naming it, until :func:`mark_loaded`)."""
+    """Record that ``mod.<attr>`` is a parameter of a quantized base still to be loaded
+    (a forward is refused, naming it, until :func:`mark_loaded`: Note [the base awaits
+    loading])."""
     _AWAITING.setdefault(mod, set()).add(attr)
 
 
 def awaiting(root: nn.Module) -> list[str]:
-    """Qualified names of the weights under ``root`` still awaiting ``load_pretrained``."""
+    """Qualified names of the parameters under ``root`` still awaiting
+    ``load_pretrained``."""
     return [f"{name}.{attr}" if name else attr for name, mod in root.named_modules()
             for attr in sorted(_AWAITING.get(mod, ()))]
 
@@ -257,6 +272,7 @@ def _refuse_unloaded(module: nn.Module, args: Any) -> None:
     if names:
         raise ShardwiseError(
             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({len(names)} "
-            f"weights) were built under sw.sharded_init(quantize=...) and hold no values "
-            f"yet: load them with sw.load_pretrained(model, source) after sw.shard "
+            f"parameters) were built under sw.sharded_init(quantize=...) and have not been "
+            f"loaded: sw.load_pretrained(model, source), after sw.shard, gives them their "
+            f"values, and the model does not run until such a load has completed "
             f"(docs/qlora.md)")

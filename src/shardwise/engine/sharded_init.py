@@ -215,8 +215,9 @@ class _ShardedInit:
 
     def finish_quantize(self) -> None:
         """Apply the rule, by qualified name, to the deferred weights: NF4 placeholders
-        for those it picks, zeros partitioned as usual for the others; all await
-        ``load_pretrained``, and their models refuse to run forward until then."""
+        for those it picks, zeros partitioned as usual for the others. Every parameter
+        of the model but adapters then awaits ``load_pretrained``, and the model refuses
+        to run forward until then."""
         rule = self.quantize
         if rule is None:
             return
@@ -258,10 +259,17 @@ class _ShardedInit:
                                      requires_grad=meta.requires_grad)
                 mod._parameters[pname] = self.partition(zeros)  # type: ignore[assignment]
                 self.partitioned.append((mod, pname))
-            mark_awaiting(mod, pname)
+        # Every parameter of the base awaits loading, not only the deferred ones: the
+        # embeddings, norms and head hold src_rank's random init, which would train
+        # silently (Note [the base awaits loading] in engine/quantize.py).
         for root in roots.values():
-            if self.deferred:
-                guard_forward(root)
+            for name, mod in root.named_modules():
+                if is_adapter_path(name):
+                    continue
+                for pname, p in mod._parameters.items():
+                    if p is not None:
+                        mark_awaiting(mod, pname)
+            guard_forward(root)
 
     def check_not_replaced(self) -> None:
         """Raise if partitioned parameters were later replaced by whole tensors.
@@ -371,9 +379,11 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0,
     With ``quantize``, the linear layers it picks get a 4-bit NF4 base with no rank ever
     holding their full-precision weights: they hold no values until
     ``sw.load_pretrained(model, source)`` (after ``sw.shard``) reads, quantizes and
-    shares them out weight by weight; the model refuses to run forward before. Linear
-    weights the rule leaves out (the head) are loaded the same way; other parameters
-    (norms, embeddings) are partitioned as usual (Note [quantize while loading] in
+    shares them out weight by weight. Linear weights the rule leaves out (the head) are
+    loaded the same way; other parameters (norms, embeddings) are partitioned as usual.
+    Every parameter built in the block but LoRA adapters must then come from the
+    source, even under ``strict=False``, and the model refuses to run forward until
+    loaded (Note [quantize while loading] and Note [the base awaits loading] in
     engine/quantize.py).
 
     Scope: only modules built by this thread inside the block are affected; nested blocks
