@@ -140,6 +140,7 @@ from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .dropout import DropoutWarning
 from .guards import check_model
+from .loss_seeds import LossSeeds
 from .running_stats import RunningStats
 from .step_log import StepLog
 from .unit import Unit, sharded_param
@@ -204,6 +205,8 @@ class ModelState:
         self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
         self.log = StepLog(topology, units)
         self.dropout = DropoutWarning(root) if settings.reproducible else None
+        # Note [a divided loss] in engine/loss_seeds.py
+        self.loss_seeds = LossSeeds(units) if settings.reproducible else None
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -375,6 +378,8 @@ class ModelState:
                     if not t.is_leaf:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
+            if self.loss_seeds is not None:
+                self.loss_seeds.watch(output)  # Note [a divided loss]
             return self._end_forward(unit, hooked, opaque, output)
         if lent.lends(unit, output, tensors, unsearched):
             unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
@@ -634,12 +639,18 @@ class ModelState:
         groups = [g for u in reduced for g in u.trainable_groups]
         if not groups:
             return
-        # One small all-reduce says which parameters got a gradient anywhere.
-        used = torch.tensor([x for g in groups for x in g.reduction.used], dtype=torch.int32,
-                            device=groups[0].device)
+        # One small all-reduce says which parameters got a gradient anywhere (and, in the
+        # reproducible mode, whether a rank's loss was divided: Note [a divided loss]).
+        flags = [int(x) for g in groups for x in g.reduction.used]
+        if self.loss_seeds is not None:
+            flags.append(self.loss_seeds.answer(groups))
+        used = torch.tensor(flags, dtype=torch.int32, device=groups[0].device)
         self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
                              what="the exchange of used-parameter flags ending the backward")
-        used_list = used.bool().tolist()
+        values = used.tolist()
+        if self.loss_seeds is not None:
+            self.loss_seeds.settle(values.pop(), groups)
+        used_list = [bool(v) for v in values]
         offset = 0
         for g in groups:
             g.reduction.finish(used_list[offset:offset + len(g.params)])
