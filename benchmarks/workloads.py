@@ -20,7 +20,8 @@ Workloads, fp32, AdamW, 2 ranks (batch sizes per rank):
   4 layers, hidden 512, intermediate 1376, 8 heads, vocab 8192, sequence 128; per rank and
   step ``--micro`` (4) micro-batches of one sequence under no_sync (``sw.no_sync``, DDP's
   ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``), then one more micro-batch
-  whose backward reduces; each micro-batch's loss divided by their number. Units as
+  whose backward reduces; each micro-batch's loss divided by their number (undivided
+  under ``shardwise_reproducible``, which takes the mean itself). Units as
   ``llama``'s. Not in the default list: ``--workloads accum``.
 
 Each workload builds every system from the same initial weights and gives it the same data,
@@ -52,6 +53,7 @@ from step_time import GPTConfig, System, build, call_model, compare, report, run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
+from shardwise.engine.state import model_state
 from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
@@ -127,10 +129,18 @@ def accumulating(batch: tuple[torch.Tensor, ...], model: nn.Module) -> torch.Ten
     returns the last micro-batch's loss, whose backward (run by ``System.run``) reduces."""
     parts = list(zip(*(t.split(1) for t in batch)))
     n = len(parts)
+    # The reproducible mode takes the mean over the micro-batches itself and refuses a
+    # loss divided by their number (Note [a divided loss]): it backpropagates each loss
+    # undivided. What it returns still reads as loss / n, as the others' does, for the
+    # table's loss column.
+    state = model_state(model)
+    exact = state is not None and state.settings.reproducible
     with no_sync(model):
         for part in parts[:-1]:
-            (model(input_ids=part[0], labels=part[0]).loss / n).backward()
-    return model(input_ids=parts[-1][0], labels=parts[-1][0]).loss / n
+            loss = model(input_ids=part[0], labels=part[0]).loss
+            (loss if exact else loss / n).backward()
+    loss = model(input_ids=parts[-1][0], labels=parts[-1][0]).loss
+    return (loss / n).detach() + (loss - loss.detach()) if exact else loss / n
 
 
 def tokens(g: torch.Generator, batch: int, seq: int) -> torch.Tensor:

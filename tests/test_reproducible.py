@@ -302,3 +302,102 @@ def test_an_absent_gradient_is_the_same_zero_in_any_order():
     two = run_ranks(_signed_zero, 2, ("zero", "skip"))[0]
     assert one == other == two
     assert all(one), "b's gradient: a sum of -0.0 terms is -0.0"
+
+
+class _Returns(nn.Module):
+    """Two tanh blocks and a mean-squared loss, returned as ``kind`` says: the loss alone
+    (as GPT does), a dict with ``"loss"`` (a Hugging Face ``ModelOutput`` is an
+    ``OrderedDict``), or ``(outputs, loss)`` (nanoGPT's order)."""
+
+    def __init__(self, kind: str, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.kind = kind
+        self.checkpointed = checkpointed
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x, y):
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = (checkpoint(b, x, use_reentrant=False) if self.checkpointed else b(x)).tanh()
+        loss = torch.nn.functional.mse_loss(x, y)
+        if self.kind == "dict":
+            return {"logits": x, "loss": loss}
+        return (x, loss) if self.kind == "tuple" else loss
+
+
+def _steps(model, opt, m: int, steps: int, weight) -> list[float]:
+    """``steps`` steps of ``m`` micro-batches, each loss backpropagated as
+    ``weight(loss, mine)``; returns the final parameters' bits (as lists)."""
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        mine = sw.micro_batches((torch.randn(2 * m, 4, generator=g),
+                                 torch.randn(2 * m, 4, generator=g)), m)
+        for i, (x, y) in enumerate(mine):
+            with contextlib.nullcontext() if i == len(mine) - 1 else sw.no_sync(model):
+                out = model(x, y)
+                loss = out["loss"] if isinstance(out, dict) else (
+                    out[1] if isinstance(out, tuple) else out)
+                weight(loss, mine).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().tolist() for p in model.parameters()]
+
+
+def _divided(rank, world):
+    """Issue 50 item 8: a loss divided by the rank's micro-batch count (``len(mine)``, M/N)
+    is refused on every rank before anything changes, for every way a model returns its
+    loss and under mixed precision; the model trains on afterwards."""
+    for kind, mp in [("loss", None), ("dict", None), ("tuple", None),
+                     ("loss", sw.MixedPrecision(param_dtype=torch.bfloat16))]:
+        torch.manual_seed(0)
+        model = sw.shard(_Returns(kind), reproducible=True, mixed_precision=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        with pytest.raises(sw.ShardwiseError,
+                           match=r"scaled by 0\.5 = 1/2.*2 micro-batches.*undivided"):
+            _steps(model, opt, 4, 1, lambda loss, mine: loss / len(mine))
+        assert all(p.grad is None for p in model.parameters()), kind
+        opt.step()  # no gradient was handed out: nothing changes
+        after = [p.full_tensor() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), kind
+        _steps(model, opt, 4, 1, lambda loss, mine: loss)  # the documented loop goes on
+    # One rank alone dividing: every rank raises, the other naming it.
+    torch.manual_seed(0)
+    model = sw.shard(_Returns("loss"), reproducible=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(sw.ShardwiseError, match="on another rank" if rank else "1/2"):
+        _steps(model, opt, 4, 1, lambda loss, mine: loss / len(mine) if rank == 0 else loss)
+    # The GPT (its loss returned alone), as the issue wrote it.
+    model, opt = _build("gpt", True)
+    mine = sw.micro_batches(_global_batch("gpt", 0), 4)
+    with pytest.raises(sw.ShardwiseError, match=r"1/2"):
+        for i, (x, y) in enumerate(mine):
+            with contextlib.nullcontext() if i == len(mine) - 1 else sw.no_sync(model):
+                (model(x, y) / len(mine)).backward()
+
+
+def test_a_loss_divided_by_the_micro_batches_per_rank_is_refused():
+    run_ranks(_divided, 2, timeout=180)
+
+
+def _weighted(rank, world, kind):
+    """A constant loss weight that does not depend on the world size is legitimate: 0.3
+    (never 1/K) gives the same bits at every N, under activation checkpointing too."""
+    torch.manual_seed(0)
+    model = sw.shard(_Returns(kind, checkpointed=kind == "tuple"), reproducible=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bits = _steps(model, opt, 6, 2, lambda loss, mine: 0.3 * loss)
+    if world == 3:
+        # Note [a divided loss]: a weight of exactly 1/K (here 2 micro-batches per rank)
+        # cannot be told from a division by len(mine); refused at such world sizes.
+        with pytest.raises(sw.ShardwiseError, match=r"0\.5 = 1/2"):
+            _steps(model, opt, 6, 1, lambda loss, mine: 0.5 * loss)
+    return bits
+
+
+@pytest.mark.parametrize("kind", ["loss", "tuple"])
+def test_a_constant_loss_weight_gives_the_same_bits_at_any_world_size(kind):
+    one = run_ranks(_weighted, 1, kind, timeout=180)[0]
+    for n in (2, 3):
+        assert run_ranks(_weighted, n, kind, timeout=180)[0] == one, f"N={n} differs from N=1"

@@ -47,6 +47,7 @@ class ExactReduction(GradReduction):
         # Each .grad handed out, and its version then (_before_publishing).
         self._published: dict[int, tuple[weakref.ref, int]] = {}
         self._handed: float | None = None  # rescaled_elsewhere
+        self.summed = 0  # micro-batches in the last exchange (Note [a divided loss])
 
     def start(self, sync: bool) -> None:
         """This backward's gradients, unscaled, become one exact term of the accumulator;
@@ -88,6 +89,7 @@ class ExactReduction(GradReduction):
             return
         # The exchange holds the accumulator until its result is read (its own rows are
         # summed in place); ranks that accumulated different counts are named there.
+        self.summed = self._acc.terms
         self._exchange = exchange(g.comm, self._acc, f"unit {g.unit_name!r}'s gradients")
         self._acc = None
         self._move(Reduction.REDUCING)

@@ -151,6 +151,7 @@ from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .dropout import DropoutWarning
 from .guards import check_model
+from .loss_seeds import LossSeeds
 from .running_stats import RunningStats
 from .step_log import StepLog
 from .unit import Unit, sharded_param
@@ -217,6 +218,8 @@ class ModelState:
         self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
         self.log = StepLog(topology, units)
         self.dropout = DropoutWarning(root) if settings.reproducible else None
+        # Note [a divided loss] in engine/loss_seeds.py
+        self.loss_seeds = LossSeeds(units) if settings.reproducible else None
         for i, u in enumerate(units):
             u.model = self
             u.index = i
@@ -389,6 +392,8 @@ class ModelState:
                     if not t.is_leaf:
                         t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
         if unit.is_root:
+            if self.loss_seeds is not None:
+                self.loss_seeds.watch(output)  # Note [a divided loss]
             return self._end_forward(unit, hooked, opaque, output)
         if lent.lends(unit, output, tensors, unsearched):
             unit.drop_kept()  # Note [returned parameters] in engine/lent.py: stays gathered
@@ -714,27 +719,33 @@ class ModelState:
         groups = [g for u in reduced for g in u.trainable_groups]
         if not groups:
             return
-        # One small all-reduce says which parameters got a gradient anywhere, and, for
-        # each unit, whether an in-place edit of its held full parameters was kept on
-        # some rank and not on another (Note [edits of held parameters] in engine/unit.py).
+        # One small all-reduce says which parameters got a gradient anywhere; for each
+        # unit, whether an in-place edit of its held full parameters was kept on some rank
+        # and not on another (Note [edits of held parameters] in engine/unit.py); and, in
+        # the reproducible mode, whether a rank's loss was divided (Note [a divided loss]).
         edited = [u.edited for u in self.units]
         for u in self.units:
             u.edited = False
-        flags = [x for g in groups for x in g.reduction.used]
-        used = torch.tensor(flags + edited + [not e for e in edited], dtype=torch.int32,
-                            device=groups[0].device)
+        flags = [int(x) for g in groups for x in g.reduction.used]
+        n, k = len(flags), len(edited)
+        flags += [int(e) for e in edited] + [int(not e) for e in edited]
+        if self.loss_seeds is not None:
+            flags.append(self.loss_seeds.answer(groups))
+        used = torch.tensor(flags, dtype=torch.int32, device=groups[0].device)
         self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
                              what="the exchange of used-parameter flags ending the backward")
-        used_list = used.bool().tolist()
-        n, k = len(flags), len(edited)
+        values = used.tolist()
+        if self.loss_seeds is not None:
+            self.loss_seeds.settle(values.pop(), groups)
         split = [u.name for i, u in enumerate(self.units)
-                 if used_list[n + i] and used_list[n + k + i]]
+                 if values[n + i] and values[n + k + i]]
         if split:
             raise ShardwiseError(
                 f"the full parameters of unit(s) {split[:3]} were changed in place between "
                 f"micro-batches under sw.no_sync on some ranks and not on others, so no "
                 f"rank computed with the model the step would update. Make the same edit "
                 f"on every rank, or edit after the step (Note [edits of held parameters])")
+        used_list = [bool(v) for v in values[:n]]
         offset = 0
         for g in groups:
             g.reduction.finish(used_list[offset:offset + len(g.params)])

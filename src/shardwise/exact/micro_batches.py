@@ -51,7 +51,10 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
     equal micro-batches, numbered in order; rank r of N takes numbers
     ``[r*count/N, (r+1)*count/N)``. Run forward and backward once per micro-batch, under
     ``sw.no_sync`` for all but the last; the gradient is then the mean over the
-    ``count`` micro-batches, with the same bits at any N dividing ``count``.
+    ``count`` micro-batches, with the same bits at any N dividing ``count``. Backpropagate
+    each micro-batch's loss undivided: divided by ``len()`` of the result (``count/N``) it
+    would depend on N, and a reproducible model that returns its loss raises at the
+    synced backward (Note [a divided loss] in engine/loss_seeds.py).
 
     Args:
         batch: a tensor, or a tuple, list or dict of tensors (nested), of equal length
