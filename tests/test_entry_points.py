@@ -62,9 +62,12 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: Any) -> torc
 class System:
     """One way of training ``Net`` on a rank: DDP, or shardwise in a mode."""
 
-    def __init__(self, kind: str, mode: str, rank: int, tmp: str) -> None:
+    def __init__(self, kind: str, mode: str, rank: int, tmp: str,
+                 prepare: Callable[[nn.Module], None] | None = None) -> None:
         torch.manual_seed(0)
         net = Net()
+        if prepare is not None:  # a row's change to the model before it is wrapped
+            prepare(net)
         self.kind, self.mode = kind, mode
         self.acc = 2 if mode in ("accumulate", "offload", "reproducible") else 1
         # Reproducible mode: the gradient is the mean over every micro-batch of the step;
@@ -392,6 +395,29 @@ def functional_call(s: System, on: bool) -> list[float]:
     return losses
 
 
+class _Scaled(nn.Module):
+    """A parametrization: the weight used is the parameter times 0.5."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 0.5
+
+
+def parametrized(s: System, on: bool) -> list[float]:
+    """``nn.utils.parametrize`` registered on a block's weight before wrapping."""
+    return plain(s, on)
+
+
+parametrized.prepare = lambda net: torch.nn.utils.parametrize.register_parametrization(  # type: ignore[attr-defined]
+    net.blocks[1][0], "weight", _Scaled())
+
+
+def parametrized_after(s: System, on: bool) -> list[float]:
+    """``nn.utils.parametrize`` registered on a block's weight after wrapping."""
+    torch.nn.utils.parametrize.register_parametrization(s.inner.blocks[1][0], "weight",
+                                                        _Scaled())
+    return plain(s, on)
+
+
 def add_param_group(s: System, on: bool) -> list[float]:
     """An optimizer built over the blocks, the rest added by ``add_param_group``."""
     if not on:
@@ -455,6 +481,8 @@ ROWS: dict[str, Callable[[System, bool], list[float]]] = {
     "retain_graph": retained_graph,
     "autograd.grad of parameters": param_grads_by_autograd_grad,
     "functional_call": functional_call,
+    "parametrize before wrapping": parametrized,
+    "parametrize after wrapping": parametrized_after,
     "add_param_group": add_param_group,
     "optimizer.load_state_dict": optimizer_load_state_dict,
 }
@@ -469,6 +497,7 @@ for _mode in MODES:
     REFUSED[("autograd.grad of parameters", _mode)] = "appears to not have been used"
     REFUSED[("functional_call", _mode)] = "functional_call"
     REFUSED[("autograd.grad, create_graph", _mode)] = "create_graph"
+    REFUSED[("parametrize after wrapping", _mode)] = "parametrize"
 # Where no_sync gradients wait in the reduction (not in a held unit's .grad), a flag
 # changed between micro-batches is refused (Note [freezing after shard]).
 for _mode in ("reproducible", "offload"):
@@ -498,13 +527,14 @@ def _reference(row: str, s: System) -> list[float]:
 def _run(rank: int, world: int, mode: str, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for row, program in ROWS.items():
-        ref = System("ddp", mode, rank, tmp)
+        prepare = getattr(program, "prepare", None)
+        ref = System("ddp", mode, rank, tmp, prepare)
         try:
             ref_losses = _reference(row, ref)
         except Exception as e:  # noqa: BLE001 - reported by the test, row by row
             out[row] = ("DDP crashed", f"{type(e).__name__}: {e}")
             continue
-        ours = System("sw", mode, rank, tmp)
+        ours = System("sw", mode, rank, tmp, prepare)
         try:
             losses = program(ours, True)
         except ShardwiseError as e:
@@ -515,7 +545,7 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict[str, Any]:
             continue
         effect = None
         if mode == "mixed":  # how far the entry point moves DDP's result (see _check)
-            off = System("ddp", mode, rank, tmp)
+            off = System("ddp", mode, rank, tmp, prepare)
             effect = _distance(ROWS[row](off, False), ref_losses, off.state(), ref.state())
         out[row] = ("trained", _distance(losses, ref_losses, ours.state(), ref.state()),
                     effect)
@@ -548,7 +578,7 @@ TOLERANCE = {"default": 0.0, "accumulate": 0.0, "offload": 0.0, "reproducible": 
 ROUNDING = {("retain_graph", "accumulate"): 1e-6, ("retain_graph", "offload"): 1e-6}
 NO_EFFECT = {"the plain loop", "register_post_accumulate_grad_hook", "checkpoint",
              "checkpoint (reentrant)", "add_param_group", "optimizer.load_state_dict",
-             "requires_grad_ around a no_grad forward"}
+             "requires_grad_ around a no_grad forward", "parametrize before wrapping"}
 MIXED_FACTOR = {"retain_graph": 6.0}
 
 

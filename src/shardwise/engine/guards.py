@@ -464,6 +464,17 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
     for g, ch, _ in changes:
         if ch:
             g.follow_freezing(ch)
+    # A shard moved out of its slot: nn.utils.parametrize registered after shard moves
+    # the weight into module.parametrizations, whose property then computes with the
+    # shard itself, a DTensor among the unit's plain tensors.
+    moved_out = [p.fqns[0] for u in units for g in u.groups for p in g.params
+                 if any(attr not in m._parameters for m, attr in p.slots)]
+    if moved_out:
+        raise ShardwiseError(
+            f"{len(moved_out)} parameter(s) ({_some(moved_out)}) no longer sit where "
+            f"sw.shard registered them: torch.nn.utils.parametrize registered after "
+            f"sw.shard moves a weight into module.parametrizations, where the unit's "
+            f"gathers cannot reach it. Register parametrizations before sw.shard(model)")
     added = [n for n, p in root.named_parameters()
              if sharded_param(p) is None and packed_param(p) is None]
     if added:
