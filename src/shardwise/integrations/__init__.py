@@ -3,7 +3,9 @@
 - :mod:`shardwise.integrations.accelerate`: ``ShardwiseAccelerator``, an ``accelerate``
   ``Accelerator`` that shards models instead of wrapping them in DDP.
 - :mod:`shardwise.integrations.transformers`: ``ShardwiseTrainer``, a Hugging Face
-  ``Trainer`` built on it.
+  ``Trainer`` built on it, also a mixin of TRL's trainers
+  (``class X(DPOTrainer, ShardwiseTrainer)``; what TRL needs besides is in
+  :mod:`shardwise.integrations.trl`).
 - :mod:`shardwise.integrations.lightning`: ``ShardwiseStrategy``, a Lightning strategy
   that shards the ``LightningModule``; importing it registers ``strategy="shardwise"``.
 

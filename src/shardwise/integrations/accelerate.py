@@ -8,6 +8,8 @@ those points and nothing else:
 - ``prepare`` shards each model it is given (units from the model's
   ``_no_split_modules`` when it has them), never wraps one in DDP, and points optimizers
   built on the unsharded model at the sharded parameters;
+- ``prepare_model(model, evaluation_mode=True)`` freezes and shards a model that is not
+  sharded yet (Note [models prepared for evaluation]);
 - ``clip_grad_norm_`` returns the global norm over every rank's shards, identical on
   every rank;
 - ``no_sync`` (used by ``accumulate``) is ``sw.no_sync``;
@@ -40,6 +42,20 @@ from ._units import no_split_units
 
 _CHECKPOINT = "shardwise"            # the shardwise checkpoint inside a state folder
 _SCHEDULERS = "schedulers.pt"
+
+# Note [models prepared for evaluation]
+# accelerate's ``prepare_model(model, evaluation_mode=True)`` places a model and applies
+# autocast without wrapping it for training: it is how TRL's trainers prepare the models
+# they only run forward under ``no_grad`` (DPO's and KTO's reference model in full
+# fine-tuning, GRPO's and RLOO's reference and reward models, the distillation trainers'
+# teachers). Left whole, such a model is replicated on every rank, and a DPO run keeps
+# half of its weights outside ZeRO-3's saving. TRL shards it under DeepSpeed ZeRO-3 and
+# FSDP with its own code (``prepare_deepspeed``, ``prepare_fsdp``), a path a shardwise
+# run does not take. So here such a model is sharded, as ``prepare`` shards any model,
+# after ``requires_grad_(False)``: every group is frozen, gathered and never reduced, and
+# holds no gradient. A model already sharded, or part of a sharded model, is left as it
+# is (the Trainer prepares its own, sharded, model this way to evaluate without
+# training), and so is one without parameters.
 
 
 class ShardwiseAccelerator(Accelerator):
@@ -118,6 +134,13 @@ class ShardwiseAccelerator(Accelerator):
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
+        """accelerate's ``prepare_model``, never wrapping in DDP. A model prepared for
+        evaluation only that is not sharded yet (TRL's reference, reward and teacher
+        models) is frozen and sharded: Note [models prepared for evaluation]."""
+        if (evaluation_mode and not is_sharded(model) and owning_state(model) is None
+                and any(True for _ in model.parameters())):
+            model.requires_grad_(False)
+            self._shard(model)
         if is_sharded(model):
             # evaluation_mode skips the DDP wrapper and nothing else (autocast, compile):
             # shardwise reduces gradients itself, and placed the shards at shard().

@@ -12,6 +12,8 @@ accumulation), and the Trainer's saving and loading go through shardwise:
   of the parameters and optimizer state, so ``train(resume_from_checkpoint=...)`` works
   at any world size;
 - evaluation works, and ``generate`` turns on ``synced_gpus`` by itself;
+- TRL's trainers take it as a mixin listed after them, ``class X(DPOTrainer,
+  ShardwiseTrainer)`` (integrations/trl.py; the other order raises);
 - with ``shard_kwargs={"reproducible": True}`` (docs/reproducible.md) each
   per-device batch is one micro-batch whose own mean loss is backpropagated, undivided by
   the accumulation steps or rescaled by token counts across ranks: the engine takes the
@@ -41,6 +43,8 @@ from ..errors import ShardwiseError
 from ..sharding import is_sharded, shard
 from ._units import no_split_units
 from .accelerate import ShardwiseAccelerator, plain_optimizer
+from .trl import adapt as adapt_trl
+from .trl import trl_classes
 
 CHECKPOINT = "shardwise"       # the shardwise checkpoint inside a Trainer checkpoint folder
 _SCHEDULER = "scheduler.pt"    # the Trainer's own name for it
@@ -70,6 +74,18 @@ class ShardwiseTrainer(Trainer):
                  shard_kwargs: dict | None = None, **kwargs: Any) -> None:
         if model is None:
             raise TypeError("ShardwiseTrainer needs a model (model_init is not supported)")
+        mro = type(self).__mro__
+        misplaced = trl_classes(mro[mro.index(ShardwiseTrainer) + 1:])
+        if misplaced:
+            # TRL's trainers load a model given by its id, wrap it with PEFT and patch its
+            # forward before calling Trainer.__init__: all that must come before shard.
+            name, trl = type(self).__name__, misplaced[0].__name__
+            raise TypeError(
+                f"{name} lists ShardwiseTrainer before {trl} among its bases; list it "
+                f"after: `class {name}({trl}, ShardwiseTrainer)`, so that TRL builds the "
+                f"model before it is sharded (docs/integrations.md, TRL)")
+        if isinstance(model, str):
+            raise TypeError(f"ShardwiseTrainer needs a model, not the model id {model!r}")
         if not is_sharded(model):
             training_args = kwargs.get("args") or (args[0] if args else None)
             init_distributed()
@@ -79,6 +95,8 @@ class ShardwiseTrainer(Trainer):
             if device is not None and device.type != "cpu":
                 model.to(device)  # before shard: the structure is fixed there
             shard(model, **options)
+        if trl_classes(mro):
+            adapt_trl()  # before TRL's __init__ goes on with the sharded model
         super().__init__(model, *args, **kwargs)
         self._reproducible = _is_reproducible(model)
         if self._reproducible:
