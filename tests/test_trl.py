@@ -4,8 +4,9 @@ tokenizer. Nothing is downloaded.
 
 DPO with LoRA and no reference model computes the reference log-probabilities from the
 policy itself, inside PEFT's ``disable_adapter()`` under ``no_grad``, between the
-policy's forward and its backward (issue 50, item 1). The tests marked xfail(strict)
-fail until the engine takes that up; flip them when it does.
+policy's forward and its backward: a forward under ``no_grad`` takes up no
+``requires_grad`` change (Note [flags of a forward without gradients] in engine/unit.py;
+before, every LoRA gradient was lost, issue 50 item 1).
 """
 
 import os
@@ -27,11 +28,6 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from shardwise.integrations.transformers import ShardwiseTrainer  # noqa: E402
-
-ISSUE_50_1 = ("issue 50 item 1: a no_grad forward under PEFT's disable_adapter() between a "
-              "forward and its backward turns the adapters' requires_grad off and on; the "
-              "engine takes the change up in that forward (check_model, "
-              "Note [freezing after shard]) and the backward reduces no LoRA gradient")
 
 WORDS = [f"w{i}" for i in range(20)]
 STEPS = 4
@@ -150,7 +146,6 @@ def _compare(ddp: dict, ours: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=ISSUE_50_1)
 def test_dpo_lora_without_reference_model_trains_like_ddp(tmp_path):
     """(a) DPO + LoRA, no reference model, no gradient checkpointing. Before the engine
     fix: loss ln 2 and grad_norm 0.0 at every step, lora_B stays zero."""
@@ -160,7 +155,6 @@ def test_dpo_lora_without_reference_model_trains_like_ddp(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=ISSUE_50_1)
 def test_dpo_lora_with_trl_default_gradient_checkpointing_trains_like_ddp(tmp_path):
     """(b) The same with TRL's defaults (gradient checkpointing on). Before the engine
     fix: CheckpointError in the first backward, "38 vs 34" tensors saved: the
@@ -283,7 +277,6 @@ def _reference_forward_between(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=ISSUE_50_1)
 def test_lora_grads_survive_a_no_grad_forward_with_adapters_disabled():
     """The idiom of (a) without TRL: forward with grad, a second forward under
     ``disable_adapter()`` and ``no_grad``, then the first loss's backward. Before the
