@@ -616,3 +616,78 @@ def test_entry_points_against_ddp(mode: str, tmp_path) -> None:
             if diff > tol:
                 failures.append(f"{row} [{mode}] rank {rank}: {diff:.3g} from DDP")
     assert not failures, "\n".join(failures)
+
+
+def _edit_on_one_rank(rank: int, world: int) -> str:
+    s = System("sw", "accumulate", rank, "")
+    opt = _optimizer(s.model.parameters())
+    (x0, y0), (x1, y1) = s.batches[0]
+    with s.no_sync():
+        s.backward(_loss(s.model, x0, y0))
+    if rank == 0:  # between micro-batches, on one rank only
+        with torch.no_grad():
+            s.inner.blocks[1][0].weight.mul_(0.5)
+    with pytest.raises(ShardwiseError, match="on some ranks and not on others") as e:
+        s.backward(_loss(s.model, x1, y1))
+    opt.step()  # nothing was handed out: the step changes nothing
+    assert all(p.grad is None for p in s.model.parameters())
+    return str(e.value)
+
+
+@pytest.mark.slow
+def test_an_edit_between_micro_batches_on_one_rank_only_is_refused_on_every_rank() -> None:
+    """Note [edits of held parameters]: the edit is kept where it was made, and the ranks
+    compare, at the synced backward, whether an in-place operation wrote to the held
+    full parameters; one rank's edit alone is refused on every rank, naming the unit."""
+    messages = run_ranks(_edit_on_one_rank, 2)
+    assert all("blocks.1" in m for m in messages), messages
+
+
+def _shard_edited_on_one_rank(rank: int, world: int) -> str:
+    s = System("sw", "accumulate", rank, "")
+    shards = list(s.model.parameters())  # at rest: the shards, as an optimizer holds them
+    (x0, y0), (x1, y1) = s.batches[0]
+    with s.no_sync():
+        s.backward(_loss(s.model, x0, y0))
+    if rank == 0:  # blocks.0 is held gathered; its shard changes on rank 0 only
+        with torch.no_grad():
+            shards[2].mul_(0.5)
+    with pytest.raises(ShardwiseError, match="gathered again") as e:
+        s.backward(_loss(s.model, x1, y1))
+    return str(e.value)
+
+
+@pytest.mark.slow
+def test_a_held_units_shard_changed_on_one_rank_is_named_on_every_rank() -> None:
+    """Note [held units on one rank]: the error says which unit was gathered again on
+    which rank and why, not "a branch that chooses modules by rank"."""
+    messages = run_ranks(_shard_edited_on_one_rank, 2)
+    assert all("blocks.0, whose shards changed on this rank" in m for m in messages)
+    assert all("chooses modules by rank" not in m for m in messages), messages
+
+
+def _raised_on_one_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for kind in ("ddp", "sw"):
+        s = System(kind, "accumulate", rank, "")
+        opt = _optimizer(s.model.parameters())
+        for step in range(STEPS):
+            (x0, y0), (x1, y1) = s.batches[step]
+            with s.no_sync():
+                s.backward(_loss(s.model, x0, y0))
+                if rank == 0 and step == 1:  # a micro-batch whose forward raises, caught
+                    with pytest.raises(RuntimeError):
+                        s.model(torch.randn(2, 5))
+            s.backward(_loss(s.model, x1, y1))
+            opt.step()
+            opt.zero_grad()
+        out[kind] = s.state()
+    return {k: (out["sw"][k] - v).abs().max() for k, v in out["ddp"].items()}
+
+
+@pytest.mark.slow
+def test_a_forward_raising_on_one_rank_during_accumulation_leaves_training_as_ddps() -> None:
+    """Note [held units on one rank]: the units held before the forward that raised stay
+    held, so the ranks stay in step, and the step equals DDP's (bit for bit at 2 ranks)."""
+    for diffs in run_ranks(_raised_on_one_rank, 2):
+        assert all(d == 0 for d in diffs.values()), diffs

@@ -355,7 +355,13 @@ def diverged(names: list[str]) -> ShardwiseError:
     which = ", ".join(f"rank {r}: {h}" for r, h in enumerate(heads))
     advice = ("Every rank must call shardwise's collective operations (full_state_dict, "
               "gathered, save_checkpoint, ...) in the same order")
-    if any(h.startswith("unit ") for h in heads):
+    if any("(gathered again: " in h for h in heads):
+        # Note [held units on one rank] in engine/state.py
+        advice = ("A unit kept gathered across sw.no_sync micro-batches was gathered again "
+                  "on some ranks only, because its shard changed there (an edit of the "
+                  "shards, or an optimizer step, on one rank inside sw.no_sync): make the "
+                  "change on every rank, or after the synced backward's step. " + advice)
+    elif any(h.startswith("unit ") for h in heads):
         advice = ("Each forward must run the same units (the sharded modules) in the same "
                   "order on every rank: a branch that chooses modules by rank or by data "
                   "(`layers[rank % 2]`) must choose alike everywhere (decide it from a "

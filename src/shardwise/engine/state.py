@@ -120,6 +120,22 @@ happens on every rank alike, so every rank gathers the same units afterwards (No
 [collective order]); ``model.state_dict()``, which one rank may call alone, changes
 nothing and hands out the shards of held units (engine/state_dict_hooks.py).
 
+Note [held units on one rank]
+Whether a held unit stays gathered for the next micro-batch is decided by each rank
+alone, without a collective, and two things decided it differently on some ranks only.
+A forward that raised released every held unit, so a rank that caught an exception in a
+micro-batch's forward gathered them all again while its peers computed with theirs, and
+every rank failed with an order-check error blaming "a branch that chooses modules by
+rank"; under DDP the same loop goes on. So a forward that raised keeps the held units
+whose shards did not change (``on_forward_raised``): what it gathered itself is
+released, what was held before it stays, and the ranks stay in step wherever the
+raising forward gathered nothing (under gloo a rank whose raising forward did gather is
+told apart by the order check, as before). A unit whose shard changed since it was
+gathered (an edit of the shards, an optimizer step, on this rank inside ``no_sync``) is
+gathered again; where that happened on some ranks only, they diverge, and the order
+check's notes say so: the forward's first unit note names the units this rank gathers
+again and why (``_regathering``), and the error's advice leads with that cause.
+
 Note [a backward that records a graph]
 A backward with ``create_graph=True`` runs with gradient mode on, and the graph it
 records (a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``, a
@@ -209,6 +225,9 @@ class ModelState:
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/unit.py
         self._frozen_for_backward: list[Any] = []
+        # Held units this rank released as stale, for the next unit note (Note [held
+        # units on one rank]).
+        self._regathering: list[str] = []
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
@@ -249,7 +268,10 @@ class ModelState:
         unit held across micro-batches stays gathered, unless its shard changed since
         (Note [gathered across micro-batches])."""
         for u in self.units:
-            if not (keep_held and u.held and self.keep_gathered and not u.is_stale()):
+            keep = keep_held and u.held and self.keep_gathered
+            if keep and u.is_stale():  # Note [held units on one rank]
+                self._regathering.append(u.name)
+            if not (keep and not u.is_stale()):
                 u.reshard()
             u.reset_iteration()
 
@@ -323,7 +345,12 @@ class ModelState:
         if unit.is_root or self.phase is not Phase.FORWARD:
             self._start_forward(unit, module or unit.module)  # Note [forward entries]
         if self._order_checked(unit):
-            self.checks.unit(unit.index, unit.name)
+            # Note [held units on one rank]: the forward's first note says it.
+            again, self._regathering = self._regathering, []
+            self.checks.unit(unit.index, unit.name if not again else
+                             f"{unit.name} (gathered again: {', '.join(again[:3])}, whose "
+                             f"shards changed on this rank since the previous micro-batch "
+                             f"under sw.no_sync)")
         if unit is self._entry and not unit.is_root:
             for owner in self._borrowed(unit):
                 owner.finish_gather()
@@ -535,15 +562,18 @@ class ModelState:
             ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
             self.phase = Phase.AWAITING_BACKWARD  # the awaited backward may still come
             return
-        self._abandon(f"a forward that raised (after step {self.steps})")
+        # Note [held units on one rank]: what was held before this forward stays.
+        self._abandon(f"a forward that raised (after step {self.steps})",
+                      keep_held=not self.checks.diverging())
 
-    def _abandon(self, why: str) -> None:
-        """No backward can follow the forward that just ended: release everything."""
+    def _abandon(self, why: str, keep_held: bool = False) -> None:
+        """No backward can follow the forward that just ended: release everything (but,
+        with ``keep_held``, the units held across micro-batches)."""
         ACTIVITY.leave(why)
         self.checks.abandon()
         self.phase = Phase.IDLE
         self._order = []  # a partial order must not decide the next prefetches
-        self.release_all()
+        self.release_all(keep_held)
 
     # -- backward events ---------------------------------------------------------------
     def ensure_backward_callback(self) -> None:
