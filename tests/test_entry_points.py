@@ -615,16 +615,8 @@ for _mode in MODES:
     REFUSED[("functional_call", _mode)] = "functional_call"
     REFUSED[("autograd.grad, create_graph", _mode)] = "create_graph"
     REFUSED[("parametrize after wrapping", _mode)] = "parametrize"
-# Where no_sync gradients wait in the reduction (not in a held unit's .grad), a flag
-# changed between micro-batches is refused (Note [freezing after shard]).
-for _mode in ("reproducible", "offload"):
-    REFUSED[("requires_grad_ between forward and backward", _mode)] = "requires_grad"
 # The reproducible mode's gradient is one mean per step: a second synced backward would add
 # a second mean (Note [reproducible reduction]).
-# The quantized mode's units are never held gathered across micro-batches (their packed
-# bytes would be held too: ``_may_hold`` in engine/state.py), so its no_sync gradients
-# wait in the reduction as well: the same refusal.
-REFUSED[("requires_grad_ between forward and backward", "quantized")] = "requires_grad"
 REFUSED[("retain_graph", "reproducible")] = "a second synced backward"
 TORCH_REFUSES = {"autograd.grad of parameters"}
 

@@ -213,10 +213,17 @@ class FlatGroup:
             if wanted != p.requires_grad:
                 changed.append((p, wanted))
         # Gradients accumulated under no_sync wait in the reduction, or in the full
-        # parameters of a held unit (Note [gathered across micro-batches]).
+        # parameters of a held unit (Note [gathered across micro-batches]). A parameter
+        # frozen while it holds one of them is refused: its part of the step's sum has no
+        # meaning DDP's would share. Anything else is followed (Note [freezing after
+        # shard]): a parameter unfrozen gets the later micro-batches' gradients, one
+        # frozen without a gradient so far gets none.
         if changed and (self.reduction.has_accumulated()
                         or any(p.full.grad is not None for p in self.params)):
-            return changed, "no_sync"
+            index = {id(p): i for i, p in enumerate(self.params)}
+            if any(not wanted and (self.reduction.used[index[id(p)]]
+                                   or p.full.grad is not None) for p, wanted in changed):
+                return changed, "no_sync"
         if changed:
             return changed, self.storage.freezing_refusal(len(changed), len(self.params),
                                                           self.trainable_at_build)
@@ -231,6 +238,8 @@ class FlatGroup:
             if wanted and not p.hooked:
                 self._hook(p)
         self.requires_grad = any(p.requires_grad for p in self.params)
+        if not self.requires_grad:  # no gradient of it waits (freezing_changes): drop it
+            self.reduction.clear(list(range(len(self.params))))
 
     def follow_tensor_hooks(self) -> None:
         """Give each full parameter whose shard has ``register_hook`` hooks the one hook

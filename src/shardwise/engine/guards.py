@@ -451,8 +451,9 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({_some(flipped)}) changed while "
             f"gradients accumulated under sw.no_sync (or require_backward_grad_sync=False) "
-            f"wait for their reduction, which sums them for the parameters that were "
-            f"trainable then. Change requires_grad between steps, after the synced "
+            f"wait for their reduction, and some of them were frozen holding a gradient "
+            f"of an earlier micro-batch: a part of the step's sum for a parameter that no "
+            f"longer trains. Change requires_grad between steps, after the synced "
             f"backward (Note [freezing after shard])")
     if flipped:
         raise ShardwiseError(

@@ -49,10 +49,14 @@ and trainable parameters is reduced as a whole, zeros included (freezing after `
 saves no communication; freezing before does), and a frozen one is not reduced at all.
 A parameter unfrozen for the first time gets its full parameter's end-of-backward
 trigger then (``ensure_backward_callback``). What is taken up is the shard's flag, or a
-full parameter's where code changed that one while the unit was gathered. Not taken up:
-a change while ``no_sync`` gradients wait in the group's reduction (they were summed for
-the old set), and, for an offloaded group, anything but freezing and unfreezing all of
-a group that was trainable at ``shard`` (its tiers were planned for that).
+full parameter's where code changed that one while the unit was gathered. While
+``no_sync`` gradients wait (in the group's reduction, or in a held unit's ``.grad``), a
+parameter unfrozen gets the later micro-batches' gradients and one frozen before any
+micro-batch gave it a gradient gets none, as under DDP (a group left with no trainable
+parameter drops what its reduction held: zeros); freezing a parameter that already holds
+part of the step's sum is refused. Not taken up either: for an offloaded group, anything
+but freezing and unfreezing all of a group that was trainable at ``shard`` (its tiers
+were planned for that).
 
 Note [flags of a forward without gradients]
 A forward under ``torch.no_grad()`` records no graph, so the trainable set means nothing
