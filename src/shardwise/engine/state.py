@@ -225,6 +225,8 @@ class ModelState:
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/unit.py
         self._frozen_for_backward: list[Any] = []
+        # A no_sync backward ran since the last synced one (holds_grads looks further).
+        self._accumulated = False
         # Held units this rank released as stale, for the next unit note (Note [held
         # units on one rank]).
         self._regathering: list[str] = []
@@ -614,13 +616,20 @@ class ModelState:
             p.full.requires_grad_(p.requires_grad)
         self._frozen_for_backward = []
 
+    def holds_grads(self) -> bool:
+        """Whether gradients of ``no_sync`` micro-batches wait in the engine: in a held
+        unit's full parameters or in a reduction (Note [zero_grad reaches held
+        gradients] in engine/zero_grad.py)."""
+        return self._accumulated and any(
+            u.deferred or any(g.reduction.has_accumulated() for g in u.trainable_groups)
+            for u in self.units)
+
     def clear_grads(self, tensors: list[torch.Tensor]) -> None:
         """``zero_grad`` reached ``tensors`` (shards or full parameters): drop what the
         engine holds of their gradients, before anything reduces it (Note [zero_grad
         reaches held gradients] in engine/zero_grad.py). Raises, with nothing changed, where
         a mode cannot drop part of what it holds."""
-        if not any(u.deferred or any(g.reduction.has_accumulated() for g in u.trainable_groups)
-                   for u in self.units):
+        if not self.holds_grads():
             return
         wanted = {id(sp) for t in tensors if (sp := sharded_param(t)) is not None}
         plan = []
@@ -668,6 +677,8 @@ class ModelState:
         channel = self.comm.channel
         if channel.pending():
             channel.settle()
+        if not self.requires_grad_sync:
+            self._accumulated = True
         if not self.requires_grad_sync and self._keeps(unit) and unit.is_gathered():
             # Note [gathered across micro-batches]: the next micro-batch computes with
             # these very parameters, and adds to these very gradients where it can.
@@ -711,6 +722,8 @@ class ModelState:
         # Note [gathered across micro-batches]: after a synced backward nothing stays held
         # (a held unit no micro-batch gave a gradient to would otherwise outlive the step).
         self.release_all(keep_held=not self.requires_grad_sync)
+        if self.requires_grad_sync:
+            self._accumulated = False
         self.phase = Phase.IDLE
         self.steps += 1
         if self.running_stats is not None and self.requires_grad_sync:

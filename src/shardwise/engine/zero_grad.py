@@ -29,13 +29,14 @@ gradient by hand (``p.grad = None``) is not seen: use ``zero_grad``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
 
 from .._registry import set_instance_method
-from .state import ModelState
+from .state import ModelState, owning_state
 from .unit import sharded_param
 
 
@@ -49,22 +50,31 @@ def _states(tensors: Iterable[torch.Tensor]) -> list[ModelState]:
     return out
 
 
-def clear_held(tensors: list[torch.Tensor]) -> None:
-    """Note [zero_grad reaches held gradients]: drop what the engine holds of the
-    gradients of ``tensors`` (shards or full parameters)."""
-    for state in _states(tensors):
-        state.clear_grads(tensors)
+# Each optimizer's models, found once per set of parameters: zero_grad runs every step,
+# and looking up every parameter's model each time cost more than torch's own zero_grad.
+_optimizer_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _optimizer_zero_grad(original: Callable[..., None], optimizer: torch.optim.Optimizer,
                          set_to_none: bool = True) -> None:
     original(set_to_none)
-    clear_held([p for g in optimizer.param_groups for p in g["params"]])
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    known = _optimizer_models.get(optimizer)
+    if known is None or known[0] != count:
+        states = [weakref.ref(s) for s in
+                  _states(p for g in optimizer.param_groups for p in g["params"])]
+        known = _optimizer_models[optimizer] = (count, states)
+    for ref in known[1]:
+        state = ref()
+        if state is not None and state.holds_grads():
+            state.clear_grads([p for g in optimizer.param_groups for p in g["params"]])
 
 
 def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
-    clear_held(list(module.parameters()))
+    state = owning_state(module)
+    if state is not None and state.holds_grads():
+        state.clear_grads(list(module.parameters()))
 
 
 def guard_optimizer_zero_grad(optimizer: torch.optim.Optimizer) -> None:
