@@ -425,6 +425,27 @@ def checkpointed(kind: str, s: System, on: bool) -> list[float]:
     return losses
 
 
+def input_saliency(s: System, on: bool) -> list[float]:
+    """``torch.autograd.grad`` of the loss with respect to the input (a saliency map, kept
+    for logging), through the retained graph, before the loss's own backward."""
+    opt = _optimizer(s.params())
+    losses: list[float] = []
+    for step in range(STEPS):
+        def micro(i: int, batch: Any) -> None:
+            x, y = batch
+            x = x.clone().requires_grad_(on)
+            loss = _loss(s.model, x, y)
+            if on:
+                (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+                assert gx.shape == x.shape and bool(gx.abs().sum() > 0)
+            s.backward(loss)
+            losses.append(loss.item())
+        s.micro_batches(step, micro)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def input_grad_penalty(s: System, on: bool) -> list[float]:
     """``torch.autograd.grad`` of the loss with respect to the input, with
     ``create_graph``, its norm added to the loss: a double backward."""
@@ -437,8 +458,23 @@ def input_grad_penalty(s: System, on: bool) -> list[float]:
             loss = _loss(s.model, x, y)
             if on:
                 (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-                loss = loss + gx.pow(2).sum()
+                loss = loss + 10.0 * gx.pow(2).sum()
             s.backward(loss)
+            losses.append(loss.item())
+        s.micro_batches(step, micro)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def backward_create_graph(s: System, on: bool) -> list[float]:
+    """``loss.backward(create_graph=True)``: gradients that carry a graph of their own."""
+    opt = _optimizer(s.params())
+    losses: list[float] = []
+    for step in range(STEPS):
+        def micro(i: int, batch: Any) -> None:
+            loss = _loss(s.model, *batch)
+            s.backward(loss, create_graph=on)
             losses.append(loss.item())
         s.micro_batches(step, micro)
         opt.step()
@@ -594,7 +630,9 @@ ROWS: dict[str, Callable[[System, bool], list[float]]] = {
     "p.copy_": functools.partial(_edit, "copy"),
     "checkpoint": functools.partial(checkpointed, "non-reentrant"),
     "checkpoint (reentrant)": functools.partial(checkpointed, "reentrant"),
+    "autograd.grad of the input": input_saliency,
     "autograd.grad, create_graph": input_grad_penalty,
+    "backward(create_graph=True)": backward_create_graph,
     "retain_graph": retained_graph,
     "autograd.grad of parameters": param_grads_by_autograd_grad,
     "functional_call": functional_call,
@@ -613,8 +651,8 @@ REFUSED: dict[tuple[str, str], str] = {}
 for _mode in MODES:
     REFUSED[("autograd.grad of parameters", _mode)] = "appears to not have been used"
     REFUSED[("functional_call", _mode)] = "functional_call"
-    REFUSED[("autograd.grad, create_graph", _mode)] = "create_graph"
     REFUSED[("parametrize after wrapping", _mode)] = "parametrize"
+    REFUSED[("backward(create_graph=True)", _mode)] = "create_graph"
 # The reproducible mode's gradient is one mean per step: a second synced backward would add
 # a second mean (Note [reproducible reduction]).
 REFUSED[("retain_graph", "reproducible")] = "a second synced backward"
@@ -641,6 +679,15 @@ def _run(rank: int, world: int, mode: str, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for row, program in ROWS.items():
         prepare = getattr(program, "prepare", None)
+        if (row, mode) in REFUSED:  # the refusal is the outcome: no reference needed
+            try:
+                program(System("sw", mode, rank, tmp, prepare), True)
+                out[row] = ("trained", 0.0, None)
+            except ShardwiseError as e:
+                out[row] = ("refused", str(e))
+            except Exception as e:  # noqa: BLE001 - reported by the test, row by row
+                out[row] = ("crashed", f"{type(e).__name__}: {e}")
+            continue
         ref = System("ddp", mode, rank, tmp, prepare)
         try:
             ref_losses = _reference(row, ref)
@@ -682,6 +729,9 @@ def _distance(losses: list[float], ref_losses: list[float],
 # - quantized: 0, as accumulate: every rank gathers the NF4 bytes DDP's replica holds, so
 #   the same dequantized weights and the same fp32 arithmetic; the NF4 bytes themselves
 #   are compared too (``System.state``). retain_graph as under accumulation: measured 3e-8.
+#   The gradient penalty (a double backward through the NF4 bases' dequantized weights)
+#   measured 3e-8 from DDP here, where the other modes are bit-identical; its cause is
+#   not pinned down (the sums and their order are the same as in the accumulate mode).
 # - reproducible: the exact mean of the micro-batch gradients against DDP's fp32 sum and
 #   division, last-bit differences carried through 3 steps: measured <= 3e-7; 1e-5.
 # - mixed: bf16 compute against DDP's fp32 is far from DDP by itself (measured ~0.1 on the
@@ -689,15 +739,18 @@ def _distance(losses: list[float], ref_losses: list[float],
 #   point must move DDP's result by more than that bound (else the row shows nothing),
 #   except rows whose entry point changes no number by design. retain_graph adds two bf16
 #   gradients where the doubled loss of the reference doubles one: measured 3.5 times the
-#   plain loop's distance; 6 times is allowed.
+#   plain loop's distance; 6 times is allowed. The gradient penalty's double backward in
+#   bf16 measured 1.2 times; 3 times is allowed.
 TOLERANCE = {"default": 0.0, "accumulate": 0.0, "offload": 0.0, "quantized": 0.0,
              "reproducible": 1e-5}
 ROUNDING = {("retain_graph", "accumulate"): 1e-6, ("retain_graph", "offload"): 1e-6,
-            ("retain_graph", "quantized"): 1e-6}
+            ("retain_graph", "quantized"): 1e-6,
+            ("autograd.grad, create_graph", "quantized"): 1e-6}
 NO_EFFECT = {"the plain loop", "register_post_accumulate_grad_hook", "checkpoint",
              "checkpoint (reentrant)", "add_param_group", "optimizer.load_state_dict",
-             "requires_grad_ around a no_grad forward", "parametrize before wrapping"}
-MIXED_FACTOR = {"retain_graph": 6.0}
+             "requires_grad_ around a no_grad forward", "parametrize before wrapping",
+             "autograd.grad of the input"}
+MIXED_FACTOR = {"retain_graph": 6.0, "autograd.grad, create_graph": 3.0}
 
 
 @pytest.mark.slow

@@ -147,7 +147,7 @@ def _pass_on_grad(old: torch.Tensor, sp: ShardedParam) -> None:
         return
     grad, old.grad = old.grad, None
     sp.full.grad = grad if sp.full.grad is None else sp.full.grad + grad
-    sp.unit.model.ensure_backward_callback()
+    sp.unit.model.ensure_backward_callback(accumulating=True)
 
 
 class _Saved:

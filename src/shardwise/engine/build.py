@@ -37,7 +37,7 @@ def build(root: nn.Module, topology: Topology,
         for sp in unit.params:
             if sp.requires_grad:
                 sp.full.register_post_accumulate_grad_hook(
-                    lambda _p, s=state: s.ensure_backward_callback())
+                    lambda _p, s=state: s.ensure_backward_callback(accumulating=True))
                 sp.hooked = True  # one unfrozen later is hooked then (follow_freezing)
     set_model_state(root, state)
     guard_save_pretrained(root)

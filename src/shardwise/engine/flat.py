@@ -59,6 +59,8 @@ class ShardedParam:
     group: FlatGroup | None = None
     hooked: bool = False  # ``full`` carries the end-of-backward trigger (engine/build.py)
     proxies_hooks: bool = False  # ``full`` calls the shard's hooks (Note [tensor hooks on shards])
+    # ``full``'s AccumulateGrad node, held (Note [a backward that accumulates nothing]).
+    accumulator: Any = None
 
     @property
     def numel(self) -> int:
@@ -265,7 +267,8 @@ class FlatGroup:
         """Give ``p``'s full parameter the end-of-backward trigger."""
         assert p.unit is not None
         model = p.unit.model
-        p.full.register_post_accumulate_grad_hook(lambda _p: model.ensure_backward_callback())
+        p.full.register_post_accumulate_grad_hook(
+            lambda _p: model.ensure_backward_callback(accumulating=True))
         p.hooked = True
 
     def _make_param(self, i: int, m: Member) -> ShardedParam:

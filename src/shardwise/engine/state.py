@@ -136,16 +136,37 @@ gathered again; where that happened on some ranks only, they diverge, and the or
 check's notes say so: the forward's first unit note names the units this rank gathers
 again and why (``_regathering``), and the error's advice leads with that cause.
 
+Note [a backward that accumulates nothing]
+``torch.autograd.grad(loss, x)`` runs a backward through the model that accumulates into
+no parameter (a saliency map, an adversarial example's input gradient, a gradient
+penalty). DDP's reducer, hooked on the parameters' accumulation, does not see it. Here
+it reached the units' hooks and counted as the iteration's backward: it reduced and
+published what ``no_sync`` had accumulated, then the loss's own backward reduced the
+rest, a sum in another order than DDP's (one ulp apart), refused outright by the
+reproducible mode as a second mean. So the first hook of a backward asks autograd
+whether it will accumulate into the model's trainable parameters (one full parameter's
+``AccumulateGrad`` node per trainable group, ``torch._C._will_engine_execute_node``). If
+not, the backward is set aside (``_set_aside``): units are gathered for it as for any
+backward, nothing is counted or reduced, the phase stays, and its end reshards what it
+gathered. A parameter's gradient arriving after all (``backward(inputs=...)`` naming a
+parameter the probe did not ask about, a reentrant checkpoint whose parameters only its
+inner backward reaches) makes it the iteration's backward on the spot; the units whose
+backward was skipped until then are reduced at its end, as units whose gradients came
+without a counted forward are. A backward set aside that records a graph (``create_graph
+=True``: a gradient penalty) keeps what it gathered, since that graph computes with the
+full parameters, and the backward through it reduces every unit at its end, once the
+penalty's gradients have come too.
+
 Note [a backward that records a graph]
-A backward with ``create_graph=True`` runs with gradient mode on, and the graph it
-records (a gradient penalty's ``torch.autograd.grad(loss, x, create_graph=True)``, a
-double backward) saves the full parameters each unit's backward computes with. The
-engine frees them when that unit's backward ends and reduces its gradients then, so the
-second backward read freed storage (a bare ``setStorage`` error) and its gradients for
-the weights would have come after their reduction. It is refused at its first hook,
-before anything changes, on every rank running it. DDP supports it; FSDP2 frees the same
-way. Supporting it means holding every unit a recorded backward reached gathered, and
-reducing only at the backward that records nothing.
+A backward with ``create_graph=True`` that accumulates into the parameters
+(``loss.backward(create_graph=True)``) gives gradients that carry a graph through the full
+parameters, which the engine frees after each unit's backward and whose reduced shards
+carry no graph: the second backward read freed storage (a bare ``setStorage`` error). It
+is refused at its first hook, before anything changes, on every rank running it. (DDP's
+own optimizer step then fails on such gradients: "a leaf Variable that requires grad is
+being used in an in-place operation".) A gradient penalty,
+``torch.autograd.grad(loss, x, create_graph=True)``, accumulates into no parameter and
+is supported (Note [a backward that accumulates nothing]).
 """
 
 from __future__ import annotations
@@ -225,6 +246,11 @@ class ModelState:
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/unit.py
         self._frozen_for_backward: list[Any] = []
+        # Note [a backward that accumulates nothing]: the units sharded when such a
+        # backward began (it runs when not None), and whether the next backward reduces
+        # only at its end.
+        self._aside: list[Unit] | None = None
+        self._reduce_at_end = False
         # A no_sync backward ran since the last synced one (holds_grads looks further).
         self._accumulated = False
         # Held units this rank released as stale, for the next unit note (Note [held
@@ -327,6 +353,7 @@ class ModelState:
             return
         self.phase = Phase.IDLE
         self._reducing = None
+        self._aside, self._reduce_at_end = None, False
         self._thaw_after_backward()
         for u in self.units:
             for g in u.trainable_groups:
@@ -578,24 +605,73 @@ class ModelState:
         self.release_all(keep_held)
 
     # -- backward events ---------------------------------------------------------------
-    def ensure_backward_callback(self) -> None:
-        """Queue :meth:`finish_backward` once per backward (the first gradient's hook)."""
+    def ensure_backward_callback(self, accumulating: bool = False) -> None:
+        """Queue :meth:`finish_backward` once per backward (the first gradient's hook).
+        ``accumulating``: called as a gradient reached a parameter. A backward that
+        reaches no parameter is not the iteration's (Note [a backward that accumulates
+        nothing])."""
         if self.phase is not Phase.BACKWARD:
+            if self._aside is not None:
+                if not accumulating:
+                    return
+                self._aside = None  # a parameter's gradient came after all: a real one
+            elif not accumulating and not self._accumulates():
+                self._set_aside()
+                return
             if torch.is_grad_enabled():
                 # Note [a backward that records a graph]
                 raise ShardwiseError(
-                    "a backward with create_graph=True (torch.autograd.grad(..., "
-                    "create_graph=True), a gradient penalty, a double backward) reached a "
-                    "sharded model: the graph it records computes with the full parameters "
-                    "that the engine frees after each unit's backward, and the gradients "
-                    "it later adds would arrive after their unit was reduced. This is not "
-                    "supported yet; nothing was changed. Compute the penalty on a model "
-                    "outside sw.shard, or without create_graph")
+                    "a backward with create_graph=True that accumulates into the "
+                    "parameters (loss.backward(create_graph=True), a double backward "
+                    "through the weights) reached a sharded model: the graph it records "
+                    "computes with the full parameters that the engine frees after each "
+                    "unit's backward. This is not supported yet; nothing was changed. "
+                    "torch.autograd.grad(loss, inputs, create_graph=True) (a gradient "
+                    "penalty) is supported")
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
             self._freeze_for_backward()
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             self.checks.backward(self.requires_grad_sync)
+
+    def _accumulates(self) -> bool:
+        """Whether the running backward will accumulate into a trainable parameter of
+        the model: one full parameter per trainable group asked (Note [a backward that
+        accumulates nothing])."""
+        for u in self.units:
+            for g in u.trainable_groups:
+                p = next((p for p in g.params if p.requires_grad and p.full.requires_grad),
+                         None)
+                if p is None:
+                    continue
+                if p.accumulator is None:
+                    with torch.enable_grad():  # a backward runs with gradients off
+                        node = p.full.view_as(p.full).grad_fn
+                    assert node is not None, "a view of a leaf that requires grad"
+                    p.accumulator = node.next_functions[0][0]
+                if torch._C._will_engine_execute_node(p.accumulator):
+                    return True
+        return False
+
+    def _set_aside(self) -> None:
+        """Note [a backward that accumulates nothing]: the running backward gathers what
+        it needs and reduces nothing; its end puts the units back as the forward left
+        them, unless it records a graph a later backward runs through."""
+        self._aside = [u for u in self.units if u.is_sharded()]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_aside)
+
+    def _end_aside(self) -> None:
+        if self._aside is None:  # became the iteration's backward (a parameter's gradient)
+            return
+        gathered_for_it, self._aside = self._aside, None
+        if torch.is_grad_enabled():
+            # It recorded a graph through the full parameters (a gradient penalty's
+            # torch.autograd.grad(..., create_graph=True)): they stay gathered, and the
+            # backward through it reduces at its end, when every gradient has come.
+            self._reduce_at_end = True
+            return
+        for u in gathered_for_it:
+            u.reshard()
 
     def _freeze_for_backward(self) -> None:
         """Note [flags of a forward without gradients] in engine/unit.py: a parameter
@@ -667,7 +743,9 @@ class ModelState:
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
-        if unit.record_backward():
+        if self._aside is not None:  # Note [a backward that accumulates nothing]
+            return
+        if unit.record_backward() and not self._reduce_at_end:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
@@ -709,6 +787,7 @@ class ModelState:
             if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
         self._reducing = None
+        self._reduce_at_end = False
         self._thaw_after_backward()
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
