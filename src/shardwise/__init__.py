@@ -33,7 +33,7 @@ State and checkpoints
     full_optimizer_state_dict(module, optimizer, rank0_only=True)
                                                the optimizer's state as over the unsharded
                                                model: one file, loaded on every rank
-    load_pretrained(module, source, strict=True, rename=None)
+    load_pretrained(module, source, strict=True, rename=None, *, allow_nonfinite=False)
     save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
     load_checkpoint(path, module, optimizer=None) -> extra
     Resumable(folder, model, optimizer=None, *, every, keep=2, scheduler=None,

@@ -15,7 +15,14 @@ from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.alloc import freed
 from ..engine.packed import packed_param, uses_protocol
-from ..engine.quantize import NF4, awaiting, mark_loaded, nf4_module
+from ..engine.quantize import (
+    NF4,
+    awaiting,
+    guard_forward,
+    mark_awaiting,
+    mark_loaded,
+    nf4_module,
+)
 from ..engine.state import owning_state
 from ..errors import ShardwiseError
 from ._format import summary
@@ -31,8 +38,75 @@ from ._targets import (
 )
 from .sources import Rename, Source, open_source, renamer
 
+# Note [non-finite values refused]
+# A NaN or an inf in a weight (a damaged or diverged source; a float32 value beyond
+# float16's range, cast) trains quietly into a NaN loss. So ``load_pretrained`` counts
+# the values that are NaN or inf in every parameter as it reads it, and the NaNs in
+# buffers (an inf in a buffer is a common attention mask value): one sum over a tensor
+# read anyway, and a count only when the sum is not finite (``_not_finite``). The values
+# checked are the model's, after any cast. Each rank checks what it reads, its rows of a
+# sharded parameter, so the findings are combined across ranks in the comparison of
+# sources that precedes every load (a range that several ranks read whole counted
+# once): the refusal is the same on every rank, names the first tensors and counts
+# their values, and comes before anything changes. Quantized weights
+# are read whole, one a rank, in rounds after the full-precision ones are written (Note
+# [quantize while loading] in engine/quantize.py): one holding NaN or inf stops the load
+# at its round, on every rank, and the quantized weights of that round and later ones,
+# awaiting load (Note [the base awaits loading] in engine/quantize.py), keep the model
+# from running until a load gives them values. ``allow_nonfinite=True`` skips the checks.
+#: (place in the load's order, source key, first element read, elements read, how many
+#: are NaN or inf, elements in all)
+Found = tuple[int, str, int, int, int, int]
 
-def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename):
+
+def _not_finite(t: torch.Tensor, nan_only: bool = False) -> int:
+    """How many values of ``t`` are NaN or inf (NaN only, with ``nan_only``).
+
+    When there are none, as there should be, that takes one pass over ``t`` and no
+    copy: its sum. NaN and inf propagate through a sum (inf + -inf is NaN), so a sum
+    that is finite (not NaN) proves that every value is; one that is not, also the
+    overflow of a sum of large finite values, is followed by the exact count (several
+    times slower than the sum: ``isfinite`` makes a boolean tensor)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return 0
+    wide = t.dtype if t.dtype in (torch.float64, torch.complex64, torch.complex128) \
+        else torch.float32
+    try:
+        total = t.sum(dtype=wide)
+        if bool(~torch.isnan(total) if nan_only else torch.isfinite(total)):
+            return 0
+    except (RuntimeError, TypeError):  # a dtype sum does not take: the count decides
+        pass
+    if nan_only:
+        return int(torch.isnan(t).sum())
+    return t.numel() - int(torch.isfinite(t).sum())
+
+
+def _nonfinite_message(description: str, found: list[Found], quantized: bool) -> str:
+    """The refusal of NaN and inf (Note [non-finite values refused]), from ``found`` on
+    every rank."""
+    ranges: dict[str, dict[tuple[int, int], int]] = {}
+    total: dict[str, int] = {}
+    for _, key, lo, n, count, numel in sorted(found):
+        ranges.setdefault(key, {})[(lo, n)] = count  # a range read by several: once
+        total[key] = numel
+    counts = [(key, sum(r.values())) for key, r in ranges.items()]
+    shown = ", ".join(f"{key!r} ({c} of its {total[key]} values)" for key, c in counts[:5])
+    more = f" and {len(counts) - 5} more" if len(counts) > 5 else ""
+    state = ("the full-precision weights and buffers and the quantized weights before "
+             "these are loaded, the rest are not, and the model refuses to run until a "
+             "load completes" if quantized else "nothing was changed")
+    return (f"sw.load_pretrained refused {description}: {len(counts)} tensor"
+            f"{'s hold' if len(counts) > 1 else ' holds'} values that are NaN or inf "
+            f"(in the model's dtype, after any cast): {shown}{more}; {state}. A weight "
+            f"holding them makes the first loss NaN. The usual causes are a damaged or "
+            f"diverged checkpoint, or values beyond the range of a lower precision they "
+            f"were cast to. Fix the source, or pass allow_nonfinite=True to load them as "
+            f"they are")
+
+
+def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename,
+                 allow_nonfinite: bool):
     _check_quantized(module)
     src = open_source(source)
     to_module = renamer(rename)
@@ -74,20 +148,41 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     # Read everything this rank needs before changing anything.
     casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
     values = []
-    for t, key in match.params:
+    found: list[Found] = []  # Note [non-finite values refused]
+    for i, (t, key) in enumerate(match.params):
         lo, n = t.local_range()
-        values.append((t, _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)))
-    buffer_values = [(b, _cast(src.read(key), b.dtype, key, casts))
-                     for b, key in match.buffers]
+        value = _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)
+        values.append((t, value))
+        bad = 0 if allow_nonfinite else _not_finite(value)
+        if bad:
+            found.append((i, key, lo, n, bad, t.numel))
+    buffer_values = []
+    for i, (b, key) in enumerate(match.buffers, len(match.params)):
+        value = _cast(src.read(key), b.dtype, key, casts)
+        buffer_values.append((b, value))
+        bad = 0 if allow_nonfinite else _not_finite(value, nan_only=True)
+        if bad:
+            found.append((i, key, 0, value.numel(), bad, value.numel()))
     return ((src.description, src.fingerprint()), values, buffer_values, casts, src,
-            quantized, loaded)
+            quantized, loaded, found)
+
+
+class _NotFinite(Exception):
+    def __init__(self, found: Found) -> None:
+        super().__init__(found)
+        self.found = found
 
 
 def _nf4_shares(t: PackedTarget, src: Source, key: str,
-                casts: Counter[tuple[torch.dtype, torch.dtype]]) -> list[torch.Tensor]:
+                casts: Counter[tuple[torch.dtype, torch.dtype]],
+                allow_nonfinite: bool) -> list[torch.Tensor]:
     """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
     ``sw.shard`` divides it (Note [uneven packed parameters] in engine/packed.py): what
-    each rank stores, as one byte row each, its slots one after another."""
+    each rank stores, as one byte row each, its slots one after another.
+
+    Raises:
+        _NotFinite: the weight holds NaN or inf, unless ``allow_nonfinite``.
+    """
     pp = t.packed
     # NF4's block sizes, from its full inner tensors: a scale per block, a scale of
     # scales per block of blocks.
@@ -96,6 +191,9 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
                scaler_block_size=n_blocks // math.prod(pp.full_inner["quantization_factor"]))
     device = pp.stored[0].device
     full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(device)
+    bad = 0 if allow_nonfinite else _not_finite(full)
+    if bad:  # Note [non-finite values refused]
+        raise _NotFinite((0, key, 0, full.numel(), bad, full.numel()))
     q = rule.quantize(full)
     released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
     del full
@@ -112,27 +210,44 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     return out
 
 
-def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
-                    casts: Counter[tuple[torch.dtype, torch.dtype]]) -> None:
+def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
+                    src: Source, casts: Counter[tuple[torch.dtype, torch.dtype]],
+                    allow_nonfinite: bool) -> None:
     """Each quantized weight read, quantized and shared out, in rounds of N weights: in
     a round rank r quantizes the r-th and scatters each rank its share (Note [quantize
     while loading] in engine/quantize.py). A rank holds one weight in full precision at
-    a time."""
+    a time. Each weight awaits loading until its round is written, so a load that stops
+    part-way leaves a model that refuses to run, naming the weights it did not load
+    (Note [the base awaits loading] in engine/quantize.py)."""
     if not items:
         return
     group = items[0][0].packed.group
     assert group is not None
     comm = group.comm
     n, rank = comm.world_size, comm.rank
+    for t, _ in items:
+        for mod, attr in t.packed.slots:
+            mark_awaiting(mod, attr)
+    guard_forward(module)
     for start in range(0, len(items), n):
         batch = items[start:start + n]
-        send, error = None, None
+        send, error, found = None, None, None
         if rank < len(batch):
             try:
-                send = _nf4_shares(batch[rank][0], src, batch[rank][1], casts)
+                send = _nf4_shares(batch[rank][0], src, batch[rank][1], casts,
+                                   allow_nonfinite)
+            except _NotFinite as e:
+                _, key, lo, k, bad, numel = e.found
+                found = (start + rank, key, lo, k, bad, numel)  # its place in the load
             except Exception as e:  # noqa: BLE001 - fail on every rank, not in the scatter
                 error = f"{batch[rank][0].names[0]}: {type(e).__name__}: {e}"
-        agree(comm, error, "load_pretrained failed while quantizing", changed=True)
+        outcome = [(error, found)] if n == 1 else comm.all_gather_object(
+            (error, found), what="the agreement on errors (load_pretrained, quantizing)")
+        if any(e for e, _ in outcome):  # each rank's message, on every rank
+            agree(comm, error, "load_pretrained failed while quantizing", changed=True)
+        if any(f for _, f in outcome):
+            raise ShardwiseError(_nonfinite_message(
+                src.description, [f for _, f in outcome if f is not None], True))
         for j, (t, _) in enumerate(batch):
             pp = t.packed
             if n == 1:
@@ -149,6 +264,7 @@ def _load_quantized(items: list[tuple[PackedTarget, str]], src: Source,
                     x.copy_(got[offset:offset + x.numel()])
                     offset += x.numel()
         del send
+        mark_loaded(module, {name for t, _ in batch for name in t.names})
 
 
 def _nothing_matched(description: str, key_of: dict[str, str], names: list[str],
@@ -202,7 +318,8 @@ def _check_base_filled(module: nn.Module, loaded: set[str], unexpected: list[str
                if unexpected else "")
     raise ShardwiseError(
         f"{description}: {len(left)} parameters of a base built under "
-        f"sw.sharded_init(quantize=...) are not in the source and would keep no loaded "
+        f"sw.sharded_init(quantize=...), or quantized weights a failed load left "
+        f"unloaded, are not in the source and would keep no loaded "
         f"values: {summary(left, limit=5)}{untaken}. strict=False forgives only what the "
         f"source cannot hold (adapters, added after the block); every base parameter must "
         f"come from this one source. Fix rename= so that these names are reached, or "
@@ -259,7 +376,7 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, key: str,
 
 @operation("load_pretrained", lambda module, **_: (comm_of(module), "load_pretrained", None))
 def load_pretrained(module: nn.Module, source: object, strict: bool = True,
-                    rename: Rename = None) -> None:
+                    rename: Rename = None, *, allow_nonfinite: bool = False) -> None:
     """Load full (unsharded) weights into ``module``, sharded or not, on every rank.
 
     From safetensors sources each rank reads only the slices of each parameter it stores
@@ -286,6 +403,8 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
             engine/quantize.py).
         rename: how source keys map to module keys, never guessed: a prefix mapping such
             as ``{"model.": ""}`` (strip) or ``{"": "model."}`` (add), or a callable.
+        allow_nonfinite: load parameters holding NaN or inf, and buffers holding NaN,
+            as they are; by default they are refused (Note [non-finite values refused]).
 
     Raises:
         ShardwiseError: on every rank, before anything is modified, listing missing,
@@ -293,34 +412,41 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
             whose kind (integer or floating point) is not the model's, when no name in
             the source is the model's (whatever ``strict``; with a key of each, for
             ``rename=``), when a quantized base's parameter is not in the source
-            (whatever ``strict``), or when ranks were given different weights (Note
-            [one source] in sources.py). Quantized weights
+            (whatever ``strict``), when ranks were given different weights (Note
+            [one source] in sources.py), or when a parameter holds NaN or inf or a
+            buffer NaN (the first ones named, with their counts; unless
+            ``allow_nonfinite``). Quantized weights
             (Note [quantize while loading] in engine/quantize.py) are read and
             quantized after the plain ones are written: a file that fails to read
             then, on some rank, raises on every rank with the plain weights loaded and
-            the quantized ones partly; the model refuses to run until they are all
-            loaded (call again).
+            the quantized ones partly, as does a quantized weight holding NaN or inf;
+            the model refuses to run until they are all loaded (call again).
 
     Example:
         >>> model = sw.shard(LlamaForCausalLM(config))
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
     require_bool(strict, "load_pretrained", "strict")
+    require_bool(allow_nonfinite, "load_pretrained", "allow_nonfinite")
     comm = comm_of(module)
     what = "load_pretrained failed"
-    source_id, values, buffer_values, casts, src, quantized, loaded = agreed(
-        comm, what, lambda: _read_source(module, source, strict, rename))
+    source_id, values, buffer_values, casts, src, quantized, loaded, found = agreed(
+        comm, what, lambda: _read_source(module, source, strict, rename, allow_nonfinite))
     if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
-        ids = comm.all_gather_object(source_id)
-        if len({fingerprint for _, fingerprint in ids}) > 1:
-            listed = "\n".join(f"  rank {r}: {d} (fingerprint {f})" for r, (d, f) in
+        ids = comm.all_gather_object((source_id, found))
+        if len({fingerprint for (_, fingerprint), _ in ids}) > 1:
+            listed = "\n".join(f"  rank {r}: {d} (fingerprint {f})" for r, ((d, f), _) in
                                 enumerate(ids))
             raise ShardwiseError(f"{what}; nothing was changed: the ranks were given "
                                  f"different weights (names, shapes, sizes or data "
                                  f"differ):\n{listed}")
+        found = [f for _, theirs in ids for f in theirs]
+    if found:  # Note [non-finite values refused]
+        raise ShardwiseError(_nonfinite_message(source_id[0], found, False))
     apply_values(values, buffer_values)
     del values
-    _load_quantized(quantized, src, casts)
+    mark_loaded(module, loaded - {n for t, _ in quantized for n in t.names})
+    _load_quantized(module, quantized, src, casts, allow_nonfinite)
     mark_loaded(module, loaded)
     if casts and (comm is None or comm.rank == 0):
         said = ", ".join(f"{n} from {a} to {b}".replace("torch.", "")

@@ -258,7 +258,20 @@ def _plain_inner(t: torch.Tensor, name: str = "") -> tuple[list[str], Any]:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1).view(torch.uint8)
+    """``t``'s bytes, flat (a view when it can be one).
+
+    ``contiguous()`` is not enough: a tensor of at most one element counts as contiguous
+    whatever its stride, and keeps it, and ``view(torch.uint8)`` wants the last stride to
+    be 1 as written. NF4 makes such a tensor: with one block of scales (a weight of
+    ``block_size * scaler_block_size`` elements, 16384 with the default blocks) its
+    ``quantization_factor`` is the one-element view ``factors[:, 0]`` of stride
+    ``scaler_block_size``, and a piece of an inner tensor divided by bytes may hold one
+    element or none (Note [uneven packed parameters]). Those are copied, at most one
+    element."""
+    flat = t.detach().contiguous().view(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 # Note [packed checkpoints]

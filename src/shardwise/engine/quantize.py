@@ -37,6 +37,12 @@ source does not hold. So:
   source keys nothing took. One source must hold the whole base.
 - A model with parameters awaiting load refuses to run forward, naming them (it was
   never loaded, or a load failed part-way).
+- ``load_pretrained`` marks the quantized weights it loads awaiting load from its first
+  round of quantizing, each until its round is written, in any sharded model (one made
+  with ``quantize_nf4`` too), and what it wrote before as loaded: a load that stops
+  part-way, on a file that fails to read or a weight holding NaN or inf (Note
+  [non-finite values refused] in checkpoint/pretrained.py), leaves a model that
+  refuses to run naming the weights not loaded, not one mixing old and new weights.
 """
 
 from __future__ import annotations
@@ -272,7 +278,8 @@ def _refuse_unloaded(module: nn.Module, args: Any) -> None:
     if names:
         raise ShardwiseError(
             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({len(names)} "
-            f"parameters) were built under sw.sharded_init(quantize=...) and have not been "
-            f"loaded: sw.load_pretrained(model, source), after sw.shard, gives them their "
-            f"values, and the model does not run until such a load has completed "
-            f"(docs/qlora.md)")
+            f"parameters) were built under sw.sharded_init(quantize=...), or are "
+            f"quantized weights an sw.load_pretrained that failed left part-loaded, and "
+            f"have not been loaded: sw.load_pretrained(model, source), after sw.shard, "
+            f"gives them their values, and the model does not run until such a load has "
+            f"completed (docs/qlora.md)")

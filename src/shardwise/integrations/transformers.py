@@ -204,7 +204,7 @@ def _is_reproducible(model: nn.Module) -> bool:
 
 
 def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
-                    **shard_kwargs: Any) -> nn.Module:
+                    allow_nonfinite: bool = False, **shard_kwargs: Any) -> nn.Module:
     """Build a Hugging Face model partitioned from the start and load its weights.
 
     The model is built from its config under :func:`shardwise.sharded_init` (no rank
@@ -217,11 +217,14 @@ def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
             (``LlamaForCausalLM``).
         folder: a local folder written by ``save_pretrained`` (config and safetensors).
         config: a config to use instead of the folder's ``config.json``.
+        allow_nonfinite: load weights holding NaN or inf as they are (refused by
+            default, as by ``load_pretrained``).
         **shard_kwargs: passed to :func:`shardwise.shard` (``mixed_precision``, ...).
 
     Raises:
         ShardwiseError: when the folder's weights do not match the model (missing,
-            unexpected or mis-shaped keys, listed), as ``load_pretrained`` does.
+            unexpected or mis-shaped keys, listed) or hold NaN or inf, as
+            ``load_pretrained`` does.
 
     Example:
         >>> model = sw.from_pretrained(AutoModelForCausalLM, "/models/llama-1b")
@@ -237,5 +240,5 @@ def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
             model = model_class(config)
     shard_kwargs.setdefault("units", no_split_units(model))
     shard(model, **shard_kwargs)
-    load_pretrained(model, folder)
+    load_pretrained(model, folder, allow_nonfinite=allow_nonfinite)
     return model
