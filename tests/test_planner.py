@@ -168,3 +168,86 @@ def test_consolidate_refuses_existing_weights_unless_forced(tmp_path, capsys):
         assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
     with pytest.raises(sw.ShardwiseError, match="already exists"):  # the function's option
         sw.checkpoint.consolidate(ck, out, overwrite=False)
+
+
+def _tiny_llama(folder):
+    from transformers import LlamaConfig
+
+    # A published config names its weights' dtype (float16 for Llama 2): the model the
+    # docs build from it, LlamaForCausalLM(config), is float32 all the same.
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                dtype="float16").save_pretrained(folder)
+
+
+def _built_as_the_docs_do(rank, world, folder):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from shardwise.planning.planner import build_on_meta
+
+    planned = plan(build_on_meta(folder), world)
+    with sw.sharded_init():
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
+    model = sw.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return planned, state_bytes(model, opt)
+
+
+def test_a_config_folder_is_planned_as_the_docs_build_it(tmp_path, capsys):
+    """Issue 51 item 4: a config saying float16 was planned in float16, half the bytes
+    of the float32 model LlamaForCausalLM(config) builds under sw.sharded_init()."""
+    from shardwise.cli import main
+
+    folder = str(tmp_path / "llama")
+    _tiny_llama(folder)
+    planned, got = run_ranks(_built_as_the_docs_do, 2, folder)[0]
+    assert (planned.parameters, planned.gradients, planned.optimizer) == \
+        (got["params"], got["grads"], got["optimizer"])
+    assert main(["plan", "--model", folder, "--world", "2", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert (cli["parameters"], cli["optimizer"], cli["dtype"]) == \
+        (got["params"], got["optimizer"], "float32")
+    # The dtype assumed is printed; --dtype plans a cast model, --param-dtype the gathers.
+    assert main(["plan", "--model", folder, "--world", "2", "--param-dtype", "bfloat16"]) == 0
+    assert "parameters stored in float32, gathered in bfloat16" in capsys.readouterr().out
+    assert main(["plan", "--model", folder, "--world", "2", "--dtype", "bfloat16",
+                 "--json"]) == 0
+    half = json.loads(capsys.readouterr().out)
+    assert half["dtype"] == "bfloat16" and 2 * half["parameters"] == cli["parameters"]
+
+
+def test_a_command_s_first_lines_are_its_own(tmp_path):
+    """Issue 51 item 7: `shardwise plan --model <config folder>` began with torchao's
+    "Failed to load ..." lines and torch's pytree deprecations (transformers imports
+    torchao when it is installed)."""
+    folder = str(tmp_path / "llama")
+    _tiny_llama(folder)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
+    env["OMP_NUM_THREADS"] = "1"
+    for args, first in ((["--help"], "usage: shardwise"),
+                        (["plan", "--model", folder, "--world", "2"], "per rank, world size 2")):
+        out = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith(first), out.stdout[:2000]
+
+
+def test_a_model_path_that_is_no_config_folder_says_what_it_is(tmp_path, capsys):
+    """Issue 51 item 6: a symbolic link loop was taken for a Hub id ("Repo id must be in
+    the form ...")."""
+    from shardwise.cli import main
+
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for path, said in ((loop, "is a symbolic link that cannot be followed"),
+                       (tmp_path / "file", "is a file; give the folder holding"),
+                       (tmp_path / "empty", "holds no config.json"),
+                       (tmp_path / "nosuch", "no such folder")):
+        assert main(["plan", "--world", "2", "--model", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Repo id" not in err and "Traceback" not in err, err

@@ -136,11 +136,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     # next to it.
     replicas, shards = args.mesh or (1, args.world)
     world = replicas * shards
+    note = ""
     if args.model:
         try:
-            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None)
+            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None,
+                                  args.dtype)
         except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
             raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
+        if ":" not in args.model and args.dtype is None:  # Note [the dtype planned]
+            note = ("  (a config folder is planned in float32, as LlamaForCausalLM(config) "
+                    "builds it; --dtype plans another, --param-dtype the gathered units')")
         if not isinstance(model, torch.nn.Module):
             raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
                                  f"torch.nn.Module")
@@ -155,14 +160,20 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ShardwiseError("--offload needs --model: the bytes per tier follow the "
                              "engine's layout of the real parameters")
     elif args.params and args.layers:
+        stored = args.dtype or torch.float32
+        size = torch.empty(0, dtype=stored).element_size()
         compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
         n, layers = int(args.params), args.layers
-        result = uniform_plan(n, layers, shards, 4, args.optimizer, compute, activations)
+        result = uniform_plan(n, layers, shards, size, args.optimizer, compute, activations)
         if args.mesh:
-            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, 4, compute),
-                            uniform_plan(n, layers, world, 4, args.optimizer, compute,
+            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, size,
+                                                      compute),
+                            uniform_plan(n, layers, world, size, args.optimizer, compute,
                                          activations),
-                            uniform_comm_plan(n, layers, 1, world, 4, compute))
+                            uniform_comm_plan(n, layers, 1, world, size, compute))
+        for p in (result, mesh.flat_memory) if args.mesh else (result,):
+            p.dtype = _dtype_name(stored)
+            p.compute_dtype = _dtype_name(dtype or stored)
     else:
         raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
                              "or --params and --layers")
@@ -170,7 +181,13 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(mesh.to_json() if args.json else mesh.table())
     else:
         print(to_json(result) if args.json else result.table())
+    if note and not args.json:
+        print(note)
     return 0
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -216,8 +233,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "per step within and across nodes, and flat ZeRO-3 over R*S")
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adam", "sgd", "sgd-momentum"])
+    p.add_argument("--dtype", type=_float_dtype,
+                   help="dtype the parameters are stored in (master shards, gradients, "
+                        "optimizer state), as model.to(DTYPE) before sw.shard; default: "
+                        "float32 for --params and a Hugging Face config folder (what "
+                        "LlamaForCausalLM(config) builds), the callable's own otherwise")
     p.add_argument("--param-dtype", type=_float_dtype,
-                   help="compute dtype of gathered units, e.g. bfloat16")
+                   help="compute dtype of gathered units, MixedPrecision(param_dtype=...), "
+                        "e.g. bfloat16")
     p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--offload", type=_offload, metavar="PARAMS,OPTIMIZER",
