@@ -285,6 +285,24 @@ def _pretrained_checks(rank, world, path, folder):
                        want["head.weight"])
 
 
+def test_load_pretrained_advises_what_fits_the_problem():
+    """Issue 51 item 6: a shape mismatch was told to pass rename= or strict=False, which
+    cannot help it."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.load_pretrained(model, {"weight": torch.zeros(3, 5), "bias": torch.zeros(3)})
+    said = str(err.value)
+    assert "mismatched: weight: source [3, 5], model [3, 4]" in said, said
+    assert "pass rename=" not in said and "strict=False to ignore" not in said, said
+    assert "Build the model from the config saved with these weights" in said, said
+    assert "this source may be another model's" in said, said
+    with pytest.raises(sw.ShardwiseError) as err:  # a name missing: renaming may fit
+        sw.load_pretrained(model, {"weight": torch.zeros(3, 4)})
+    said = str(err.value)
+    assert "missing from the source: ['bias']" in said and "pass rename=" in said, said
+    assert "Build the model" not in said, said
+
+
 def test_load_pretrained_sources_and_errors(tmp_path):
     state = _trained_bn_state()
     path = str(tmp_path / "cnn.safetensors")
