@@ -141,6 +141,32 @@ def test_a_model_of_negative_size_is_a_one_line_error(capsys):
     assert "GPTConfig: n_layer=-1: must be a positive int" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("output, said", [
+    ("out", "the output 'out' already exists, as a file: an output without the "
+            ".safetensors suffix (or ending in /) is written as a folder"),
+    ("out/", "the output 'out/' already exists, as a file"),
+    ("out/model.safetensors", "'out', in its path, is a file, not a folder"),
+    ("out/a/b", "'out', in its path, is a file, not a folder"),
+])
+def test_consolidate_onto_a_file_says_so(output, said, tmp_path, capsys, monkeypatch):
+    """Issue 51 item 6: `shardwise consolidate CK out` with a file named out printed
+    "[Errno 17] File exists", with or without --force; the file is left alone."""
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "CK").mkdir()
+    (tmp_path / "out").write_text("mine")
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["consolidate", "CK", output, *force])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err.replace(str(tmp_path) + os.sep, "") and "Errno" not in err, err
+    with pytest.raises(sw.ShardwiseError, match="in its path|already exists, as a file"):
+        sw.checkpoint.consolidate("CK", output)
+    assert (tmp_path / "out").read_text() == "mine"
+
+
 def test_consolidate_refuses_existing_weights_unless_forced(tmp_path, capsys):
     """Issue 41 item 10: an export replaced an existing file without a word."""
     import torch.nn as nn
