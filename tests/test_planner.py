@@ -124,6 +124,26 @@ def test_bad_command_lines_are_one_line_usage_errors(argv, message, tmp_path, ca
     assert os.listdir(tmp_path / "CK") == []
 
 
+def test_offload_tiers_are_read_and_refused_in_the_command_line_s_words(capsys):
+    """Issue 51 item 6: `--offload None,cpu` was refused by a message offering None (the
+    device, in Python) as the fix."""
+    from shardwise.cli import main
+
+    plan_gpt = ["plan", "--world", "2", "--model", "shardwise.models:gpt", "--kwargs",
+                '{"n_layer": 1, "d_model": 32, "n_head": 2}', "--json", "--offload"]
+    for spelled in ("None,cpu", "device,CPU", " none , cpu"):
+        assert main([*plan_gpt, spelled]) == 0
+        assert json.loads(capsys.readouterr().out)["offload"] == "params device, optimizer cpu"
+    for bad, said in (("gpu,cpu", "'gpu' is not a tier; each of PARAMS,OPTIMIZER is device, "
+                                  "cpu or disk"),
+                      ("cpu", "expected PARAMS,OPTIMIZER; each of"),
+                      ("disk,cpu", "offload the optimizer at least as far (disk,disk)")):
+        with pytest.raises(SystemExit):
+            main([*plan_gpt, bad])
+        err = capsys.readouterr().err
+        assert said in err and "None" not in err, err
+
+
 def test_a_callable_that_builds_no_module_is_a_one_line_error(capsys):
     from shardwise.cli import main
 

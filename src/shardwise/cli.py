@@ -52,12 +52,27 @@ def _mesh(text: str) -> tuple[int, int]:
 
 
 def _offload(text: str):
+    """``PARAMS,OPTIMIZER``, each ``device``, ``cpu`` or ``disk`` (any case; ``none``, as
+    Python's ``Offload(None, ...)`` spells it, is the device). Refused in the command
+    line's words: ``Offload``'s own messages speak of Python's ``None``."""
     from shardwise.engine.offload import Offload
+    from shardwise.engine.offload.placement import TIERS
     from shardwise.errors import ShardwiseError
 
-    parts = [t.strip() for t in text.split(",")]
+    usage = "each of PARAMS,OPTIMIZER is device, cpu or disk, e.g. device,cpu or disk,disk"
+    parts = [t.strip().lower() for t in text.split(",")]
     if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected PARAMS,OPTIMIZER, e.g. disk,disk")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PARAMS,OPTIMIZER; {usage}")
+    parts = ["device" if t == "none" else t for t in parts]
+    for t in parts:
+        if t not in TIERS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {t!r} is not a tier; {usage}")
+    if TIERS.index(parts[0]) > TIERS.index(parts[1]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: parameters on {parts[0]}, the optimizer nearer, on {parts[1]}: the "
+            f"optimizer's tier holds the master shards the step updates, so parameters "
+            f"farther away would only add a copy; offload the optimizer at least as far "
+            f"({parts[0]},{parts[0]})")
     params, optimizer = (None if t == "device" else t for t in parts)
     try:  # the folder is the running job's choice; planning needs only the tiers
         return Offload(params, optimizer, "<folder>" if "disk" in parts else None)
@@ -244,8 +259,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--offload", type=_offload, metavar="PARAMS,OPTIMIZER",
-                   help="with --model: tiers of sw.Offload, each device, cpu or disk "
-                        "(e.g. device,cpu or disk,disk); adds bytes per tier and bytes "
+                   help="with --model: tiers of sw.Offload, each device (or none), cpu or "
+                        "disk (e.g. device,cpu or disk,disk); adds bytes per tier and bytes "
                         "moved per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan_command)
