@@ -244,6 +244,19 @@ def test_public_functions_refuse_bad_arguments_in_words():
     run_ranks(_bad_arguments, 2)
 
 
+def test_micro_batches_of_an_empty_batch_are_refused():
+    """Issue 51 item 6: a batch of 0 rows gave micro-batches of 0 rows, and a step of
+    nothing."""
+    for batch, path in ((torch.zeros(0, 3), "batch"),
+                        ((torch.zeros(0, 3), torch.zeros(0)), "batch[0]"),
+                        ({"x": torch.zeros(0, 5, dtype=torch.long)}, "batch['x']")):
+        with pytest.raises(sw.ShardwiseError) as err:
+            sw.micro_batches(batch, 2)
+        said = str(err.value)
+        assert f"micro_batches: {path} has 0 rows: an empty batch" in said, said
+        assert "drop_last=True" in said, said
+
+
 def _nonsense(rank, world, root):
     """Issue 41 item 10: values that meant nothing were accepted (an empty batch, the nan
     mean of no values, a truthy string for a flag, a prefetch of 10**9 units); each is

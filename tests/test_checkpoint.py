@@ -222,7 +222,7 @@ def test_corrupt_truncated_missing_and_mismatched(tmp_path):
     assert "rank-00001-of-00002.safetensors: truncated" in messages["truncated"]
     assert "rank-00000-of-00002.safetensors: corrupt" in messages["corrupt"]
     assert "buffers.safetensors: missing" in messages["missing_file"]
-    assert "checkpoint.json is missing" in messages["no_metadata"]
+    assert "a folder without checkpoint.json" in messages["no_metadata"]
     assert "unreadable" in messages["bad_json"]
 
 
@@ -285,6 +285,24 @@ def _pretrained_checks(rank, world, path, folder):
                        want["head.weight"])
 
 
+def test_load_pretrained_advises_what_fits_the_problem():
+    """Issue 51 item 6: a shape mismatch was told to pass rename= or strict=False, which
+    cannot help it."""
+    model = nn.Linear(4, 3)
+    with pytest.raises(sw.ShardwiseError) as err:
+        sw.load_pretrained(model, {"weight": torch.zeros(3, 5), "bias": torch.zeros(3)})
+    said = str(err.value)
+    assert "mismatched: weight: source [3, 5], model [3, 4]" in said, said
+    assert "pass rename=" not in said and "strict=False to ignore" not in said, said
+    assert "Build the model from the config saved with these weights" in said, said
+    assert "this source may be another model's" in said, said
+    with pytest.raises(sw.ShardwiseError) as err:  # a name missing: renaming may fit
+        sw.load_pretrained(model, {"weight": torch.zeros(3, 4)})
+    said = str(err.value)
+    assert "missing from the source: ['bias']" in said and "pass rename=" in said, said
+    assert "Build the model" not in said, said
+
+
 def test_load_pretrained_sources_and_errors(tmp_path):
     state = _trained_bn_state()
     path = str(tmp_path / "cnn.safetensors")
@@ -339,7 +357,7 @@ def test_consolidate_command(tmp_path):
     info = subprocess.run(cli + ["inspect", ck], check=True, capture_output=True, text=True)
     assert "world size     3" in info.stdout and "tok_emb.weight" in info.stdout
     bad = subprocess.run(cli + ["inspect", str(tmp_path)], capture_output=True, text=True)
-    assert bad.returncode == 1 and "checkpoint.json is missing" in bad.stderr
+    assert bad.returncode == 1 and "a folder without checkpoint.json" in bad.stderr
 
 
 def _cnn_ck(rank, world, ck):
@@ -658,6 +676,29 @@ def test_bad_arguments_are_shardwise_errors(tmp_path):
         sw.load_checkpoint(None, model)
     sw.save_checkpoint(tmp_path / "ck", model)  # a pathlib.Path is a path
     sw.load_checkpoint(tmp_path / "ck", model)
+
+
+def test_a_path_without_a_checkpoint_says_what_it_is(tmp_path, capsys):
+    """Issue 51 item 6: a typo'd path got the same "checkpoint.json is missing" as an
+    empty folder."""
+    from shardwise.cli import main
+
+    model = nn.Linear(2, 2)
+    sw.save_checkpoint(tmp_path / "run" / "step-2", model)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = [("rnu", "rnu: no such checkpoint folder: check the path; did you mean 'run'?"),
+             ("nope/deeper", "no such checkpoint folder (nor its parent, "),
+             ("empty", "empty: a folder without checkpoint.json: not a shardwise checkpoint"),
+             ("file", "file: a file, not a checkpoint folder"),
+             ("run", "run: a folder without checkpoint.json, not a checkpoint itself; it "
+                     "holds checkpoints (1, the last by name: 'step-2'): pass one of them")]
+    for name, said in cases:
+        with pytest.raises(sw.ShardwiseError) as err:
+            sw.load_checkpoint(str(tmp_path / name), model)
+        assert said in str(err.value), err.value
+        assert main(["inspect", str(tmp_path / name)]) == 1
+        assert said in capsys.readouterr().err
 
 
 def test_invented_metadata_is_refused_quickly_and_briefly(tmp_path):

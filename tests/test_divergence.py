@@ -206,6 +206,33 @@ def test_a_peer_that_dies_mid_step_ends_in_an_error_within_seconds(tmp_path, che
     assert float(seconds) < 20, message  # not the 60 s timeout
 
 
+def _runs_out_and_exits(rank, world):
+    """Issue 51 item 6: rank 1's data runs out a batch early and its script ends. Rank 0's
+    next forward failed at once on the closed connection, naming neither the rank that
+    left (docs/parameters.md promises it) nor the fix for uneven data."""
+    os.environ.pop("SHARDWISE_CHECK", None)
+    model = _model(None)
+    for x in [torch.ones(2, 4)] * (3 if rank == 0 else 2):
+        start = time.monotonic()
+        try:
+            _step(model, x)
+        except sw.CollectiveError as err:
+            return time.monotonic() - start, str(err)
+    if rank == 1:
+        os._exit(0)  # the end of its script
+    return None
+
+
+def test_a_rank_whose_data_ran_out_and_exited_is_named_with_the_fix():
+    seconds, message = run_ranks(_runs_out_and_exits, 2, timeout=60,
+                                 deaths_expected=True)[0]
+    assert seconds < 10, message
+    assert "rank(s) [1] exited (their processes are gone; rank 1 is not in a shardwise " \
+           "operation; it last finished the backward of step 2)" in message, message
+    for fix in ("sw.micro_batches(batch, M)", "drop_last=True", "DistributedSampler"):
+        assert fix in message, message
+
+
 def _diverged_arguments(rank, world, root):
     """The check compares the arguments that decide communication, not only the name.
     Before: gathered() with a per-rank modifier_rank hung until the timeout and left the

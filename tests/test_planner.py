@@ -124,6 +124,26 @@ def test_bad_command_lines_are_one_line_usage_errors(argv, message, tmp_path, ca
     assert os.listdir(tmp_path / "CK") == []
 
 
+def test_offload_tiers_are_read_and_refused_in_the_command_line_s_words(capsys):
+    """Issue 51 item 6: `--offload None,cpu` was refused by a message offering None (the
+    device, in Python) as the fix."""
+    from shardwise.cli import main
+
+    plan_gpt = ["plan", "--world", "2", "--model", "shardwise.models:gpt", "--kwargs",
+                '{"n_layer": 1, "d_model": 32, "n_head": 2}', "--json", "--offload"]
+    for spelled in ("None,cpu", "device,CPU", " none , cpu"):
+        assert main([*plan_gpt, spelled]) == 0
+        assert json.loads(capsys.readouterr().out)["offload"] == "params device, optimizer cpu"
+    for bad, said in (("gpu,cpu", "'gpu' is not a tier; each of PARAMS,OPTIMIZER is device, "
+                                  "cpu or disk"),
+                      ("cpu", "expected PARAMS,OPTIMIZER; each of"),
+                      ("disk,cpu", "offload the optimizer at least as far (disk,disk)")):
+        with pytest.raises(SystemExit):
+            main([*plan_gpt, bad])
+        err = capsys.readouterr().err
+        assert said in err and "None" not in err, err
+
+
 def test_a_callable_that_builds_no_module_is_a_one_line_error(capsys):
     from shardwise.cli import main
 
@@ -139,6 +159,32 @@ def test_a_model_of_negative_size_is_a_one_line_error(capsys):
                  '{"n_layer": -1}']) == 1
     err = capsys.readouterr().err
     assert "GPTConfig: n_layer=-1: must be a positive int" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("output, said", [
+    ("out", "the output 'out' already exists, as a file: an output without the "
+            ".safetensors suffix (or ending in /) is written as a folder"),
+    ("out/", "the output 'out/' already exists, as a file"),
+    ("out/model.safetensors", "'out', in its path, is a file, not a folder"),
+    ("out/a/b", "'out', in its path, is a file, not a folder"),
+])
+def test_consolidate_onto_a_file_says_so(output, said, tmp_path, capsys, monkeypatch):
+    """Issue 51 item 6: `shardwise consolidate CK out` with a file named out printed
+    "[Errno 17] File exists", with or without --force; the file is left alone."""
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "CK").mkdir()
+    (tmp_path / "out").write_text("mine")
+    for force in ([], ["--force"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["consolidate", "CK", output, *force])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err.replace(str(tmp_path) + os.sep, "") and "Errno" not in err, err
+    with pytest.raises(sw.ShardwiseError, match="in its path|already exists, as a file"):
+        sw.checkpoint.consolidate("CK", output)
+    assert (tmp_path / "out").read_text() == "mine"
 
 
 def test_consolidate_refuses_existing_weights_unless_forced(tmp_path, capsys):
@@ -168,3 +214,86 @@ def test_consolidate_refuses_existing_weights_unless_forced(tmp_path, capsys):
         assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
     with pytest.raises(sw.ShardwiseError, match="already exists"):  # the function's option
         sw.checkpoint.consolidate(ck, out, overwrite=False)
+
+
+def _tiny_llama(folder):
+    from transformers import LlamaConfig
+
+    # A published config names its weights' dtype (float16 for Llama 2): the model the
+    # docs build from it, LlamaForCausalLM(config), is float32 all the same.
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                dtype="float16").save_pretrained(folder)
+
+
+def _built_as_the_docs_do(rank, world, folder):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from shardwise.planning.planner import build_on_meta
+
+    planned = plan(build_on_meta(folder), world)
+    with sw.sharded_init():
+        model = LlamaForCausalLM(AutoConfig.from_pretrained(folder))
+    model = sw.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    return planned, state_bytes(model, opt)
+
+
+def test_a_config_folder_is_planned_as_the_docs_build_it(tmp_path, capsys):
+    """Issue 51 item 4: a config saying float16 was planned in float16, half the bytes
+    of the float32 model LlamaForCausalLM(config) builds under sw.sharded_init()."""
+    from shardwise.cli import main
+
+    folder = str(tmp_path / "llama")
+    _tiny_llama(folder)
+    planned, got = run_ranks(_built_as_the_docs_do, 2, folder)[0]
+    assert (planned.parameters, planned.gradients, planned.optimizer) == \
+        (got["params"], got["grads"], got["optimizer"])
+    assert main(["plan", "--model", folder, "--world", "2", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert (cli["parameters"], cli["optimizer"], cli["dtype"]) == \
+        (got["params"], got["optimizer"], "float32")
+    # The dtype assumed is printed; --dtype plans a cast model, --param-dtype the gathers.
+    assert main(["plan", "--model", folder, "--world", "2", "--param-dtype", "bfloat16"]) == 0
+    assert "parameters stored in float32, gathered in bfloat16" in capsys.readouterr().out
+    assert main(["plan", "--model", folder, "--world", "2", "--dtype", "bfloat16",
+                 "--json"]) == 0
+    half = json.loads(capsys.readouterr().out)
+    assert half["dtype"] == "bfloat16" and 2 * half["parameters"] == cli["parameters"]
+
+
+def test_a_command_s_first_lines_are_its_own(tmp_path):
+    """Issue 51 item 7: `shardwise plan --model <config folder>` began with torchao's
+    "Failed to load ..." lines and torch's pytree deprecations (transformers imports
+    torchao when it is installed)."""
+    folder = str(tmp_path / "llama")
+    _tiny_llama(folder)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"}
+    env["OMP_NUM_THREADS"] = "1"
+    for args, first in ((["--help"], "usage: shardwise"),
+                        (["plan", "--model", folder, "--world", "2"], "per rank, world size 2")):
+        out = subprocess.run([sys.executable, "-m", "shardwise.cli", *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.startswith(first), out.stdout[:2000]
+
+
+def test_a_model_path_that_is_no_config_folder_says_what_it_is(tmp_path, capsys):
+    """Issue 51 item 6: a symbolic link loop was taken for a Hub id ("Repo id must be in
+    the form ...")."""
+    from shardwise.cli import main
+
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    (tmp_path / "file").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    for path, said in ((loop, "is a symbolic link that cannot be followed"),
+                       (tmp_path / "file", "is a file; give the folder holding"),
+                       (tmp_path / "empty", "holds no config.json"),
+                       (tmp_path / "nosuch", "no such folder")):
+        assert main(["plan", "--world", "2", "--model", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Repo id" not in err and "Traceback" not in err, err

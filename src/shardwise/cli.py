@@ -52,12 +52,27 @@ def _mesh(text: str) -> tuple[int, int]:
 
 
 def _offload(text: str):
+    """``PARAMS,OPTIMIZER``, each ``device``, ``cpu`` or ``disk`` (any case; ``none``, as
+    Python's ``Offload(None, ...)`` spells it, is the device). Refused in the command
+    line's words: ``Offload``'s own messages speak of Python's ``None``."""
     from shardwise.engine.offload import Offload
+    from shardwise.engine.offload.placement import TIERS
     from shardwise.errors import ShardwiseError
 
-    parts = [t.strip() for t in text.split(",")]
+    usage = "each of PARAMS,OPTIMIZER is device, cpu or disk, e.g. device,cpu or disk,disk"
+    parts = [t.strip().lower() for t in text.split(",")]
     if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected PARAMS,OPTIMIZER, e.g. disk,disk")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PARAMS,OPTIMIZER; {usage}")
+    parts = ["device" if t == "none" else t for t in parts]
+    for t in parts:
+        if t not in TIERS:
+            raise argparse.ArgumentTypeError(f"{text!r}: {t!r} is not a tier; {usage}")
+    if TIERS.index(parts[0]) > TIERS.index(parts[1]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: parameters on {parts[0]}, the optimizer nearer, on {parts[1]}: the "
+            f"optimizer's tier holds the master shards the step updates, so parameters "
+            f"farther away would only add a copy; offload the optimizer at least as far "
+            f"({parts[0]},{parts[0]})")
     params, optimizer = (None if t == "device" else t for t in parts)
     try:  # the folder is the running job's choice; planning needs only the tiers
         return Offload(params, optimizer, "<folder>" if "disk" in parts else None)
@@ -136,11 +151,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     # next to it.
     replicas, shards = args.mesh or (1, args.world)
     world = replicas * shards
+    note = ""
     if args.model:
         try:
-            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None)
+            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None,
+                                  args.dtype)
         except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
             raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
+        if ":" not in args.model and args.dtype is None:  # Note [the dtype planned]
+            note = ("  (a config folder is planned in float32, as LlamaForCausalLM(config) "
+                    "builds it; --dtype plans another, --param-dtype the gathered units')")
         if not isinstance(model, torch.nn.Module):
             raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
                                  f"torch.nn.Module")
@@ -155,14 +175,20 @@ def _plan_command(args: argparse.Namespace) -> int:
         raise ShardwiseError("--offload needs --model: the bytes per tier follow the "
                              "engine's layout of the real parameters")
     elif args.params and args.layers:
+        stored = args.dtype or torch.float32
+        size = torch.empty(0, dtype=stored).element_size()
         compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
         n, layers = int(args.params), args.layers
-        result = uniform_plan(n, layers, shards, 4, args.optimizer, compute, activations)
+        result = uniform_plan(n, layers, shards, size, args.optimizer, compute, activations)
         if args.mesh:
-            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, 4, compute),
-                            uniform_plan(n, layers, world, 4, args.optimizer, compute,
+            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, size,
+                                                      compute),
+                            uniform_plan(n, layers, world, size, args.optimizer, compute,
                                          activations),
-                            uniform_comm_plan(n, layers, 1, world, 4, compute))
+                            uniform_comm_plan(n, layers, 1, world, size, compute))
+        for p in (result, mesh.flat_memory) if args.mesh else (result,):
+            p.dtype = _dtype_name(stored)
+            p.compute_dtype = _dtype_name(dtype or stored)
     else:
         raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
                              "or --params and --layers")
@@ -170,7 +196,13 @@ def _plan_command(args: argparse.Namespace) -> int:
         print(mesh.to_json() if args.json else mesh.table())
     else:
         print(to_json(result) if args.json else result.table())
+    if note and not args.json:
+        print(note)
     return 0
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -216,13 +248,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "per step within and across nodes, and flat ZeRO-3 over R*S")
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adam", "sgd", "sgd-momentum"])
+    p.add_argument("--dtype", type=_float_dtype,
+                   help="dtype the parameters are stored in (master shards, gradients, "
+                        "optimizer state), as model.to(DTYPE) before sw.shard; default: "
+                        "float32 for --params and a Hugging Face config folder (what "
+                        "LlamaForCausalLM(config) builds), the callable's own otherwise")
     p.add_argument("--param-dtype", type=_float_dtype,
-                   help="compute dtype of gathered units, e.g. bfloat16")
+                   help="compute dtype of gathered units, MixedPrecision(param_dtype=...), "
+                        "e.g. bfloat16")
     p.add_argument("--activation-gib", type=_non_negative, default=0.0,
                    help="activations per rank (depends on batch and sequence; default 0)")
     p.add_argument("--offload", type=_offload, metavar="PARAMS,OPTIMIZER",
-                   help="with --model: tiers of sw.Offload, each device, cpu or disk "
-                        "(e.g. device,cpu or disk,disk); adds bytes per tier and bytes "
+                   help="with --model: tiers of sw.Offload, each device (or none), cpu or "
+                        "disk (e.g. device,cpu or disk,disk); adds bytes per tier and bytes "
                         "moved per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan_command)

@@ -254,6 +254,23 @@ class Matched:
             out.append(f"not in the model: {summary(self.unexpected)}")
         return out
 
+    def advice(self, strict: bool = True) -> str:
+        """What fits :meth:`problems` of a source of pretrained weights, in parentheses:
+        names that differ can be renamed or forgiven, a shape that differs cannot."""
+        parts = []
+        if strict and (self.missing or self.unexpected):
+            parts.append("pass rename={'old.prefix.': 'new.prefix.'} if the names differ "
+                         "only by a prefix, or strict=False to ignore missing and "
+                         "unexpected keys")
+        if self.mismatched:
+            parts.append("a shape that differs is not a naming problem: rename= and "
+                         "strict=False do not apply. Build the model from the config saved "
+                         "with these weights (AutoConfig.from_pretrained(folder): hidden "
+                         "size, vocabulary, heads), resize it as the weights were "
+                         "(resize_token_embeddings) before loading, or load the weights of "
+                         "the model you built: this source may be another model's")
+        return f" ({'; '.join(parts)})" if parts else ""
+
 
 def match_targets(params: list[ParamTarget], buffers: Mapping[str, torch.Tensor],
                   saved: Mapping[str, tuple[tuple[int, ...], str | None]],

@@ -45,6 +45,17 @@ def output_problem(checkpoint: str, output: str) -> str | None:
     if os.path.islink(output.rstrip("/") or output) and not os.path.exists(output):
         return (f"the output {output!r} is a symbolic link that leads nowhere (a loop, or "
                 f"a missing target); remove it or name another output")
+    bare = output.rstrip(os.sep) or output
+    if _as_folder(output) and os.path.exists(bare) and not os.path.isdir(bare):
+        return (f"the output {output!r} already exists, as a file: an output without the "
+                f".safetensors suffix (or ending in /) is written as a folder (the Hugging "
+                f"Face layout), and a file is in its place. Name a .safetensors file to "
+                f"write one file, or a folder, or move the file away (--force replaces "
+                f"weights files, never a file by a folder)")
+    blocking = _file_in_path(output)
+    if blocking is not None:
+        return (f"the output {output!r} cannot be made: {blocking!r}, in its path, is a "
+                f"file, not a folder; name an output elsewhere")
     out, ck = os.path.realpath(output), os.path.realpath(checkpoint)
     if out == ck:
         return (f"the output {output!r} is the checkpoint folder itself; name a file or "
@@ -55,6 +66,17 @@ def output_problem(checkpoint: str, output: str) -> str | None:
             return (f"the output {output!r} would overwrite the checkpoint's own "
                     f"{first}; write it elsewhere")
     return None
+
+
+def _file_in_path(output: str) -> str | None:
+    """The first existing entry above ``output`` that is not a folder, or None."""
+    parent = os.path.dirname(os.path.abspath(output))
+    while not os.path.lexists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            return None
+        parent = up
+    return None if os.path.isdir(parent) else parent
 
 
 def exists_problem(output: str) -> str | None:

@@ -139,9 +139,8 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
             problems.append(f"{key}: the source holds {src.dtype(key)}, not "
                             f"floating-point weights to quantize")
     if problems:
-        hint = (" (pass rename={'old.prefix.': 'new.prefix.'} if the names differ only by a "
-                "prefix, or strict=False to ignore missing and unexpected keys)")
-        raise ShardwiseError(f"{src.description}: " + "; ".join(problems) + hint)
+        raise ShardwiseError(f"{src.description}: " + "; ".join(problems)
+                             + match.advice(strict))
     loaded = {n for t, _ in match.params for n in t.names}
     loaded |= {n for t, _ in quantized for n in t.names}
     _check_base_filled(module, loaded, match.unexpected, src.description)

@@ -35,6 +35,41 @@ from ._lock import FolderLock
 from ._schema import CHECKSUM, canonical_sha256, validate
 
 
+def no_checkpoint(path: str) -> str:
+    """Why ``path`` holds no checkpoint, for a message: a path that does not exist (a
+    typo), a file, or a folder without ``checkpoint.json`` (another folder, a save that
+    never finished: the metadata is written last), naming the checkpoints inside it."""
+    if not os.path.lexists(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        near = ""
+        if os.path.isdir(parent):
+            import difflib
+
+            close = difflib.get_close_matches(os.path.basename(os.path.abspath(path)),
+                                              sorted(os.listdir(parent)), n=3)
+            near = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        where = "" if os.path.isdir(parent) else f" (nor its parent, {parent!r})"
+        cwd = "" if os.path.isabs(path) else f" (relative to {os.getcwd()!r})"
+        return f"{path}: no such checkpoint folder{where}: check the path{cwd}{near}"
+    if not os.path.exists(path):
+        return (f"{path}: a symbolic link that leads nowhere (a loop, or a missing target), "
+                f"not a checkpoint folder")
+    if not os.path.isdir(path):
+        return (f"{path}: a file, not a checkpoint folder (a checkpoint is the folder "
+                f"sw.save_checkpoint wrote, holding {META})")
+    try:
+        inside = sorted(e for e in os.listdir(path)
+                        if os.path.isfile(os.path.join(path, e, META)))
+    except OSError:
+        inside = []
+    if inside:
+        shown = ", ".join(repr(e) for e in inside[-3:])
+        return (f"{path}: a folder without {META}, not a checkpoint itself; it holds "
+                f"checkpoints ({len(inside)}, the last by name: {shown}): pass one of them")
+    return (f"{path}: a folder without {META}: not a shardwise checkpoint (or a save that "
+            f"did not finish: {META} is written last)")
+
+
 class VerifiedCheckpoint:
     """A verified view of a checkpoint folder's metadata and files: what reads one.
 
@@ -63,7 +98,7 @@ class VerifiedCheckpoint:
         self.path = path
         meta_path = os.path.join(path, META)
         if not os.path.isfile(meta_path):
-            raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
+            raise ShardwiseError(no_checkpoint(path))
         try:
             if expect is not None and os.path.getsize(meta_path) > _meta_cap(expect):
                 raise ShardwiseError(
@@ -214,7 +249,7 @@ def sign_checkpoint(path: str | os.PathLike) -> str:
     """
     path = path_argument(path, "sign_checkpoint")
     if not os.path.isfile(os.path.join(path, META)):
-        raise ShardwiseError(f"{path}: not a shardwise checkpoint ({META} is missing)")
+        raise ShardwiseError(no_checkpoint(path))
     lock = FolderLock(path)
     lock.acquire()
     try:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError, ShardwiseError
 from .channel import EXCHANGE, Channel, channel_of
-from .peers import enable_publishing, sliced, wait_watched
+from .peers import LEFT_EARLY, departed, enable_publishing, sliced, wait_watched
 from .scalars import mark
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -242,11 +242,22 @@ class Comm:
         peer watch's last warning during the wait, which says more."""
         if warned is not None:
             return CollectiveError(f"{warned}. The wait then ended: {err}")
+        # A peer that exited closes its connections, and the wait fails at once: name it
+        # when its note says so (Note [peer watch]).
+        timed_out = "timed out" in str(err).lower()
+        left, notes = departed(self, patience=0.0 if timed_out else 1.0)
+        if left:
+            return CollectiveError(
+                f"rank {self.rank}: {what} did not complete: rank(s) {left} exited (their "
+                f"processes are gone; {notes}). {LEFT_EARLY}. (The error was: {err})")
         return CollectiveError(
-            f"rank {self.rank}: {what} did not complete ({err}). Another rank failed or "
-            f"never joined it within the process group's timeout: look for another rank's "
-            f"error first. If none raised, the ranks diverged (ran different code, or one "
-            f"stopped early); rerun with SHARDWISE_CHECK=1 to see where. The timeout is "
+            f"rank {self.rank}: {what} did not complete ({err}). Another rank failed, "
+            f"exited or never joined it within the process group's timeout: look for "
+            f"another rank's error first. If none raised, the ranks diverged (ran "
+            f"different code, or one stopped early: a rank whose data ran out first needs "
+            f"the same number of batches as the others: sw.micro_batches(batch, M), "
+            f"drop_last=True in the DataLoader, or DistributedSampler); rerun with "
+            f"SHARDWISE_CHECK=1 to see where. The timeout is "
             f"sw.init_distributed(timeout=...)")
 
     def broadcast_tensors(self, tensors: list[torch.Tensor], src: int,

@@ -229,9 +229,7 @@ class _Watch:
         if dead:
             raise CollectiveError(
                 f"{waited}, but rank(s) {dead} exited (their processes are gone). {lines}. "
-                f"A rank that stops early (its data ran out, an error it caught) leaves "
-                f"its peers waiting: give every rank the same number of batches "
-                f"(DistributedSampler pads them), and look for that rank's own error")
+                f"{LEFT_EARLY}")
         if elsewhere:
             raise CollectiveError(
                 f"{waited}, which its peers are not in: {lines}. Every rank must run "
@@ -278,16 +276,7 @@ class _Watch:
         dead: list[int] = []
         elsewhere: list[int] = []
         outside: list[int] = []
-        for r in range(self.comm.world_size):
-            g = self.comm.global_rank(r)
-            key = _KEY.format(g)
-            try:
-                if g == dist.get_rank() or not store.check([key]):
-                    continue
-                raw = store.get(key).decode()
-            except Exception:  # noqa: BLE001 - no note to read: nothing to conclude
-                continue
-            note = json.loads(raw)
+        for r, (raw, note) in _notes(self.comm, store).items():
             notes[r] = note
             if _gone(note):
                 dead.append(r)
@@ -301,9 +290,57 @@ class _Watch:
         return notes, dead, elsewhere, outside
 
 
+def _notes(comm: Any, store: Any) -> dict[int, tuple[str, dict]]:
+    """Each peer's note, as written and as read, by its rank in ``comm``."""
+    out: dict[int, tuple[str, dict]] = {}
+    for r in range(comm.world_size):
+        g = comm.global_rank(r)
+        key = _KEY.format(g)
+        try:
+            if g == dist.get_rank() or not store.check([key]):
+                continue
+            raw = store.get(key).decode()
+            out[r] = raw, json.loads(raw)
+        except Exception:  # noqa: BLE001 - no note to read: nothing to conclude
+            continue
+    return out
+
+
+# What to do about a rank that left, in every error that names one (docs/parameters.md
+# promises the rank and the fix for uneven data).
+LEFT_EARLY = (
+    "A rank that stops early leaves its peers waiting. If its data ran out first (the "
+    "ranks ran different numbers of batches), give every rank the same number of "
+    "batches: cut one global batch per step with sw.micro_batches(batch, M), or use "
+    "drop_last=True in the DataLoader, or DistributedSampler, whose padding gives every "
+    "rank the same count. If it failed, look for that rank's own error")
+
+
+def departed(comm: Any, patience: float = 0.0) -> tuple[list[int], str]:
+    """The ranks of ``comm`` whose processes are known to have exited, and what every
+    peer's note says; waits up to ``patience`` seconds for one to be (a connection is
+    closed a moment before the process that closed it is gone). ``([], "")`` when no
+    note can be read: a world of one, NCCL, the watch off, or peers on other hosts whose
+    notes are no evidence (Note [peer watch])."""
+    store = _store() if _publishing and dist.is_initialized() else None
+    if store is None or comm.world_size == 1:
+        return [], ""
+    end = time.monotonic() + patience
+    while True:
+        notes = {r: note for r, (_, note) in _notes(comm, store).items()}
+        gone = [r for r, note in sorted(notes.items()) if _gone(note)]
+        if gone or time.monotonic() >= end or not any(n.get("host") == _HOST
+                                                      for n in notes.values()):
+            break
+        time.sleep(0.05)
+    return gone, "; ".join(f"rank {r} " + _say(n) for r, n in sorted(notes.items()))
+
+
 def _gone(note: dict) -> bool:
     """Whether the note's process is known to have exited: on this host, no process of
-    its pid (elsewhere there is no such evidence; gloo's broken connections tell)."""
+    its pid, or one that has exited and waits for its parent to reap it (a zombie: a
+    rank of a launcher that has not looked yet). Elsewhere there is no such evidence;
+    gloo's broken connections tell."""
     if note.get("host") != _HOST or not isinstance(note.get("pid"), int):
         return False
     try:
@@ -312,7 +349,12 @@ def _gone(note: dict) -> bool:
         return True
     except OSError:
         return False  # it exists, as another user's process
-    return False
+    try:
+        with open(f"/proc/{note['pid']}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False  # not Linux, or it went between the two looks: the next look tells
+    return state in ("Z", "X")
 
 
 def _say(note: dict) -> str:

@@ -28,6 +28,12 @@ def _rank_and_world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 def _split(batch: Any, count: int, path: str) -> list[Any]:
     """``batch`` cut into ``count`` equal parts along dim 0, keeping its structure."""
     if isinstance(batch, torch.Tensor):
+        if batch.dim() and batch.shape[0] == 0:
+            raise ShardwiseError(f"micro_batches: {path} has 0 rows: an empty batch (the "
+                                 f"data ran out, or a loader's last, partial batch) has "
+                                 f"nothing to cut into {count} micro-batches, and the "
+                                 f"ranks would run none; skip it, or use drop_last=True "
+                                 f"in the DataLoader")
         if batch.dim() == 0 or batch.shape[0] % count:
             size = "a 0-dim tensor" if batch.dim() == 0 else f"{batch.shape[0]} rows"
             raise ShardwiseError(f"micro_batches: {path} has {size}, which does not split "
@@ -64,8 +70,8 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
 
     Raises:
         ShardwiseError: the world size does not divide ``count``, a tensor's length
-            does not split into ``count`` equal parts, the tensors' lengths differ, or
-            the batch holds no tensor.
+            does not split into ``count`` equal parts, a tensor has no rows, the tensors'
+            lengths differ, or the batch holds no tensor.
 
     Example:
         >>> model = sw.shard(GPT(cfg), reproducible=True)

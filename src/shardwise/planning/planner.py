@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -61,6 +62,10 @@ class MemoryPlan:
     # ``sw.no_sync(model, keep_gathered=False)`` or an Offload).
     accumulated_grads: int = 0
     held_params: int = 0
+    # The dtypes planned: what the parameters are stored in (the master shards, the
+    # gradients and the optimizer's state follow it) and what units are gathered in.
+    dtype: str = ""
+    compute_dtype: str = ""
 
     @property
     def total(self) -> int:
@@ -85,6 +90,9 @@ class MemoryPlan:
         width = max(len(r[0]) for r in rows)
         lines = [f"per rank, world size {self.world_size}, {self.units} units"
                  + (f", offload: {self.offload}" if self.offload else "")]
+        if self.dtype:
+            lines.append(f"  parameters stored in {self.dtype}, gathered in "
+                         f"{self.compute_dtype or self.dtype}")
         lines += [f"  {name:<{width}}  {b / 2**20:12.1f} MiB" for name, b in rows]
         return "\n".join(lines)
 
@@ -132,12 +140,15 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     per_elem, per_param = _OPTIMIZERS[optimizer]
     params = grads = opt = accumulated = held = 0
     unit_bytes = []
+    stored: dict[torch.dtype, None] = {}    # in order of first appearance
+    computed: dict[torch.dtype, None] = {}
     traffic = _Traffic(offload, per_elem)
     for i, recs in enumerate(per_unit):
         full = frozen = 0
         for spec in group_specs(recs, param_dtype, None):
             p = spec.records[0].param
             size = p.element_size()
+            stored[p.dtype] = computed[spec.compute_dtype] = None
             layout = build_layout([tuple(r.param.shape) for r in spec.records], world_size)
             params += layout.shard_numel * size
             group_full = layout.full_numel * _itemsize(spec.compute_dtype)
@@ -161,7 +172,7 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     ranked = sorted(unit_bytes, reverse=True) + [0, 0]
     return MemoryPlan(world_size, params, grads, opt, ranked[0], ranked[1], activation_bytes,
                       len(chosen), traffic.describe, traffic.tiers, traffic.moved,
-                      traffic.minimum, accumulated, held)
+                      traffic.minimum, accumulated, held, _names(stored), _names(computed))
 
 
 class _Traffic:
@@ -221,17 +232,87 @@ def uniform_plan(n_params: int, n_layers: int, world_size: int, dtype_bytes: int
                       activation_bytes, n_layers)
 
 
-def build_on_meta(spec: str, kwargs: dict | None = None) -> nn.Module:
+def _names(dtypes: dict[torch.dtype, None]) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def build_on_meta(spec: str, kwargs: dict | None = None,
+                  dtype: torch.dtype | None = None) -> nn.Module:
     """Build ``package.module:callable`` (or a Hugging Face ``config.json`` folder) on the
-    meta device, at no memory cost."""
-    with torch.device("meta"):
-        if ":" in spec:
-            module_name, _, attr = spec.partition(":")
-            obj = getattr(importlib.import_module(module_name), attr)
-            return obj(**(kwargs or {}))
+    meta device, at no memory cost.
+
+    A Hugging Face folder is built as ``LlamaForCausalLM(config)`` builds it (under
+    ``sw.sharded_init()`` too): in torch's default dtype, float32, whatever the config's
+    ``torch_dtype`` says (Note [the dtype planned]). ``dtype`` casts the floating-point
+    parameters of either kind of model, as ``model.to(dtype)`` before ``sw.shard`` would.
+
+    Raises:
+        ShardwiseError: ``spec`` names a path that cannot be read as a config folder (a
+            symbolic link loop, a file, a folder without ``config.json``, no permission).
+    """
+    if ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        obj = getattr(importlib.import_module(module_name), attr)
+        with torch.device("meta"):
+            model = obj(**(kwargs or {}))
+    else:
+        model = _build_hf(spec)
+    if dtype is not None and isinstance(model, nn.Module):
+        model.to(dtype)  # on the meta device: no memory, floating-point tensors only
+    return model
+
+
+# Note [the dtype planned]
+# A published config names the dtype its weights were saved in (``torch_dtype``: float16
+# for Llama 2, bfloat16 for Llama 3), and ``AutoModelForCausalLM.from_config`` builds in
+# it. The docs build ``LlamaForCausalLM(config)`` under ``sw.sharded_init()`` (and
+# ``shardwise plan`` used to plan ``from_config``'s model): that is float32, torch's
+# default, and the bytes a rank needs are twice the half-precision plan's. So a config
+# folder is planned in float32, the dtype is printed, and ``--dtype`` plans another
+# (a model cast with ``model.to(torch.bfloat16)`` before ``sw.shard``); ``--param-dtype``
+# is the gathered units' dtype, ``MixedPrecision(param_dtype=...)``, as for any model.
+def _build_hf(spec: str) -> nn.Module:
+    _check_config_folder(spec)
+    from ..engine.quantize import _quiet_import
+
+    # transformers imports torchao when it is installed, which logs every CUDA library it
+    # cannot load: a command's output must begin with its own lines.
+    with _quiet_import():
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec))
+        config = AutoConfig.from_pretrained(spec)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    return model.to(torch.get_default_dtype())
+
+
+def _check_config_folder(spec: str) -> None:
+    """Refuse, saying why, a local path that is no readable config folder (transformers
+    would take it for a Hub repository id and say "Repo id must be in the form ...")."""
+    from ..errors import ShardwiseError
+
+    if not os.path.lexists(spec):
+        if spec.startswith((os.sep, ".", "~")) or spec.count("/") > 1:
+            raise ShardwiseError(f"{spec!r}: no such folder; give a folder holding a Hugging "
+                                 f"Face config.json, or package.module:callable")
+        return  # perhaps a Hub repository id: transformers says what it finds
+    try:
+        os.stat(spec)
+    except OSError as e:
+        if os.path.islink(spec):
+            raise ShardwiseError(
+                f"{spec!r} is a symbolic link that cannot be followed ({e.strerror}: a loop, "
+                f"or a link to a missing target); give the config folder itself") from None
+        raise ShardwiseError(f"{spec!r} cannot be read ({e.strerror})") from None
+    if not os.path.isdir(spec):
+        raise ShardwiseError(f"{spec!r} is a file; give the folder holding a Hugging Face "
+                             f"config.json, or package.module:callable")
+    config = os.path.join(spec, "config.json")
+    if not os.path.isfile(config):
+        raise ShardwiseError(f"{spec!r} holds no config.json: not a Hugging Face model "
+                             f"folder (give the folder save_pretrained wrote)")
+    if not os.access(config, os.R_OK) or not os.access(spec, os.R_OK | os.X_OK):
+        raise ShardwiseError(f"{config!r} cannot be read (permission denied)")
 
 
 def to_json(p: MemoryPlan) -> str:
