@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .._registry import has_instance_attribute, remove_instance_method
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint._format import remove_checkpoint
 from ..comm.order_check import watch_steps
 from ..engine import hooks as engine_hooks
 from ..engine.state import model_state
@@ -248,6 +249,14 @@ class ShardwiseStrategy(DDPStrategy):
         extra = {"format": _FORMAT, "checkpoint": _to_json(rest, "checkpoint")}
         assert self.model is not None
         save_checkpoint(path, self.model, optimizer, extra=extra)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint folder this strategy wrote (``ModelCheckpoint`` dropping
+        one beyond ``save_top_k``): on the main process, only what ``sw.save_checkpoint``
+        wrote there, never through a link (Note [what shardwise deletes] in _fs.py).
+        Lightning's own removal deletes the whole tree at that path."""
+        if self.is_global_zero:
+            remove_checkpoint(os.fspath(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any,
                         weights_only: bool | None = None) -> dict[str, Any]:
