@@ -1,7 +1,9 @@
 """Deleting files: only names shardwise can prove are its own, never through a link.
 
 Note [what shardwise deletes]
-Every deletion in shardwise goes through this module. A folder shardwise deletes from is
+Every deletion in shardwise goes through this module (but one: ``shardwise demo``
+removes the folder it created itself for a run that then failed). A folder shardwise
+deletes from is
 opened once, with ``O_NOFOLLOW | O_DIRECTORY``, and every later step names entries
 relative to that descriptor (``dir_fd=``), so a path that is a symbolic link, or that is
 swapped for one half-way, is never followed: a link in the run folder, the checkpoint
