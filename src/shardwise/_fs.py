@@ -3,18 +3,18 @@
 Note [what shardwise deletes]
 Every deletion in shardwise goes through this module (but one: ``shardwise demo``
 removes the folder it created itself for a run that then failed). A folder shardwise
-deletes from is
-opened once, with ``O_NOFOLLOW | O_DIRECTORY``, and every later step names entries
-relative to that descriptor (``dir_fd=``), so a path that is a symbolic link, or that is
-swapped for one half-way, is never followed: a link in the run folder, the checkpoint
-folder or the offload folder leads nowhere. In the folder, only regular files whose names
-the caller recognises as its own are removed (``rank-00001-of-00002.safetensors``, a
-failure record ``rank3-4711.json``); a link or a folder of that name, and every other
-file, stays. A folder is removed only once it is empty, with ``rmdir``, which never
-removes anything else. So a folder of someone else's files that happens to sit where
-shardwise deletes loses nothing, and what shardwise leaves behind is named at debug
-level. docs/reliability.md lists each place, and tests/test_safety.py points every one
-of them at a link and at a folder of foreign files.
+deletes from is opened once, with ``O_NOFOLLOW | O_DIRECTORY``, and every later step
+names entries relative to that descriptor (``dir_fd=``), so a path that is a symbolic
+link, or that is swapped for one half-way, is never followed: a link in the run folder,
+the checkpoint folder or the offload folder leads nowhere. In the folder, only regular
+files the caller recognises as its own are removed (``rank-00001-of-00002.safetensors``
+with a shardwise header, a failure record ``rank3-4711.json`` that parses as one); a
+link or a folder of that name, and every other file, stays. A folder is removed only
+once it is empty, with ``rmdir``, which never removes anything else. So a folder of
+someone else's files that happens to sit where shardwise deletes loses nothing, and what
+shardwise leaves behind is named at debug level. docs/reliability.md lists each place,
+and tests/test_safety.py points every one of them at a link and at a folder of foreign
+files.
 """
 
 from __future__ import annotations
