@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ("base", "errors and argument checks, environment switches, the logger, what is "
              "attached to modules",
      ["shardwise.errors", "shardwise._args", "shardwise._env", "shardwise._log",
-      "shardwise._registry"]),
+      "shardwise._registry", "shardwise._fs"]),
     ("comm", "collectives, process groups and meshes, the checks riding on them",
      ["shardwise.comm"]),
     ("exact", "the reproducible mode's arithmetic", ["shardwise.exact"]),

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import struct
 import sys
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._fs import kind, open_dir, read_head, remove_empty_dir, remove_own_files, unlink_own
 from ..errors import ShardwiseError
 
 FORMAT = "shardwise-checkpoint"
@@ -42,6 +44,9 @@ META = "checkpoint.json"
 BUFFERS_FILE = "buffers.safetensors"
 TMP_MARK = ".tmp-"  # temporary files are named <final name>.tmp-<pid>
 PIECES = "pieces"  # a rank file's header entry: {parameter: [offset, count]}
+DATA_DIR = re.compile(r"data-[0-9a-f]{1,64}")  # a save's data folder (a random id)
+_RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}\.safetensors")
+_TMP = re.compile(r"(.+)" + re.escape(TMP_MARK) + r"\d+")
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -117,6 +122,91 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def create_temporary(tmp: str) -> int:
+    """Create ``tmp`` (a ``<name>.tmp-<pid>`` of ours) for writing, as a new file: never
+    opened through a link, never an existing file truncated (a link or a hard link of
+    that name would have made the write land in, or truncate, a file shardwise did not
+    write). A name left there by a dead process of the same pid is replaced: it is
+    removed, which removes only the name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(tmp, flags, 0o644)
+    except FileExistsError:
+        os.unlink(tmp)
+        return os.open(tmp, flags, 0o644)
+
+
+def _final_name(name: str) -> str:
+    """``name`` without the temporary mark of :func:`write_atomic` (if it has one)."""
+    m = _TMP.fullmatch(name)
+    return m.group(1) if m else name
+
+
+def own_data_file(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` in the folder ``dir_fd`` is a data file a save wrote: named as a
+    save names them, with a safetensors header that says it is shardwise's."""
+    final = _final_name(name)
+    if final != BUFFERS_FILE and _RANK_FILE.fullmatch(final) is None:
+        return False
+    head = read_head(name, dir_fd, 8)
+    if len(head) < 8:
+        return False
+    n = struct.unpack("<Q", head)[0]
+    if n > 1 << 28:
+        return False
+    try:
+        header = json.loads(read_head(name, dir_fd, 8 + n)[8:])
+        return header["__metadata__"]["format"] == FORMAT
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def own_meta_temporary(dir_fd: int, name: str) -> bool:
+    """Whether ``name`` is a temporary ``checkpoint.json`` a save left behind."""
+    return name != META and _final_name(name) == META
+
+
+def remove_data_folder(parent_fd: int, name: str, where: str) -> bool:
+    """Remove the data folder ``name`` (in the folder ``parent_fd``) as shardwise wrote
+    it: its data files, then the folder if nothing else is in it (Note [what shardwise
+    deletes] in _fs.py). Whether it is gone."""
+    if DATA_DIR.fullmatch(name) is None:
+        return False
+    fd = open_dir(name, parent_fd)
+    if fd is None:
+        return False  # a link, a file, or gone
+    try:
+        remove_own_files(fd, own_data_file, os.path.join(where, name))
+    finally:
+        os.close(fd)
+    return remove_empty_dir(name, parent_fd)
+
+
+def remove_checkpoint(path: str) -> bool:
+    """Remove the checkpoint folder ``path`` as shardwise wrote it: its data folders,
+    ``checkpoint.json`` and its temporaries and a lock nobody holds, then the folder once
+    empty. Never through a link; anything else stays (Note [what shardwise deletes]).
+    Whether the folder is gone."""
+    from ._lock import remove_if_free
+
+    fd = open_dir(path)
+    if fd is None:
+        return kind(path) is None
+    try:
+        # The metadata first: a removal cut short leaves an incomplete checkpoint, which
+        # nothing loads, never metadata naming missing data.
+        if kind(META, fd) == "file":
+            os.unlink(META, dir_fd=fd)
+        for name in os.listdir(fd):
+            if DATA_DIR.fullmatch(name):
+                remove_data_folder(fd, name, path)
+        remove_if_free(fd)
+        remove_own_files(fd, own_meta_temporary, path)
+    finally:
+        os.close(fd)
+    return remove_empty_dir(path)
+
+
 def write_atomic(path: str, data: bytes,
                  before_rename: Callable[[], None] | None = None) -> dict[str, Any]:
     """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256.
@@ -124,8 +214,9 @@ def write_atomic(path: str, data: bytes,
     ``before_rename`` runs once the temporary file is complete (a point of the save
     protocol, Note [save protocol] in save.py)."""
     tmp = f"{path}{TMP_MARK}{os.getpid()}"
+    fd = create_temporary(tmp)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -134,8 +225,7 @@ def write_atomic(path: str, data: bytes,
         os.replace(tmp, path)
     except BaseException:
         # A full disk must not stay full of our own debris.
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        unlink_own(tmp)
         raise
     fsync_dir(os.path.dirname(path) or ".")
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -198,7 +288,7 @@ class SafetensorsStreamWriter:
         self.path = path
         self.total_bytes = offset
         self._tmp = f"{path}{TMP_MARK}{os.getpid()}"
-        self._f = open(self._tmp, "wb")
+        self._f = open(create_temporary(self._tmp), "wb")  # noqa: SIM115 - closed by close()
         self._hash = hashlib.sha256()
         self._bytes = 0
         self._put(struct.pack("<Q", len(raw)))
@@ -248,8 +338,7 @@ class SafetensorsStreamWriter:
     def abort(self) -> None:
         if not self._f.closed:
             self._f.close()
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        unlink_own(self._tmp)
 
 
 class Progress:

@@ -22,6 +22,7 @@ under it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -30,6 +31,7 @@ import socket
 import stat
 import time
 
+from .._fs import unlink_own
 from ..errors import ShardwiseError
 
 LOCK = "checkpoint.lock"
@@ -67,6 +69,9 @@ class FolderLock:
             if same:
                 break
             os.close(fd)  # the holder removed the file we locked: lock the new one
+        if not _ours(fd):
+            os.close(fd)
+            raise self._foreign()
         os.ftruncate(fd, 0)
         info = {"host": socket.gethostname(), "pid": os.getpid(),
                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -90,6 +95,8 @@ class FolderLock:
                 f"{self.path} is not a regular file ({_kind(st.st_mode)}), and shardwise "
                 f"uses that name for its lock. Remove it (rm {self.path}) or save into "
                 f"another folder")
+        if st is not None and st.st_nlink > 1:
+            raise self._foreign()  # a hard link: writing the lock would write that file
         try:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except PermissionError as e:
@@ -113,6 +120,8 @@ class FolderLock:
                 if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                     raise self._held() from None
                 raise self._refused(e) from e
+            if not _ours(fd):
+                raise self._foreign()
             try:
                 os.unlink(self.path)  # its writer died: the lock is stale
             except FileNotFoundError:
@@ -127,6 +136,13 @@ class FolderLock:
             f"{os.path.dirname(self.path)} is being written by another save "
             f"({self._holder()}); two jobs must not save into one checkpoint "
             f"folder: give each job its own path")
+
+    def _foreign(self) -> ShardwiseError:
+        return ShardwiseError(
+            f"{self.path} is not a lock file shardwise wrote (it holds other data, or is "
+            f"a hard link to another file), and shardwise uses that name for its lock, "
+            f"which it overwrites and deletes. Move that file away, or save into another "
+            f"folder")
 
     def _refused(self, err: OSError) -> ShardwiseError:
         """The OS refused the lock file: say whose it is and what to do."""
@@ -146,10 +162,10 @@ class FolderLock:
         """Remove the lock file and release the lock (idempotent)."""
         if self._fd is None:
             return
-        try:
-            os.remove(self.path)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            # Only the file locked: a name replaced meanwhile (by a link, another file)
+            # is not ours to remove.
+            unlink_own(self.path, inode=os.fstat(self._fd).st_ino)
         os.close(self._fd)
         self._fd = None
 
@@ -161,6 +177,43 @@ class FolderLock:
                     f"{info['since']}")
         except (OSError, ValueError, KeyError, TypeError):
             return "held by a process that has not yet written its name"
+
+
+def _ours(fd: int) -> bool:
+    """Whether the open lock file holds what :meth:`FolderLock.acquire` writes (or
+    nothing: a holder killed before writing it), so that taking it over destroys
+    nothing of anyone else's."""
+    raw = os.pread(fd, 4097, 0)
+    if not raw:
+        return True
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(info, dict) and set(info) <= {"host", "pid", "since"}
+
+
+def remove_if_free(dir_fd: int) -> None:
+    """Remove the lock file of the folder ``dir_fd`` if nobody holds it and shardwise
+    wrote it (a removal of a whole checkpoint folder: Note [what shardwise deletes])."""
+    try:
+        fd = os.open(LOCK, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError:
+        return  # none, a link, or not ours to open
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_nlink > 1:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # held: a save is running
+        if _ours(fd) and os.stat(LOCK, dir_fd=dir_fd, follow_symlinks=False).st_ino == \
+                os.fstat(fd).st_ino:
+            os.unlink(LOCK, dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _user(uid: int) -> str:

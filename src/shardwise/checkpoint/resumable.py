@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -42,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from .._args import require_module, require_optimizer
+from .._fs import kind, open_dir
 from .._log import logger
 from ..comm.agree import agreed
 from ..errors import ShardwiseError
@@ -50,6 +50,7 @@ from ._format import (
     path_argument,
     python_rng_state,
     read_json,
+    remove_checkpoint,
     set_python_rng_state,
     write_json_atomic,
 )
@@ -226,7 +227,18 @@ class Resumable:
     def _take_folder(self) -> None:
         def take() -> None:
             if self.rank == 0:
-                os.makedirs(os.path.join(self.folder, _FAILURES), exist_ok=True)
+                os.makedirs(self.folder, exist_ok=True)
+                failures = os.path.join(self.folder, _FAILURES)
+                found = kind(failures)
+                if found is None:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(failures)
+                elif found != "dir":
+                    raise ShardwiseError(
+                        f"Resumable: {failures} is {_WHAT[found]}; Resumable writes its "
+                        f"failure records there and deletes them once reported, so it "
+                        f"must be a folder of the run's own, never a link. Remove it (it "
+                        f"is made again), or point Resumable at another folder")
                 lock = FolderLock(self.folder)
                 lock.acquire()
                 self._lock = lock
@@ -318,7 +330,10 @@ class Resumable:
         kept = set(complete[-self.keep:])
         for s in self._steps_on_disk():
             if s not in kept:
-                shutil.rmtree(self._path(s), ignore_errors=True)
+                # Only what save_checkpoint wrote, never through a link (Note [what
+                # shardwise deletes] in _fs.py).
+                with contextlib.suppress(OSError):
+                    remove_checkpoint(self._path(s))
 
     # -- failures -----------------------------------------------------------------------
 
@@ -329,9 +344,11 @@ class Resumable:
                   "restart": _env_int("TORCHELASTIC_RESTART_COUNT"),
                   "error": f"{type(error).__name__}: {error}"[:2000],
                   "last_checkpoint": last[-1] if last else None, "time": time.time()}
+        failures = os.path.join(self.folder, _FAILURES)
         with contextlib.suppress(OSError):
-            write_json_atomic(os.path.join(self.folder, _FAILURES,
-                                           f"rank{self.rank}-{os.getpid()}.json"), record)
+            if kind(failures) == "dir":  # never through a link (checked at start too)
+                write_json_atomic(os.path.join(failures,
+                                               f"rank{self.rank}-{os.getpid()}.json"), record)
         history = self._history() + [record]
         note = (f"shardwise.Resumable: failed at step {self.step} on rank {self.rank} "
                 f"(last checkpoint: {_step_name(record['last_checkpoint'])} in "
@@ -352,13 +369,7 @@ class Resumable:
         what they were."""
         if self.rank != 0:
             return
-        directory = os.path.join(self.folder, _FAILURES)
-        new = []
-        for name in sorted(os.listdir(directory)):
-            with contextlib.suppress(OSError, ValueError):
-                new.append(read_json(os.path.join(directory, name)))
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(directory, name))
+        new = _take_failure_records(os.path.join(self.folder, _FAILURES))
         if not new:
             return
         history = (self._history() + sorted(new, key=lambda r: r.get("time", 0)))[-50:]
@@ -396,6 +407,38 @@ class Resumable:
         if self.steps_per_epoch is None:
             raise ShardwiseError("Resumable: epoch and step_in_epoch need steps_per_epoch=")
         return self.steps_per_epoch
+
+
+_RECORD = re.compile(r"rank\d+-\d+\.json")
+_RECORD_KEYS = {"step", "rank", "world_size", "restart", "error", "last_checkpoint", "time"}
+_WHAT = {"link": "a symbolic link", "file": "a file", "other": "not a folder"}
+
+
+def _take_failure_records(directory: str) -> list[dict[str, Any]]:
+    """Read and remove the failure records in ``directory``: files named as
+    ``_record_failure`` names them and holding what it writes, nothing else, never
+    through a link (Note [what shardwise deletes] in _fs.py)."""
+    fd = open_dir(directory)
+    if fd is None:
+        return []
+    records = []
+    try:
+        for name in sorted(os.listdir(fd)):
+            if not _RECORD.fullmatch(name) or kind(name, fd) != "file":
+                continue
+            try:
+                with open(os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd), "rb") as f:
+                    record = json.loads(f.read(1 << 20))
+            except (OSError, ValueError):
+                continue
+            if not (isinstance(record, dict) and set(record) == _RECORD_KEYS):
+                continue
+            records.append(record)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    return records
 
 
 def _json_state(scheduler: Any) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import uuid
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._args import require_bool
+from .._fs import open_dir, remove_own_files
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
@@ -27,20 +27,22 @@ from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,
+    DATA_DIR,
     FORMAT,
     FORMAT_VERSION,
     META,
     PIECES,
-    TMP_MARK,
     SafetensorsStreamWriter,
     by_rank,
     dtype_name,
     fsync_dir,
+    own_meta_temporary,
     packed_key,
     path_argument,
     python_rng_state,
     rank_file,
     read_json,
+    remove_data_folder,
     write_atomic,
     write_json_atomic,
 )
@@ -235,6 +237,7 @@ class _Folder:
         self.lock.acquire()
         self.locked = True
         _reached("locked")
+        _refuse_foreign_metadata(self.path)
         self.previous = _committed_data(self.path)
         try:
             os.makedirs(data_dir, exist_ok=False)
@@ -268,13 +271,36 @@ class _Folder:
         if current is None and os.path.exists(os.path.join(self.path, META)):
             return  # unreadable metadata: remove nothing rather than guess
         keep = {current, self.previous if self.keep_previous else None}
-        for entry in os.listdir(self.path):
-            full = os.path.join(self.path, entry)
-            if entry.startswith("data-") and entry not in keep and os.path.isdir(full):
-                shutil.rmtree(full, ignore_errors=True)
-            elif entry.startswith(META + TMP_MARK) and os.path.isfile(full):
-                with contextlib.suppress(OSError):
-                    os.remove(full)
+        # Only data folders and temporary files of saves, as saves write them, never
+        # through a link (Note [what shardwise deletes] in _fs.py).
+        fd = open_dir(self.path)
+        if fd is None:
+            return
+        try:
+            for entry in os.listdir(fd):
+                if entry not in keep and DATA_DIR.fullmatch(entry):
+                    with contextlib.suppress(OSError):
+                        remove_data_folder(fd, entry, self.path)
+            with contextlib.suppress(OSError):
+                remove_own_files(fd, own_meta_temporary, self.path)
+        finally:
+            os.close(fd)
+
+
+def _refuse_foreign_metadata(path: str) -> None:
+    """A ``checkpoint.json`` that is JSON but not a shardwise checkpoint's is someone
+    else's file: the commit would replace it. Refused, naming it (one that does not parse
+    may be a damaged one of ours, which a save is the way to replace)."""
+    meta = os.path.join(path, META)
+    try:
+        found = read_json(meta)
+    except (OSError, ValueError):
+        return
+    if not (isinstance(found, dict) and found.get("format") == FORMAT):
+        raise ShardwiseError(
+            f"{meta} is not a shardwise checkpoint's metadata (its 'format' is "
+            f"{found.get('format') if isinstance(found, dict) else None!r}), and a save "
+            f"would replace it. Save into another folder, or move that file away")
 
 
 def _committed_data(path: str) -> str | None:

@@ -197,6 +197,22 @@ def _safetensors_files(paths: list[str]) -> dict[str, str]:
     return files
 
 
+# Note [what shardwise reads]
+# A pickle runs whatever code its author put in it, on every rank that loads it; a file
+# in a checkpoint or weights folder is not trusted that far. So shardwise reads metadata
+# as JSON (checkpoint.json, Resumable's failure records, a weights index, a Hugging Face
+# config through transformers), tensors as safetensors (each header parsed as JSON), and
+# Python state (a scheduler's, Lightning's loops and callbacks) as JSON inside
+# checkpoint.json (integrations/_json.py), decoded into numbers, strings, containers and
+# tensors of a torch dtype only. The only torch pickles it opens are formats others
+# defined: a weights folder's pytorch_model.bin (load_pretrained), the Trainer's
+# scheduler.pt, and the schedulers.pt an older ShardwiseAccelerator wrote; each goes
+# through torch.load(weights_only=True), torch's allow-list of tensors and plain
+# containers, and anything outside it is refused in words. Nowhere in src/ is
+# weights_only=False, pickle.load or an allow-list beyond torch's own
+# (tests/test_safety.py plants a pickle that would leave a file behind into every file of
+# every folder shardwise reads). The one pickle.loads left, in comm/collectives.py,
+# reads what the job's own ranks sent over its process group, never a file.
 def _weights_only(path: str) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)

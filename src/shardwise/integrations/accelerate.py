@@ -14,7 +14,8 @@ those points and nothing else:
   every rank;
 - ``no_sync`` (used by ``accumulate``) is ``sw.no_sync``;
 - ``save_state``/``load_state`` write and read a shardwise checkpoint (loadable at any
-  world size) plus the schedulers' and the step's state;
+  world size) holding the schedulers' and the step's state in its JSON (nothing
+  pickled);
 - ``get_state_dict`` returns the full state dict on the main process and an empty one
   elsewhere, as accelerate's does for FSDP and DeepSpeed ZeRO-3 (so
   ``save_pretrained(..., state_dict=accelerator.get_state_dict(model))`` works).
@@ -38,10 +39,13 @@ from ..engine.state_dict_hooks import install_optimizer_hooks
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync
 from ..sharding import is_sharded, shard
+from ._json import from_json, to_json
 from ._units import no_split_units
 
 _CHECKPOINT = "shardwise"            # the shardwise checkpoint inside a state folder
-_SCHEDULERS = "schedulers.pt"
+_SCHEDULERS = "schedulers.pt"  # where a shardwise before issue 51 kept them (a pickle)
+_ADVICE = ("(ShardwiseAccelerator keeps the schedulers' states as JSON, never pickled): "
+           "a scheduler whose state_dict() holds other objects must be saved by you")
 
 # Note [models prepared for evaluation]
 # accelerate's ``prepare_model(model, evaluation_mode=True)`` places a model and applies
@@ -196,11 +200,12 @@ class ShardwiseAccelerator(Accelerator):
         if output_dir is None:
             return super().save_state(output_dir, **kwargs)  # accelerate's automatic naming
         model, optimizer = self._sharded_state()
+        # The schedulers' states go into the checkpoint's JSON, committed with it; nothing
+        # is pickled (Note [what shardwise reads] in checkpoint/sources.py).
+        schedulers = to_json([s.state_dict() for s in self._schedulers], "schedulers",
+                             _ADVICE)
         save_checkpoint(os.path.join(output_dir, _CHECKPOINT), model, optimizer,
-                        extra={"step": self.step})
-        if self.is_main_process:
-            torch.save([s.state_dict() for s in self._schedulers],
-                       os.path.join(output_dir, _SCHEDULERS))
+                        extra={"step": self.step, "schedulers": schedulers})
         self.wait_for_everyone()
         return output_dir
 
@@ -211,7 +216,10 @@ class ShardwiseAccelerator(Accelerator):
         model, optimizer = self._sharded_state()
         extra = load_checkpoint(os.path.join(input_dir, _CHECKPOINT), model, optimizer)
         self.step = int(extra["step"])
-        states = torch.load(os.path.join(input_dir, _SCHEDULERS), weights_only=False)
+        if "schedulers" in extra:
+            states = from_json(extra["schedulers"], f"{input_dir}/{_CHECKPOINT}")
+        else:
+            states = _old_schedulers(os.path.join(input_dir, _SCHEDULERS))
         for scheduler, state in zip(self._schedulers, states):
             scheduler.load_state_dict(state)
 
@@ -226,6 +234,26 @@ class ShardwiseAccelerator(Accelerator):
                                  "optimizer; save each with sw.save_checkpoint")
         optimizer = plain_optimizer(self._optimizers[0]) if self._optimizers else None
         return models[0], optimizer
+
+
+def _old_schedulers(path: str) -> list:
+    """The schedulers' states a shardwise before issue 51 wrote beside the checkpoint
+    (``schedulers.pt``, a torch pickle): loaded with ``weights_only=True``, torch's
+    allow-list of tensors and plain containers, so that it can never run code."""
+    if not os.path.isfile(path):
+        return []
+    try:
+        states = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+        raise ShardwiseError(
+            f"{path}: refusing to load: it does not load with torch.load(weights_only="
+            f"True), which would mean running pickled code ({type(e).__name__}: "
+            f"{str(e)[:300]}). Save the state again with this shardwise (it now keeps "
+            f"the schedulers in the checkpoint's JSON)") from None
+    if not isinstance(states, list):
+        raise ShardwiseError(f"{path}: expected a list of scheduler states, found a "
+                             f"{type(states).__name__}")
+    return states
 
 
 def plain_optimizer(optimizer: Any) -> torch.optim.Optimizer:

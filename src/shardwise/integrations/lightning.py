@@ -33,7 +33,6 @@ Importing this module registers the strategy as ``"shardwise"`` in Lightning's
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -47,16 +46,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from .._registry import has_instance_attribute, remove_instance_method
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint._format import remove_checkpoint
 from ..comm.order_check import watch_steps
 from ..engine import hooks as engine_hooks
 from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ..grads import no_sync
 from ..sharding import MixedPrecision, is_sharded, shard
+from ._json import from_json, to_json
 from ._units import no_split_units
 
 _FORMAT = "shardwise-lightning/1"   # marks the extra of a checkpoint this strategy wrote
-_TAG = "__shardwise__"              # marks an encoded value inside it (a tensor, a tuple...)
 
 
 class ShardwiseStrategy(DDPStrategy):
@@ -250,6 +250,14 @@ class ShardwiseStrategy(DDPStrategy):
         assert self.model is not None
         save_checkpoint(path, self.model, optimizer, extra=extra)
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint folder this strategy wrote (``ModelCheckpoint`` dropping
+        one beyond ``save_top_k``): on the main process, only what ``sw.save_checkpoint``
+        wrote there, never through a link (Note [what shardwise deletes] in _fs.py).
+        Lightning's own removal deletes the whole tree at that path."""
+        if self.is_global_zero:
+            remove_checkpoint(os.fspath(filepath))
+
     def load_checkpoint(self, checkpoint_path: Any,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model (and, when fitting, the optimizer) from a shardwise checkpoint
@@ -319,56 +327,20 @@ def _without_root_hooks(module: nn.Module) -> Iterator[None]:
 
 
 # -- Lightning's checkpoint dict as JSON -------------------------------------------------
-# sw.save_checkpoint keeps ``extra`` as JSON and checks that it comes back exactly. Beyond
-# JSON, Lightning's checkpoint holds tensors (ModelCheckpoint's scores, an infinite
-# ``kth_value`` among them), tuples and the odd non-string key; each is stored as a
-# tagged object and restored to its type.
+# Beyond JSON, Lightning's checkpoint holds tensors (ModelCheckpoint's scores, an infinite
+# ``kth_value`` among them), tuples and the odd non-string key: integrations/_json.py.
+
+_ADVICE = ("(its Lightning state is JSON, never pickled). Keep such objects out of "
+           "the checkpoint (e.g. save_hyperparameters(ignore=[...])) or store them as "
+           "numbers, strings, lists, dicts or tensors")
+
 
 def _to_json(obj: Any, where: str) -> Any:
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else {_TAG: "float", "value": repr(obj)}
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu()
-        return {_TAG: "tensor", "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape), "data": _to_json(t.flatten().tolist(), where)}
-    if isinstance(obj, tuple):
-        return {_TAG: "tuple", "items": [_to_json(v, f"{where}[{i}]")
-                                         for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and _TAG not in obj:
-            return {k: _to_json(v, f"{where}[{k!r}]") for k, v in obj.items()}
-        return {_TAG: "dict", "items": [[_to_json(k, f"{where} key"),
-                                         _to_json(v, f"{where}[{k!r}]")]
-                                        for k, v in obj.items()]}
-    raise ShardwiseError(
-        f"{where} is a {type(obj).__name__}, which a shardwise checkpoint cannot hold "
-        f"(its Lightning state is JSON, never pickled). Keep such objects out of "
-        f"the checkpoint (e.g. save_hyperparameters(ignore=[...])) or store them as "
-        f"numbers, strings, lists, dicts or tensors")
+    return to_json(obj, where, _ADVICE)
 
 
 def _from_json(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_from_json(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    kind = obj.get(_TAG)
-    if kind is None:
-        return {k: _from_json(v) for k, v in obj.items()}
-    if kind == "float":
-        return float(obj["value"])
-    if kind == "tensor":
-        data = torch.tensor(_from_json(obj["data"]), dtype=getattr(torch, obj["dtype"]))
-        return data.reshape(obj["shape"])
-    if kind == "tuple":
-        return tuple(_from_json(v) for v in obj["items"])
-    if kind == "dict":
-        return {_from_json(k): _from_json(v) for k, v in obj["items"]}
-    raise ShardwiseError(f"unknown value kind {kind!r} in a ShardwiseStrategy checkpoint")
+    return from_json(obj, "a ShardwiseStrategy checkpoint")
 
 
 # Lightning builds its registry from its own strategy classes when it is imported and

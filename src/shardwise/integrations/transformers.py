@@ -189,7 +189,17 @@ class ShardwiseTrainer(Trainer):
                         plain_optimizer(self.optimizer))
         scheduler = os.path.join(checkpoint, _SCHEDULER)
         if self.lr_scheduler is not None and os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            # The Trainer's own format (a torch pickle), read as transformers reads it:
+            # weights_only=True, torch's allow-list of tensors and plain containers,
+            # which never runs code.
+            try:
+                state = torch.load(scheduler, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+                raise ShardwiseError(
+                    f"{scheduler}: refusing to load: it does not load with torch.load("
+                    f"weights_only=True), which would mean running pickled code "
+                    f"({type(e).__name__}: {str(e)[:300]})") from None
+            self.lr_scheduler.load_state_dict(state)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint

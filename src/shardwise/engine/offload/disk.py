@@ -10,14 +10,21 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import resource
 import threading
 
 import torch
 
+from ..._fs import kind, open_dir, remove_own_files
 from ...errors import ShardwiseError
 
 _PAGE = mmap.PAGESIZE
+_LOCK = ".lock"
+_SIGNATURE = b"shardwise offload folder\n"  # in .lock: shardwise made this folder
+_OWN = re.compile(r"\d{7}-[A-Za-z0-9_.-]*\.bin")  # a buffer's file (never another's)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_WHAT = {"link": "a symbolic link", "file": "a file", "other": "not a folder"}
 _held: dict[str, DiskFolder] = {}  # this process's folders, by real path
 _lock = threading.Lock()
 
@@ -44,8 +51,11 @@ class DiskBuffer:
 class DiskFolder:
     """A rank's offload folder, held with an exclusive lock for the life of the process.
 
-    Files left by an earlier process (one killed between creating and unlinking a file)
-    are removed when the folder is taken; they are never read.
+    The folder is shardwise's own: made by it (its ``.lock`` file says so), never a
+    link, so that removing the files an earlier process left (one killed between creating
+    and unlinking a file) removes nothing else; they are never read. A folder of that
+    name that shardwise did not make is refused, naming what is in it (Note [what
+    shardwise deletes] in _fs.py).
     """
 
     def __init__(self, path: str) -> None:
@@ -53,8 +63,27 @@ class DiskFolder:
         self.bytes = 0  # reserved by this process's buffers, live or not
         self._count = 0
         try:
-            os.makedirs(path, exist_ok=True)
-            self._fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            try:
+                os.mkdir(path, 0o700)
+                made = True
+            except FileExistsError:
+                made = False
+            found = kind(path)
+            if found != "dir":
+                raise ShardwiseError(
+                    f"offload folder {path} is {_WHAT.get(found or '', 'gone')}: shardwise "
+                    f"keeps its files in a folder of its own, never through a link, since "
+                    f"it deletes the files it left there. Remove it, or give another "
+                    f"folder=")
+            self._dir = open_dir(path)
+            if self._dir is None:
+                raise ShardwiseError(f"offload folder {path}: cannot be opened as a folder; "
+                                     f"give another folder=")
+            if not made:
+                self._check_ours()
+            self._fd = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600,
+                               dir_fd=self._dir)
         except OSError as e:
             raise ShardwiseError(f"offload folder {path}: cannot be created or written "
                                  f"({e.strerror}); pass a folder= on a local disk this user "
@@ -67,10 +96,34 @@ class DiskFolder:
                                  f"still running, or another rank given the same folder on "
                                  f"the same machine with the same rank); give each job its "
                                  f"own folder") from e
-        for name in os.listdir(path):
-            if name.endswith(".bin"):
-                os.unlink(os.path.join(path, name))
+        if os.pread(self._fd, len(_SIGNATURE), 0) != _SIGNATURE:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, _SIGNATURE, 0)
+        remove_own_files(self._dir, lambda _, n: _OWN.fullmatch(n) is not None, path)
         _raise_file_limit()
+
+    def _check_ours(self) -> None:
+        """The folder existed: take it only if shardwise made it (its lock file carries
+        the signature), or it is empty, or holds only an older shardwise's empty lock."""
+        assert self._dir is not None
+        entries = os.listdir(self._dir)
+        if _LOCK in entries and kind(_LOCK, self._dir) == "file":
+            fd = os.open(_LOCK, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir)
+            try:
+                head = os.pread(fd, len(_SIGNATURE) + 1, 0)
+            finally:
+                os.close(fd)
+            if head == _SIGNATURE or (not head and entries == [_LOCK]):
+                return
+        elif not entries:
+            return
+        os.close(self._dir)
+        shown = ", ".join(sorted(entries)[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ShardwiseError(
+            f"offload folder {self.path} exists and was not made by shardwise ({shown}); "
+            f"shardwise keeps its files in a folder of its own and deletes the ones it "
+            f"left there, so it never uses one that holds other files. Give a folder= "
+            f"whose rank<r> folder does not exist yet, or empty this one")
 
     @classmethod
     def for_rank(cls, folder: str, rank: int) -> DiskFolder:
@@ -94,8 +147,9 @@ class DiskFolder:
             return DiskBuffer(None, torch.empty(0, dtype=dtype), 0)
         with _lock:
             self._count += 1
-            name = os.path.join(self.path, f"{self._count:07d}-{what}.bin")
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            name = f"{self._count:07d}-{_UNSAFE.sub('_', what)}.bin"
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600,
+                     dir_fd=self._dir)
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -107,7 +161,7 @@ class DiskFolder:
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-            os.unlink(name)
+            os.unlink(name, dir_fd=self._dir)
         self.bytes += nbytes
         tensor = torch.frombuffer(mapping, dtype=dtype, count=numel) if numel else \
             torch.empty(0, dtype=dtype)
