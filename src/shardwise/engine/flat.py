@@ -118,8 +118,8 @@ class ShardedParam:
 # runs as under FSDP2: once the reduced gradient shard is in ``p.grad``, at the end of each
 # synchronised backward, with the shard as its argument, so that an optimizer stepped
 # inside the hook (the optimizer-in-backward idiom) steps on the averaged gradient. Under
-# ``no_sync`` it runs at the synchronised backward only, the first time the shard's
-# ``.grad`` changes (DDP runs it after every micro-batch, on the local gradient).
+# ``no_sync`` it runs once a step, at the synchronised backward, when the shard's ``.grad``
+# changes (DDP runs it after every micro-batch, on the local gradient).
 def _run_shard_hooks(shard: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The shard's ``register_hook`` hooks, in order, on its full parameter's gradient
     (Note [tensor hooks on shards])."""

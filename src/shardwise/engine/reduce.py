@@ -170,7 +170,7 @@ class GradReduction:
     def clear(self, which: list[int]) -> None:
         """``zero_grad`` reached the parameters at ``which``: forget what ``no_sync``
         backward passes accumulated for them, as DDP's ``zero_grad`` clears its local
-        ``.grad`` (Note [zero_grad reaches held gradients] in engine/state.py). Their
+        ``.grad`` (Note [zero_grad reaches held gradients] in engine/zero_grad.py). Their
         rows in the buffer become zeros and they count as unused, so the next backward
         writes its gradient there instead of adding to it."""
         if self.state is not Reduction.ACCUMULATING:

@@ -41,7 +41,9 @@ no shards.
   dict loaded before any step must already be cut to this rank's rows.
 - ``torch.nn.parallel.DistributedDataParallel.__init__``, refusing a wrapper around a
   sharded submodule (Note [torch classes that meet shards] in engine/guards.py).
-The rest is per object: the sharded model's own methods and hooks, the retired class of
+The rest is per object: the sharded model's own methods and hooks (each module's
+``zero_grad`` and each optimizer's holding shards are shadowed on the instance: Note
+[zero_grad reaches held gradients] in engine/zero_grad.py), the retired class of
 an original parameter replaced by its shard (``guards.retire``), and, only while a
 ``sw.sharded_init`` block runs, a module registration hook (engine/sharded_init.py).
 """
