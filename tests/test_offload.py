@@ -417,3 +417,38 @@ def test_a_full_offload_folder_says_the_real_sizes_and_cause(folder, monkeypatch
         f_bavail=10**6, f_frsize=blocks, f_files=1000, f_favail=0))
     with pytest.raises(sw.ShardwiseError, match="no free inodes"):
         held.buffer(10, torch.float32, "exp_avg")
+
+
+def _truncated_tier_file(rank, world, folder):
+    torch.manual_seed(0)
+    model = sw.shard(GPT(GPT_CFG), offload=_offload("disk", "disk", folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = list(gpt_batches(rank, 2))
+    model(*batches[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    # Another program cuts a tier file short through the process's descriptors (the files
+    # are unlinked once mapped: /proc/<pid>/fd is the only way in).
+    mine = os.path.realpath(os.path.join(folder, f"rank{rank}"))
+
+    def target(fd: str) -> str:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed since
+            return ""
+    fds = sorted((target(fd), fd) for fd in os.listdir("/proc/self/fd")
+                 if target(fd).startswith(mine + "/") and "master" in target(fd)
+                 and target(fd).endswith(".bin (deleted)"))
+    assert fds, "the tier files are open"
+    os.truncate(f"/proc/self/fd/{fds[0][1]}", 0)  # the first unit's master, on each rank
+    with pytest.raises(sw.ShardwiseError, match="truncated from outside"):
+        model(*batches[1]).backward()
+        opt.step()
+    return True
+
+
+@pytest.mark.slow
+def test_a_tier_file_truncated_from_outside_is_refused_not_a_sigbus(folder):
+    """Note [tier files changed from outside]: each rank names the cut file before its
+    next read of it, instead of dying of SIGBUS."""
+    assert run_ranks(_truncated_tier_file, 2, folder) == [True, True]

@@ -118,6 +118,8 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
             if i + 1 < len(plan):
                 for s in plan[i + 1][0]:
                     s.prefetch()
+            for s in stores:  # Note [tier files changed from outside] in disk.py
+                s.check_files()
             for group, params in zip(optimizer.param_groups, saved):
                 group["params"] = [p for p in params if id(p) in members]
             inner(optimizer)

@@ -119,13 +119,21 @@ class GroupStorage:
         """Where initial shards are received: a device buffer (:meth:`received`)."""
         return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
+    def check_files(self) -> None:
+        """Raise if a disk tier file was truncated from outside (Note [tier files changed
+        from outside] in engine/offload/disk.py)."""
+        for b in self._disk:
+            b.check()
+
     def received(self, into: torch.Tensor) -> None:
+        self.check_files()
         with torch.no_grad():
             self.master.copy_(into)
         self.release()
 
     def readable(self) -> torch.Tensor:
         """The master shard, copied to the device for a collective."""
+        self.check_files()
         out = self.master.to(self.device, copy=True)
         self.release()
         return out
@@ -134,6 +142,7 @@ class GroupStorage:
     def gather_source(self, version: int) -> torch.Tensor:
         """The shard in the compute dtype on the device, for an all-gather: the
         parameters tier's copy when it is on the device, else a fresh staged copy."""
+        self.check_files()
         if self.copy is not None and self.copy_version != version:
             self.refresh(version)
         src = self.master if self.copy is None else self.copy
@@ -162,6 +171,7 @@ class GroupStorage:
         """Reduced rows (``out``, on the device) moved to the optimizer's tier until the
         backward ends and they are published: into a file of their own for the disk
         tier (kept for the next backward), into host memory for the CPU tier."""
+        self.check_files()
         self.moved += _nbytes(out)
         if self.placement.optimizer == "disk":
             if self._parked is None or self._parked.dtype != out.dtype:
