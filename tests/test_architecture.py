@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, str, list[str]]] = [
      ["shardwise.planning"]),
     ("operations", "the public operations on a sharded model",
      ["shardwise.sharding", "shardwise.gather", "shardwise.grads", "shardwise.consistency",
-      "shardwise.inspection", "shardwise.models", "shardwise.checkpoint"]),
+      "shardwise.inspection", "shardwise.models", "shardwise.checkpoint",
+      "shardwise.streaming"]),
     ("applications", "the public package, the command line, the demo, integrations",
      ["shardwise", "shardwise.cli", "shardwise.demo", "shardwise.integrations"]),
 ]

@@ -30,6 +30,11 @@ Consistency
                                                (others beside shards make a step raise)
 State and checkpoints
     full_state_dict(module, rank0_only=True)
+    full_parameters(module, *, rank0_only=False, dequantize=True, remove_duplicate=True)
+                                               -> iterator of (name, full tensor), one
+                                               unit gathered at a time, in
+                                               named_parameters order (weights to an
+                                               inference engine or a generation copy)
     full_optimizer_state_dict(module, optimizer, rank0_only=True)
                                                the optimizer's state as over the unsharded
                                                model: one file, loaded on every rank
@@ -83,6 +88,7 @@ from .gather import gathered
 from .grads import clip_grad_norm_, no_sync
 from .inspection import ModelView, inspect
 from .sharding import MixedPrecision, is_sharded, shard
+from .streaming import full_parameters
 
 __version__ = "0.1.0"
 
@@ -114,6 +120,7 @@ __all__ = [
     "clip_grad_norm_",
     "from_pretrained",
     "full_optimizer_state_dict",
+    "full_parameters",
     "full_state_dict",
     "gathered",
     "global_mean",
