@@ -9,10 +9,11 @@ would hold the whole model on a rank; ``full_parameters`` hands out the paramete
 
 - Consecutive parameters of one unit make a *run*, gathered together. A unit's
   parameters may come in two runs (the root's embedding first, its final norm and head
-  last): each run gathers only the rows of its own parameters (:func:`_gather_some`), so
+  last): each run gathers only the rows of its own parameters (:func:`_gather_rows`), so
   the root crosses the links once in all, as under ``full_state_dict``. A group whose
-  parameters all belong to the run is gathered whole (``gather_full``); quantized groups
-  are always gathered whole (their bytes travel through the extension protocol).
+  parameters all belong to the run is gathered from its shard as it is; quantized groups
+  are always gathered whole (their bytes travel through the extension protocol). Ranks
+  that keep nothing (``rank0_only``) do not copy the gathered rows out.
 - Values are fresh tensors, never the engine's full buffers: the units stay sharded
   (``sw.inspect`` shows the model at rest throughout), nothing of the training state
   changes, and the values are the master shards' (``full_state_dict``'s values, bit for
@@ -231,15 +232,8 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
             wanted_packed = {id(e.packed) for e in run.entries if e.packed is not None}
             for g in run.unit.groups:
                 mine = [p for p in g.params if id(p) in wanted]
-                if len(mine) == len(g.params):
-                    flat = g.gather_full()
-                    if keep:
-                        values.update((id(p), g.full_value(p, flat)) for p in mine)
-                    del flat
-                elif mine:
-                    got = _gather_some(g, mine)
-                    if keep:
-                        values.update(got)
+                if mine:
+                    values.update(_gather_rows(g, mine, keep))
             for pg in run.unit.packed:
                 if any(id(pp) in wanted_packed for pp in pg.params):
                     full = pg.gather_full()
@@ -264,24 +258,29 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
     return out
 
 
-def _gather_some(g: FlatGroup, params: list[ShardedParam]) -> dict[int, torch.Tensor]:
-    """``params`` (some of ``g``'s) in full, by one all-gather of their rows only: each
-    rank sends its slot of each, laid out as a group of those parameters alone would be
-    (the same rows per rank: ``torch.chunk``'s split depends on the world size only)."""
-    world = g.comm.world_size
-    layout = build_layout([tuple(p.shape) for p in params], world)
-    local = g.storage.readable()
-    send = torch.zeros(layout.shard_numel, dtype=g.dtype, device=g.device)
-    for p, s in zip(params, layout.slots):
-        send[s.offset:s.offset + s.chunk_numel].copy_(
-            local[p.slot.offset:p.slot.offset + p.slot.chunk_numel])
-    del local
-    gathered = send
-    if world > 1:
-        gathered = torch.empty(layout.gathered_numel, dtype=g.dtype, device=g.device)
-        g.comm.all_gather(gathered, send, what=f"{_NAME}: the all-gather of some of unit "
-                                               f"{g.unit_name!r}'s parameters")
+def _gather_rows(g: FlatGroup, params: list[ShardedParam],
+                 keep: bool) -> dict[int, torch.Tensor]:
+    """``params`` (some or all of ``g``'s) in full, in the master dtype, by one
+    all-gather of their rows: the group's shard as it is when they are all of its
+    parameters, else each rank's slot of each, laid out as a group of those parameters
+    alone would be (the same rows per rank: ``torch.chunk``'s split depends on the world
+    size only). Where nothing is ``keep`` the gathered rows are not copied out."""
+    if len(params) == len(g.params):
+        layout, send = g.layout, g.storage.readable()
+    else:
+        layout = build_layout([tuple(p.shape) for p in params], g.comm.world_size)
+        local = g.storage.readable()
+        send = torch.zeros(layout.shard_numel, dtype=g.dtype, device=g.device)
+        for p, s in zip(params, layout.slots):
+            send[s.offset:s.offset + s.chunk_numel].copy_(
+                local[p.slot.offset:p.slot.offset + p.slot.chunk_numel])
+        del local
+    gathered = torch.empty(layout.gathered_numel, dtype=g.dtype, device=g.device)
+    g.comm.all_gather(gathered, send,
+                      what=f"{_NAME}: the all-gather of unit {g.unit_name!r}'s parameters")
     del send
+    if not keep:
+        return {}
     full = torch.empty(layout.full_numel, dtype=g.dtype, device=g.device)
     copy_out(gathered, layout, full)
     return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
