@@ -7,13 +7,16 @@ compared, losses and consolidated state bit for bit, with DDP training the model
 checkpointing; the selective recipe (torch's ``create_selective_checkpoint_contexts``
 with a policy that saves the matmuls' and attention's outputs) is also run under DDP,
 which gives the same bits. Variants: each block wrapped by torch's
-``apply_activation_checkpointing`` (non-reentrant, full or selective; reentrant), and a
-forward that runs its blocks through ``checkpoint_sequential`` (reentrant or not).
+``apply_activation_checkpointing`` (non-reentrant, full or selective; reentrant), a
+forward that runs its blocks through ``checkpoint_sequential`` (reentrant or not), and a
+Hugging Face Llama whose own ``activation_checkpointing_enable`` is given the selective
+policy's ``context_fn``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -128,3 +131,40 @@ def _parity(rank, world, variants):
                          ids=["selective-full", "reentrant-sequential"])
 def test_checkpointed_blocks_train_to_ddps_bits(variants):
     assert run_ranks(_parity, 2, variants) == [True, True]
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)).train()
+
+
+def _llama_loss(model, x, y):
+    return model(input_ids=x % 64, labels=x % 64).loss
+
+
+def _hugging_face(rank, world):
+    ddp = DDP(_llama())
+    ref_losses = train(ddp, gpt_batches(rank, STEPS), _llama_loss)
+    ref = cpu_state(ddp.module)
+    model = _llama()
+    enable = getattr(model, "activation_checkpointing_enable", None) or \
+        model.gradient_checkpointing_enable  # transformers before 5.24
+    enable({"use_reentrant": False,
+            "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
+    model = sw.shard(model)
+    DECIDED[0] = 0
+    losses = train(model, gpt_batches(rank, STEPS), _llama_loss)
+    assert DECIDED[0] > 0
+    assert torch.equal(losses, ref_losses), (losses, ref_losses)
+    state = sw.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(state[k], v) for k, v in ref.items())
+    return True
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers")
+def test_hugging_face_checkpointing_with_a_selective_policy_trains_to_ddps_bits():
+    assert run_ranks(_hugging_face, 2) == [True, True]
