@@ -35,10 +35,8 @@ def build(root: nn.Module, topology: Topology,
     for unit in built:
         set_unit(unit.module, unit)
         for sp in unit.params:
-            if sp.requires_grad:
-                sp.full.register_post_accumulate_grad_hook(
-                    lambda _p, s=state: s.ensure_backward_callback(accumulating=True))
-                sp.hooked = True  # one unfrozen later is hooked then (follow_freezing)
+            if sp.requires_grad:  # one unfrozen later is hooked then (follow_freezing)
+                sp.hook_end_of_backward()
     set_model_state(root, state)
     guard_save_pretrained(root)
     guard_resize(root)

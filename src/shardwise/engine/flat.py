@@ -57,7 +57,7 @@ class ShardedParam:
     full: nn.Parameter
     unit: Any = None  # its Unit (engine/unit.py, which imports this module)
     group: FlatGroup | None = None
-    hooked: bool = False  # ``full`` carries the end-of-backward trigger (engine/build.py)
+    hooked: bool = False  # ``full`` carries the end-of-backward trigger (hook_end_of_backward)
     proxies_hooks: bool = False  # ``full`` calls the shard's hooks (Note [tensor hooks on shards])
     # ``full``'s AccumulateGrad node, held (Note [a backward that accumulates nothing]).
     accumulator: Any = None
@@ -65,6 +65,19 @@ class ShardedParam:
     @property
     def numel(self) -> int:
         return self.slot.numel
+
+    def hook_end_of_backward(self) -> None:
+        """Give ``full`` the end-of-backward trigger (its model's
+        ``ensure_backward_callback``), unless it has it: the one place it is registered,
+        by the build for each trainable parameter, and for a full parameter unfrozen
+        (Note [freezing after shard]), recast or replaced later."""
+        if self.hooked:
+            return
+        assert self.unit is not None, "hooked once its unit and model are built"
+        model = self.unit.model
+        self.full.register_post_accumulate_grad_hook(
+            lambda _p: model.ensure_backward_callback(accumulating=True))
+        self.hooked = True
 
     # A sharded parameter belongs to one model: copying or pickling a shard, a submodule or
     # anything else reaching this record alone would copy the unit's state and process
@@ -237,8 +250,8 @@ class FlatGroup:
             p.requires_grad = wanted
             p.shard.requires_grad_(wanted)
             p.full.requires_grad_(wanted)
-            if wanted and not p.hooked:
-                self._hook(p)
+            if wanted:
+                p.hook_end_of_backward()
         self.requires_grad = any(p.requires_grad for p in self.params)
         if not self.requires_grad:  # no gradient of it waits (freezing_changes): drop it
             self.reduction.clear(list(range(len(self.params))))
@@ -261,15 +274,6 @@ class FlatGroup:
         """Whether an optimizer may step its shards' local tensors where they are (Note
         [plain step] in engine/plain_step.py): not an offloaded group's."""
         return self.storage.steps_in_place
-
-    @staticmethod
-    def _hook(p: ShardedParam) -> None:
-        """Give ``p``'s full parameter the end-of-backward trigger."""
-        assert p.unit is not None
-        model = p.unit.model
-        p.full.register_post_accumulate_grad_hook(
-            lambda _p: model.ensure_backward_callback(accumulating=True))
-        p.hooked = True
 
     def _make_param(self, i: int, m: Member) -> ShardedParam:
         orig = m.param
@@ -331,7 +335,7 @@ class FlatGroup:
             copy_all_attributes(old_full, p.full)
             p.hooked = False
             if p.requires_grad:
-                self._hook(p)
+                p.hook_end_of_backward()
         self.free()
 
     # -- storage ---------------------------------------------------------------------
@@ -370,7 +374,7 @@ class FlatGroup:
             copy_all_attributes(before, p.full)  # the user's flags and our record
             p.hooked = False
             if p.requires_grad:
-                self._hook(p)
+                p.hook_end_of_backward()
             before.grad = None  # as free() drops it
             for module, attr in p.slots:
                 if module._parameters.get(attr) is before:
