@@ -1,21 +1,20 @@
-"""``shard()``: the public entry point, as a sequence of named steps, plan then build.
+"""``shard()``: the public entry point, as a sequence of named steps: check, plan, agree, build.
 
 1. ``_check_arguments``, ``_check_settings``: refuse what cannot be sharded, on each rank.
 2. ``_budget``, ``_plan`` (``planning/``): the units, the parameters each owns and their
-   flat groups, a :class:`_Plan`; then the engine's checks of it. Agreed: a failure on
-   one rank fails every rank, before anything changes (Note [agreed failure]).
+   flat groups, an engine :class:`~shardwise.engine.plan.Plan`; then the engine's checks
+   of it. Agreed: a failure on one rank fails every rank, before anything changes (Note
+   [agreed failure]).
 3. ``_agree_structure``: every rank planned the same units with the same settings.
-4. ``_build`` (``engine/``): one flat group at a time built and swapped in
-   (``_build_group``), buffers made ``src_rank``'s, hooks installed, and the engine built
-   over the groups (``engine/build.py``, shared with deep copies). The guards it installs
-   live in ``engine/guards.py``.
+4. ``engine.build.build``: the engine's one entry point, which builds the groups, makes
+   the buffers ``src_rank``'s, makes the units and the model state, and registers every
+   hook and guard (engine/build.py, shared with deep copies).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import socket
 import warnings
 from collections import Counter
@@ -30,29 +29,22 @@ from ._args import require_group, require_module, require_rank
 from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
-from .comm.mesh import Topology, check_secondary, secondary_groups, topology
+from .comm.mesh import Topology, check_secondary, topology
 from .comm.order_check import order_checks_enabled
 from .consistency import maybe_check
-from .engine import hooks
-from .engine.alloc import freed, trim
-from .engine.buffers import BufferPolicy, BufferSync, buffer_policy
+from .engine.buffers import BufferPolicy, buffer_policy
 from .engine.build import build
-from .engine.clone import guard_model_copies
-from .engine.flat import flat_group
-from .engine.guards import retire
-from .engine.offload import Offload, Placement
-from .engine.packed import PackedGroup, cut, refusal, shard_mesh, uses_protocol
-from .engine.sharded_init import clear_init_piece, full_value, init_piece
+from .engine.offload import Offload
+from .engine.packed import cut, refusal, shard_mesh, uses_protocol
+from .engine.plan import Plan
+from .engine.sharded_init import init_piece
 from .engine.state import Settings, model_state
-from .engine.state_dict_hooks import install_state_dict_hooks
-from .engine.step import install_step_hooks
-from .engine.unit import FlatGroup, Unit, sharded_param, unit_of
+from .engine.unit import sharded_param, unit_of
 from .errors import ShardwiseError
 from .planning.memory import AUTO_BUDGET_FRACTION, free_memory
 from .planning.units import (
     AUTO,
     AutoChoice,
-    GroupSpec,
     ParamRecord,
     UnitPlan,
     UnitSpec,
@@ -244,25 +236,12 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                   functools.partial(_plan, module, topo, device, units, budget,
                                     memory_budget is not None, prefetch,
                                     reshard_after_forward, mp, src_rank, offload, buffers))
-    buffer_sync = BufferSync(module, topo.world, plan.buffers, src_rank, exact=reproducible)
     settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
                         src_rank, offload)
-    _agree_structure(topo.world, plan.chosen, plan.per_unit,
-                     _compared(settings, buffer_sync, mp))
-    _build(module, plan, topo, device, buffer_sync, settings, mp)
+    _agree_structure(topo.world, plan.units, _compared(settings, plan.buffers, topo.world, mp))
+    build(module, plan, topo, device, settings)
     maybe_check(module)
     return module
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What ``shard`` decided before changing anything: the same on every rank."""
-
-    chosen: list[tuple[str, nn.Module]]  # the units (name, module), the root first
-    per_unit: list[list[ParamRecord]]  # the parameters each unit owns
-    units: list[UnitPlan]  # each unit's groups
-    placement: Placement | None  # where offloaded states live
-    buffers: BufferPolicy  # how buffers are kept equal
 
 
 def _check_settings(topo: Topology, reshard_after_forward: bool | int, reproducible: object,
@@ -294,7 +273,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
           budget: int | None, budget_given: bool, prefetch: int,
           reshard_after_forward: bool | int,
           mp: MixedPrecision, src_rank: int, offload: Offload | None,
-          buffers: str | BufferPolicy) -> _Plan:
+          buffers: str | BufferPolicy) -> Plan:
     """Choose the units, the parameters each owns and their groups (``planning/``), say
     what was chosen, then check that the engine can take them (``engine/``); nothing
     changes yet."""
@@ -314,14 +293,14 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
         _report_auto(auto, given=budget_given)
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
                                names, topo.shard.world_size, units)
-    # Each group releases its originals as it is built (_build_group): only the plan may
-    # hold the records.
+    # Each group releases its originals as it is built (engine/build.py): only the plan
+    # may hold the records.
     _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size,
                   mp.param_dtype, device)
     if any(uses_protocol(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     placement = offload.resolve(device, topo.world.rank) if offload is not None else None
-    return _Plan(chosen, per_unit, planned, placement, buffer_policy(buffers))
+    return Plan(planned, placement, buffer_policy(buffers))
 
 
 def _check_prefetch(prefetch: int, units: int) -> None:
@@ -338,29 +317,6 @@ def _check_prefetch(prefetch: int, units: int) -> None:
             f"unit is already gathered ahead of the one computing); prefetch counts "
             f"units, each one more unit of full parameters in memory. Use 1 (the "
             f"default) or 2 when all-gathers are slow next to compute")
-
-
-def _build(module: nn.Module, plan: _Plan, topo: Topology, device: torch.device,
-           buffer_sync: BufferSync, settings: Settings, mp: MixedPrecision) -> None:
-    """Build each unit's groups over this rank's rows, make every rank's buffers
-    ``src_rank``'s, install the hooks and build the engine (``engine/``)."""
-    regather = _regather_group(topo, settings.reshard_after_forward)
-    built = [_build_unit(u, topo, device, settings.src_rank, regather if i else None,
-                         settings.reproducible, plan.placement, mp)
-             for i, u in enumerate(plan.units)]
-    trim()  # Note [freed memory]
-    _materialise_buffers(module, topo.world.rank, device, settings.src_rank)
-    buffer_sync.broadcast_all()
-    for _, mod, _, _ in built:
-        mod.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
-        mod.register_forward_hook(hooks.post_forward, with_kwargs=True)
-        mod.register_forward_hook(hooks.forward_raised, always_call=True)
-    hooks.install_entries(module, [mod for _, mod, _, _ in built])  # Note [forward entries]
-    install_state_dict_hooks(module)
-    install_step_hooks()  # Note [the optimizer step]
-    state = build(module, topo, built, buffer_sync, settings)
-    guard_model_copies(module)
-    _log_units(state.units, topo)
 
 
 def _check_arguments(module: nn.Module, group: dist.ProcessGroup | None,
@@ -408,15 +364,6 @@ def _check_reproducible(reproducible: object, topo: Topology,
         raise ShardwiseError("reproducible=True on CUDA needs deterministic kernels: call "
                              "torch.use_deterministic_algorithms(True) first (and set "
                              "CUBLAS_WORKSPACE_CONFIG=:4096:8, as torch asks)")
-
-
-def _regather_group(topo: Topology, reshard_after_forward: bool | int) -> Comm | None:
-    """The group of k ranks a non-root unit's backward gathers in under
-    ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``None`` when
-    there is none: k is the shard group's size (ZeRO-3 itself), or not an int."""
-    if type(reshard_after_forward) is not int or reshard_after_forward == topo.shard.world_size:
-        return None
-    return secondary_groups(topo, reshard_after_forward)
 
 
 def _check_budget(units: UnitSpec, memory_budget: object) -> None:
@@ -491,34 +438,19 @@ def _report_auto(auto: AutoChoice, given: bool) -> None:
             stacklevel=3)
 
 
-def _log_units(units: list[Unit], topo: Topology) -> None:
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    total = sum(p.numel for u in units for p in u.params)
-    replicas = f", {topo.replicas} replicas" if topo.replicate is not None else ""
-    logger.info("sharded %d parameters over %d ranks%s (%s) in %d units", total,
-                topo.shard.world_size, replicas, topo.world.backend, len(units))
-    for u in units:
-        n = sum(p.numel for p in u.params)
-        padded = sum(g.layout.gathered_numel for g in u.groups)
-        logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
-                    n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))
-
-
-def _compared(settings: Settings, buffer_sync: BufferSync, mp: MixedPrecision
+def _compared(settings: Settings, buffers: BufferPolicy, comm: Comm, mp: MixedPrecision
               ) -> dict[str, object]:
     """Every setting that decides what ranks communicate, for :func:`_agree_structure`."""
     compared: dict[str, object] = dict(vars(settings))
     compared.pop("cast_inputs")  # mixed_precision says it
     compared.pop("offload")  # where a rank keeps its states changes nothing it sends
-    compared.update(buffers=buffer_sync.policy.value,
+    compared.update(buffers=buffers.value,
                     mixed_precision=(str(mp.param_dtype), str(mp.reduce_dtype)),
-                    SHARDWISE_CHECK=order_checks_enabled(buffer_sync.comm))
+                    SHARDWISE_CHECK=order_checks_enabled(comm))
     return compared
 
 
-def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
-                     per_unit: list[list[ParamRecord]], settings: dict[str, object]) -> None:
+def _agree_structure(comm: Comm, units: list[UnitPlan], settings: dict[str, object]) -> None:
     """Raise on every rank unless all ranks chose the same units over the same parameters
     and were given the same ``settings`` (every argument that decides communication, and
     whether the order check is on).
@@ -528,9 +460,9 @@ def _agree_structure(comm: Comm, chosen: list[tuple[str, nn.Module]],
     aborting the process. One all-gather of a short fingerprint per rank, once per
     ``shard``.
     """
-    desc = [(name, [(r.fqns[0], tuple(r.param.shape), str(r.param.dtype),
-                     r.param.requires_grad) for r in recs])
-            for (name, _), recs in zip(chosen, per_unit)]
+    desc = [(u.name, [(r.fqns[0], tuple(r.param.shape), str(r.param.dtype),
+                       r.param.requires_grad) for r in u.records])
+            for u in units]
     digest = hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
     summary = f"{len(desc)} units, {sum(len(p) for _, p in desc)} parameters"
     everyone = comm.all_gather_object((digest, summary, [name for name, _ in desc],
@@ -587,72 +519,3 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
             raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
                                  f"{meta[:5]}: materialise them first, or build the model "
                                  f"under sw.sharded_init()")
-
-
-def _build_group(spec: GroupSpec, topo: Topology, device: torch.device,
-                 src_rank: int, regather: Comm | None, exact: bool,
-                 placement: Placement | None) -> FlatGroup:
-    """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
-    place of the originals, and release the originals."""
-    originals = [r.param for r in spec.records]
-    g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
-                   originals, topo, device, spec.compute_dtype, spec.reduce_dtype,
-                   regather, exact, placement)
-    # Parameters partitioned by sharded_init are gathered one group at a time, so no
-    # full-model copy exists at any point.
-    values = [full_value(p) for p in originals]
-    g.fill_local(values if topo.world.rank == src_rank else None, src_rank)
-    released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
-    del values
-    g.install()
-    # Release the originals now, not after the last unit: the old and the new storage of
-    # the whole model must never coexist. The records were the last references.
-    for rec in spec.records:
-        clear_init_piece(rec.param)
-        retire(rec.param, rec.fqns[0])
-        rec.param = None  # type: ignore[assignment]
-    freed(released)  # Note [freed memory] in engine/alloc.py
-    return g
-
-
-def _build_unit(unit: UnitPlan, topo: Topology, device: torch.device, src_rank: int,
-                regather: Comm | None, exact: bool, placement: Placement | None,
-                mp: MixedPrecision) -> tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]:
-    """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
-    groups = [_build_group(spec, topo, device, src_rank, regather, exact, placement)
-              for spec in unit.groups]
-    packed = ([_build_packed(unit.packed, topo, device, src_rank, mp, placement)]
-              if unit.packed else [])
-    return unit.name, unit.module, groups, packed
-
-
-def _build_packed(records: list[ParamRecord], topo: Topology, device: torch.device,
-                  src_rank: int, mp: MixedPrecision,
-                  placement: Placement | None) -> PackedGroup:
-    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/packed.py):
-    rows from ``src_rank``, registered in place of the originals, which are released."""
-    g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
-                    [r.param for r in records], topo, device, mp.param_dtype, src_rank)
-    if placement is not None:
-        g.place(placement)  # Note [packed bytes offloaded] in engine/packed.py
-    g.install()
-    for rec in records:
-        rec.param = None  # type: ignore[assignment]
-    return g
-
-
-def _materialise_buffers(module: nn.Module, rank: int, device: torch.device,
-                         src_rank: int) -> None:
-    """Put every buffer on ``device``; meta buffers of other ranks become empty tensors,
-    filled by the broadcast from ``src_rank`` that follows."""
-    for mod in module.modules():
-        for bname, b in mod._buffers.items():
-            if b is None:
-                continue
-            if b.is_meta:
-                if rank == src_rank:
-                    raise ShardwiseError(f"rank {src_rank} (src_rank) holds a meta buffer "
-                                         f"{bname!r} of {type(mod).__name__}")
-                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
-            elif b.device != device:
-                mod._buffers[bname] = b.to(device)

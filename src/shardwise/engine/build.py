@@ -1,37 +1,99 @@
-"""One builder of a sharded model's engine, for ``shard`` and for deep copies alike.
+"""``build``: the engine's one entry point, building a sharded model from an agreed plan.
 
-Both hand it the units' flat groups, already holding this rank's rows, and the
-:class:`~shardwise.engine.state.Settings` that ``shard`` was given; every setting goes to a
-constructor, nothing is set from outside afterwards. The builder makes the units and the
-model state and attaches what a sharded model carries beyond its module hooks: registry
-entries, the end-of-backward trigger, the guards. (Module hooks are registered by
-``shard`` and copied with their modules by a deep copy, ``engine/hooks.py``; the copy
-guard by :func:`shardwise.engine.clone.guard_model_copies`.)
+``shard`` (sharding.py) checks its arguments, plans, has the ranks agree, and calls
+:func:`build` with the :class:`~shardwise.engine.plan.Plan`; a deep copy
+(engine/clone.py) calls :func:`build_copy` over twins of the original's groups. Both end
+in :func:`_assemble`, so everything a sharded model carries is made and registered here,
+once:
+
+1. the groups (:func:`build`, ``shard`` only): one unit at a time, each flat group laid
+   out, given ``src_rank``'s values and registered in place of the original parameters,
+   which are released before the next group is built (Note [freed memory] in
+   engine/alloc.py); a unit's frozen tensor subclasses become its packed group;
+2. the buffers, on the device and ``src_rank``'s on every rank (``shard`` only);
+3. the units and the model state (:func:`_assemble`), every setting to a constructor;
+4. the hooks:
+   - module hooks on each unit and on a wrapper root's entries (engine/hooks.py) and
+     state-dict hooks (engine/state_dict_hooks.py), by :func:`build` only: a deep copy's
+     modules carry copies of them, which find their unit through the module they run on;
+   - the process-wide step hooks (engine/step.py), once per process;
+   - each trainable full parameter's end-of-backward trigger
+     (``ShardedParam.hook_end_of_backward``, also what a parameter unfrozen later gets);
+5. the registry entries and the guards (engine/guards.py, engine/zero_grad.py), and
+   the copy guard (engine/clone.py), handed :func:`build_copy` to build copies with.
 """
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import torch.nn as nn
 
-from .._registry import mark_collective_forward
-from ..comm.mesh import Topology
+from .._log import logger
+from .._registry import mark_collective_forward, remove_instance_method
+from ..comm.collectives import Comm
+from ..comm.mesh import Topology, secondary_groups
+from ..errors import ShardwiseError
+from . import hooks
+from .alloc import freed, trim
 from .buffers import BufferSync
-from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained
+from .clone import BuiltUnit, guard_model_copies
+from .flat import flat_group
+from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained, retire
+from .offload.placement import Placement
 from .packed import PackedGroup
+from .plan import GroupSpec, ParamRecord, Plan, UnitPlan
+from .sharded_init import clear_init_piece, full_value
 from .state import ModelState, Settings, set_model_state
+from .state_dict_hooks import install_state_dict_hooks
+from .step import install_step_hooks
 from .unit import FlatGroup, Unit, set_unit
 from .zero_grad import guard_module_zero_grad
 
 
-def build(root: nn.Module, topology: Topology,
-          units: list[tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]],
-          buffers: BufferSync, settings: Settings) -> ModelState:
-    """The engine of ``root``'s sharded model: ``units`` are ``(name, module, groups,
-    packed groups)``, the root's first, in module order."""
+def build(root: nn.Module, plan: Plan, topology: Topology, device: torch.device,
+          settings: Settings) -> ModelState:
+    """Build ``root``'s sharded model from ``plan``, which every rank agreed on, in place:
+    steps 1 to 5 of this module's docstring. Returns the model state."""
+    regather = _regather_group(topology, settings.reshard_after_forward)
+    built = [_build_unit(u, topology, device, settings, regather if i else None,
+                         plan.placement)
+             for i, u in enumerate(plan.units)]
+    trim()  # Note [freed memory]
+    _materialise_buffers(root, topology.world.rank, device, settings.src_rank)
+    buffers = BufferSync(root, topology.world, plan.buffers, settings.src_rank,
+                         exact=settings.reproducible)
+    buffers.broadcast_all()
+    modules = [module for _, module, _, _ in built]
+    for module in modules:
+        module.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(hooks.post_forward, with_kwargs=True)
+        module.register_forward_hook(hooks.forward_raised, always_call=True)
+    hooks.install_entries(root, modules)  # Note [forward entries]
+    install_state_dict_hooks(root)
+    state = _assemble(root, topology, built, buffers, settings)
+    _log_units(state.units, topology)
+    return state
+
+
+def build_copy(root: nn.Module, topology: Topology, units: list[BuiltUnit],
+               buffers: BufferSync, settings: Settings) -> ModelState:
+    """The engine of a deep copy (Note [deep copy] in engine/clone.py): ``units`` hold
+    the twins of the original's groups, installed on the copied modules; steps 3 to 5."""
+    remove_instance_method(root, "save_pretrained")  # the original's guard: made again
+    return _assemble(root, topology, units, buffers, settings)
+
+
+def _assemble(root: nn.Module, topology: Topology, units: list[BuiltUnit],
+              buffers: BufferSync, settings: Settings) -> ModelState:
+    """Steps 3 to 5: ``units`` are ``(name, module, groups, packed groups)``, the root's
+    first, in module order."""
     built = [Unit(module, name, [*groups, *packed], settings.reshard_after_forward,
                   is_root=(i == 0), cast_inputs=settings.cast_inputs)
              for i, (name, module, groups, packed) in enumerate(units)]
     state = ModelState(root, topology, built, buffers, settings)
+    install_step_hooks()  # Note [the optimizer step]
     for unit in built:
         set_unit(unit.module, unit)
         for sp in unit.params:
@@ -45,4 +107,100 @@ def build(root: nn.Module, topology: Topology,
         mark_collective_forward(sub)
         guard_apply(sub)
         guard_module_zero_grad(sub)  # Note [zero_grad reaches held gradients]
+    guard_model_copies(root, build_copy)
     return state
+
+
+def _regather_group(topology: Topology, reshard_after_forward: bool | int) -> Comm | None:
+    """The group of k ranks a non-root unit's backward gathers in under
+    ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``None`` when
+    there is none: k is the shard group's size (ZeRO-3 itself), or not an int."""
+    if type(reshard_after_forward) is not int \
+            or reshard_after_forward == topology.shard.world_size:
+        return None
+    return secondary_groups(topology, reshard_after_forward)
+
+
+def _build_unit(unit: UnitPlan, topology: Topology, device: torch.device,
+                settings: Settings, regather: Comm | None,
+                placement: Placement | None) -> BuiltUnit:
+    """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
+    groups = [_build_group(spec, topology, device, settings.src_rank, regather,
+                           settings.reproducible, placement)
+              for spec in unit.groups]
+    packed = ([_build_packed(unit.packed, topology, device, settings.src_rank,
+                             settings.cast_inputs, placement)]
+              if unit.packed else [])
+    return unit.name, unit.module, groups, packed
+
+
+def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
+                 src_rank: int, regather: Comm | None, exact: bool,
+                 placement: Placement | None) -> FlatGroup:
+    """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
+    place of the originals, and release the originals."""
+    originals = [r.param for r in spec.records]
+    g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
+                   originals, topology, device, spec.compute_dtype, spec.reduce_dtype,
+                   regather, exact, placement)
+    # Parameters partitioned by sharded_init are gathered one group at a time, so no
+    # full-model copy exists at any point.
+    values = [full_value(p) for p in originals]
+    g.fill_local(values if topology.world.rank == src_rank else None, src_rank)
+    released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
+    del values
+    g.install()
+    # Release the originals now, not after the last unit: the old and the new storage of
+    # the whole model must never coexist. The records were the last references.
+    for rec in spec.records:
+        clear_init_piece(rec.param)
+        retire(rec.param, rec.fqns[0])
+        rec.param = None  # type: ignore[assignment]
+    freed(released)  # Note [freed memory] in engine/alloc.py
+    return g
+
+
+def _build_packed(records: list[ParamRecord], topology: Topology, device: torch.device,
+                  src_rank: int, compute_dtype: torch.dtype | None,
+                  placement: Placement | None) -> PackedGroup:
+    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/packed.py):
+    rows from ``src_rank``, registered in place of the originals, which are released."""
+    g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
+                    [r.param for r in records], topology, device, compute_dtype, src_rank)
+    if placement is not None:
+        g.place(placement)  # Note [packed bytes offloaded] in engine/packed.py
+    g.install()
+    for rec in records:
+        rec.param = None  # type: ignore[assignment]
+    return g
+
+
+def _materialise_buffers(root: nn.Module, rank: int, device: torch.device,
+                         src_rank: int) -> None:
+    """Put every buffer on ``device``; meta buffers of other ranks become empty tensors,
+    filled by the broadcast from ``src_rank`` that follows."""
+    for mod in root.modules():
+        for bname, b in mod._buffers.items():
+            if b is None:
+                continue
+            if b.is_meta:
+                if rank == src_rank:
+                    raise ShardwiseError(f"rank {src_rank} (src_rank) holds a meta buffer "
+                                         f"{bname!r} of {type(mod).__name__}")
+                mod._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            elif b.device != device:
+                mod._buffers[bname] = b.to(device)
+
+
+def _log_units(units: list[Unit], topology: Topology) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    total = sum(p.numel for u in units for p in u.params)
+    replicas = f", {topology.replicas} replicas" if topology.replicate is not None else ""
+    logger.info("sharded %d parameters over %d ranks%s (%s) in %d units", total,
+                topology.shard.world_size, replicas, topology.world.backend, len(units))
+    for u in units:
+        n = sum(p.numel for p in u.params)
+        padded = sum(g.layout.gathered_numel for g in u.groups)
+        logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
+                    n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))

@@ -17,46 +17,61 @@ in three steps:
    state to ``None``: the module copies hold the new shards wherever the originals held
    theirs, user attributes included;
 3. new units over the copied modules and a new :class:`ModelState`, from the same
-   builder as ``shard``'s (``engine/build.py``) and the original's settings.
+   builder as ``shard``'s (``build_copy`` in engine/build.py) and the original's
+   settings.
 
-Module hooks are copied with their modules; they find their unit through the module they
-are called on (``engine/hooks.py``), so the copy's hooks drive the copy's units. Every module
-of a sharded model carries the two methods below in its ``__dict__``, bound (through
-``functools.partial``, which a deep copy rebinds) to the module and the root.
+Module and state-dict hooks are copied with their modules; they find their unit through
+the module they are called on (``engine/hooks.py``), so the copy's hooks drive the copy's
+units. Every module of a sharded model carries the two methods below in its
+``__dict__``, bound (through ``functools.partial``, which a deep copy rebinds) to the
+module and the root. The builder installs them with :func:`guard_model_copies`, passing
+its ``build_copy`` (:data:`Rebuild`) for step 3: this module cannot import the builder,
+which imports it.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
 
-from .._registry import remove_instance_method, set_instance_method
+from .._registry import set_instance_method
+from ..comm.mesh import Topology
 from ..errors import ShardwiseError
 from .buffers import BufferSync
-from .build import build
 from .flat import FlatGroup, Member
 from .packed import PackedGroup
-from .state import ModelState, model_state
+from .state import ModelState, Settings, model_state
+
+# One unit's groups, built and installed, before its Unit is made: (name, module, flat
+# groups, packed groups). What engine/build.py assembles, for ``shard`` and copies alike.
+BuiltUnit = tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]
+# engine/build.py's ``build_copy``: (the copied root, topology, units, buffers, settings)
+# -> the copy's model state.
+Rebuild = Callable[[nn.Module, Topology, list[BuiltUnit], BufferSync, Settings], ModelState]
 
 
-def guard_model_copies(root: nn.Module) -> None:
+def guard_model_copies(root: nn.Module, rebuild: Rebuild) -> None:
     """:func:`guard_copies` on every module of ``root``'s sharded model."""
     for sub in root.modules():
-        guard_copies(sub, root)
+        guard_copies(sub, root, rebuild)
 
 
-def guard_copies(module: nn.Module, root: nn.Module) -> None:
+def guard_copies(module: nn.Module, root: nn.Module, rebuild: Rebuild) -> None:
     """Route ``copy.deepcopy`` and pickling of ``module`` (part of ``root``'s sharded
-    model) through this module."""
-    set_instance_method(module, "__deepcopy__", functools.partial(_deepcopy, module, root))
+    model) through this module; a copy of the whole model gets its engine from
+    ``rebuild``."""
+    set_instance_method(module, "__deepcopy__",
+                        functools.partial(_deepcopy, module, root, rebuild))
     set_instance_method(module, "__reduce_ex__", functools.partial(_refuse_pickle, module))
 
 
-def _deepcopy(module: nn.Module, root: nn.Module, memo: dict[int, Any]) -> nn.Module:
+def _deepcopy(module: nn.Module, root: nn.Module, rebuild: Rebuild,
+              memo: dict[int, Any]) -> nn.Module:
     state = model_state(root)
     assert state is not None, "guard_copies is installed on sharded models only"
     if id(state) in memo:  # a module inside a whole-model copy: step 2 of Note [deep copy]
@@ -67,7 +82,7 @@ def _deepcopy(module: nn.Module, root: nn.Module, memo: dict[int, Any]) -> nn.Mo
             f"parameters belong to the model's units, so only the whole model can be "
             f"copied (copy.deepcopy(model) gives an independent sharded copy). For values, "
             f"use sw.full_state_dict(model) or `with sw.gathered(model):`")
-    return _clone(state, memo)
+    return _clone(state, memo, rebuild)
 
 
 def _refuse_pickle(module: nn.Module, protocol: int) -> NoReturn:
@@ -90,7 +105,7 @@ def _copy_module(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
     return clone
 
 
-def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
+def _clone(state: ModelState, memo: dict[int, Any], rebuild: Rebuild) -> nn.Module:
     """Note [deep copy]."""
     if state.awaiting_backward:
         raise ShardwiseError(
@@ -135,13 +150,11 @@ def _clone(state: ModelState, memo: dict[int, Any]) -> nn.Module:
         for pp in ptwin.params:
             pp.slots = [(memo[id(m)], attr) for m, attr in pp.slots]
         ptwin.install()
-    units: list[tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]] = [
+    units: list[BuiltUnit] = [
         (u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups],
          [packed_twins[id(g)] for g in u.packed])
         for u in state.units]
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank,
                          state.buffers.exact)
-    remove_instance_method(root, "save_pretrained")  # the original's guard: build makes one
-    build(root, state.topology, units, buffers, state.settings)
-    guard_model_copies(root)
+    rebuild(root, state.topology, units, buffers, state.settings)
     return root

@@ -9,7 +9,7 @@ them (engine/reduce.py; exactly in the reproducible mode, engine/exact_reduction
 ``sw.clip_grad_norm_`` (grads.py) may have rescaled them. What shardwise adds to the step
 itself runs in two process-wide hooks torch calls around every optimizer's ``step``
 (``register_optimizer_step_pre_hook`` and ``..._post_hook``), which the first ``sw.shard``
-of a process installs (:func:`install_step_hooks`, from sharding.py). For an optimizer
+of a process installs (:func:`install_step_hooks`, from engine/build.py). For an optimizer
 holding no shards each does nothing. In order:
 
 1. before the step (:func:`_before_step`):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,29 +20,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._registry import partitioned_as
 from ..engine.layout import build_layout
 from ..engine.packed import uses_protocol
+from ..engine.plan import (  # the records a plan is made of: the engine builds from them
+    GroupSpec,
+    ParamRecord,
+    UnitPlan,
+)
 from ..errors import ShardwiseError
 
 UnitSpec = type | tuple | Callable[[str, nn.Module], bool] | str | None
 AUTO = "auto"
-
-
-@dataclass
-class ParamRecord:
-    """One parameter of the model: every name and every place it is registered."""
-
-    param: nn.Parameter
-    fqns: list[str] = field(default_factory=list)
-    slots: list[tuple[nn.Module, str]] = field(default_factory=list)
-    users: set[int] = field(default_factory=set)  # indices of the units whose modules use it
-
-
-@dataclass
-class GroupSpec:
-    """The parameters of one flat group, and the dtypes it computes and reduces in."""
-
-    records: list[ParamRecord]
-    compute_dtype: torch.dtype
-    reduce_dtype: torch.dtype
 
 
 def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
@@ -195,17 +181,6 @@ def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
     return specs
 
 
-@dataclass
-class UnitPlan:
-    """One unit as planned: its flat groups, and the parameters gathered through FSDP2's
-    extension protocol instead (Note [packed parameters] in engine/packed.py)."""
-
-    name: str
-    module: nn.Module
-    groups: list[GroupSpec]
-    packed: list[ParamRecord]
-
-
 def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRecord]],
                param_dtype: torch.dtype | None,
                reduce_dtype: torch.dtype | None) -> list[UnitPlan]:
@@ -214,8 +189,8 @@ def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRec
     for (name, module), records in zip(chosen, per_unit):
         plain = [r for r in records if not uses_protocol(r.param)]
         packed = [r for r in records if uses_protocol(r.param)]
-        out.append(UnitPlan(name, module, group_specs(plain, param_dtype, reduce_dtype),
-                            packed))
+        out.append(UnitPlan(name, module, records,
+                            group_specs(plain, param_dtype, reduce_dtype), packed))
     return out
 
 
