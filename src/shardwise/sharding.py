@@ -277,28 +277,32 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
     """Choose the units, the parameters each owns and their groups (``planning/``), say
     what was chosen, then check that the engine can take them (``engine/``); nothing
     changes yet."""
+    shards = topo.shard.world_size
     auto = None
     if budget is not None:
-        auto = auto_units(module, budget, topo.shard.world_size, mp.param_dtype, prefetch,
-                          bool(reshard_after_forward))
-        chosen = auto.chosen
+        # Its choice comes with the plan it measured, groups laid out: that is built.
+        auto = auto_units(module, budget, shards, mp.param_dtype, prefetch,
+                          bool(reshard_after_forward), mp.reduce_dtype)
+        chosen, records = auto.chosen, auto.records
+        _check_prefetch(prefetch, len(chosen))
+        per_unit = [u.records for u in auto.units]
+        _report_auto(auto, given=budget_given)
     else:
         chosen = choose_units(module, units)
-    _check_prefetch(prefetch, len(chosen))
-    names = [n for n, _ in chosen]
-    records = discover_params(module, names)
-    per_unit = assign_units(records, names)
-    planned = plan_units(chosen, per_unit, mp.param_dtype, mp.reduce_dtype)
-    if auto is not None:
-        _report_auto(auto, given=budget_given)
+        _check_prefetch(prefetch, len(chosen))
+        records = discover_params(module, [n for n, _ in chosen])
+        per_unit = assign_units(records, [n for n, _ in chosen])
     warn_if_one_unit_dominates([sum(r.param.numel() for r in recs) for recs in per_unit],
-                               names, topo.shard.world_size, units)
+                               [n for n, _ in chosen], shards, units)
     # Each group releases its originals as it is built (engine/build.py): only the plan
     # may hold the records.
-    _check_params(records, topo.world.rank, src_rank, offload, topo.shard.world_size,
-                  mp.param_dtype, device)
+    _check_params(records, topo.world.rank, src_rank, offload, shards, mp.param_dtype,
+                  device)
     if any(uses_protocol(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
+    # Laid out once the parameters passed their checks (a 0-dim one is refused by name).
+    planned = auto.units if auto is not None else plan_units(
+        chosen, per_unit, mp.param_dtype, mp.reduce_dtype, shards)
     placement = offload.resolve(device, topo.world.rank) if offload is not None else None
     return Plan(planned, placement, buffer_policy(buffers))
 

@@ -137,12 +137,12 @@ def _build_unit(unit: UnitPlan, topology: Topology, device: torch.device,
 def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
                  src_rank: int, regather: Comm | None, exact: bool,
                  placement: Placement | None) -> FlatGroup:
-    """Flatten one group, take ``src_rank``'s values, register the DTensor shards in
-    place of the originals, and release the originals."""
+    """Flatten one group as its plan laid it out, take ``src_rank``'s values, register
+    the DTensor shards in place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
     g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
-                   originals, topology, device, spec.compute_dtype, spec.reduce_dtype,
-                   regather, exact, placement)
+                   originals, spec.layout, topology, device, spec.compute_dtype,
+                   spec.reduce_dtype, regather, exact, placement)
     # Parameters partitioned by sharded_init are gathered one group at a time, so no
     # full-model copy exists at any point.
     values = [full_value(p) for p in originals]

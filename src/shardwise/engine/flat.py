@@ -25,7 +25,7 @@ from ..errors import ShardwiseError
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
 from .exact_reduction import ExactReduction
 from .group_parts import DeviceStorage, Precision, SecondaryShard, ShardStorage
-from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
+from .layout import Piece, ShardLayout, Slot, contiguous_stride
 from .offload.placement import Placement
 from .offload.storage import GroupStorage
 from .reduce import GradReduction, Group
@@ -639,21 +639,24 @@ class FlatGroup:
 
 
 def flat_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
-               originals: list[nn.Parameter], topology: Topology, device: torch.device,
-               compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               originals: list[nn.Parameter], layout: ShardLayout, topology: Topology,
+               device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                regather: Comm | None = None, exact: bool = False,
                placement: Placement | None = None) -> FlatGroup:
     """A :class:`FlatGroup` of ``originals`` with ``shard``'s settings turned into the
     objects it is given: the one place a flat group's modes are chosen.
 
-    ``regather``: the group of k ranks a non-root unit's backward gathers in under
-    ``reshard_after_forward=k`` (Note [secondary shards] in comm/mesh.py); ``exact``: the
-    reproducible mode's reduction (Note [reproducible reduction]); ``placement``: the
-    tiers of an offloaded model (Note [two states, three tiers] in
-    engine/offload/__init__.py), ``None`` for all on ``device``.
+    ``layout``: the originals' layout over the shard group, as planned (``group_specs``
+    in planning/units.py: computed once); ``regather``: the group of k ranks a non-root
+    unit's backward gathers in under ``reshard_after_forward=k`` (Note [secondary
+    shards] in comm/mesh.py); ``exact``: the reproducible mode's reduction (Note
+    [reproducible reduction]); ``placement``: the tiers of an offloaded model (Note [two
+    states, three tiers] in engine/offload/__init__.py), ``None`` for all on ``device``.
     """
+    assert layout.world_size == topology.shard.world_size and \
+        [s.shape for s in layout.slots] == [tuple(p.shape) for p in originals], \
+        "the layout was planned for these parameters and this shard group"
     members = [Member(n, s, p) for n, s, p in zip(names, slots, originals)]
-    layout = build_layout([tuple(p.shape) for p in originals], topology.shard.world_size)
     dtype = originals[0].dtype
     storage: ShardStorage = (
         DeviceStorage(layout.shard_numel, dtype, compute_dtype, device) if placement is None

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .buffers import BufferPolicy
+from .layout import ShardLayout
 from .offload.placement import Placement
 
 
@@ -29,11 +30,14 @@ class ParamRecord:
 
 @dataclass
 class GroupSpec:
-    """The parameters of one flat group, and the dtypes it computes and reduces in."""
+    """The parameters of one flat group, the dtypes it computes and reduces in, and their
+    layout over the shard group's ranks: laid out once, when planned, and built as
+    planned (``units="auto"`` measured its choice on this layout)."""
 
     records: list[ParamRecord]
     compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    layout: ShardLayout
 
 
 @dataclass

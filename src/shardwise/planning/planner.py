@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from ..engine.layout import ShardLayout, build_layout
+from ..engine.layout import ShardLayout
 from ..engine.offload.placement import TIERS, Offload
 from .units import (
     AUTO,
@@ -145,11 +145,11 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
     traffic = _Traffic(offload, per_elem)
     for i, recs in enumerate(per_unit):
         full = frozen = 0
-        for spec in group_specs(recs, param_dtype, None):
+        for spec in group_specs(recs, param_dtype, None, world_size):
             p = spec.records[0].param
             size = p.element_size()
             stored[p.dtype] = computed[spec.compute_dtype] = None
-            layout = build_layout([tuple(r.param.shape) for r in spec.records], world_size)
+            layout = spec.layout
             params += layout.shard_numel * size
             group_full = layout.full_numel * _itemsize(spec.compute_dtype)
             full += group_full
@@ -392,8 +392,8 @@ def comm_plan(model: nn.Module, replicas: int, shard_size: int,
     gather = scatter = reduce = 0
     for index, recs in enumerate(per_unit):
         gathers = 1 if index in (0, len(per_unit) - 1) else 2
-        for spec in group_specs(recs, param_dtype, reduce_dtype):
-            layout = build_layout([tuple(r.param.shape) for r in spec.records], shard_size)
+        for spec in group_specs(recs, param_dtype, reduce_dtype, shard_size):
+            layout = spec.layout
             gather += gathers * layout.shard_numel * _itemsize(spec.compute_dtype)
             if spec.records[0].param.requires_grad:
                 size = _itemsize(spec.reduce_dtype)

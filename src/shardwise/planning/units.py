@@ -157,8 +157,9 @@ def assign_units(records: list[ParamRecord], unit_names: list[str]) -> list[list
 
 
 def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
-                reduce_dtype: torch.dtype | None) -> list[GroupSpec]:
-    """Split one unit's parameters into flat groups by (dtype, requires_grad, precision).
+                reduce_dtype: torch.dtype | None, world_size: int) -> list[GroupSpec]:
+    """Split one unit's parameters into flat groups by (dtype, requires_grad, precision),
+    each laid out over ``world_size`` ranks (the layout the engine builds).
 
     A frozen weight never shares a buffer with a trainable one (it is never reduced), and
     BatchNorm keeps full-precision parameters under mixed precision: its running
@@ -177,20 +178,23 @@ def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
         # Gradients are summed across ranks in the master dtype unless asked otherwise:
         # a bf16 sum over many ranks loses the low bits that fp32 master weights keep.
         reduce = (reduce_dtype or dtype) if floating else dtype
-        specs.append(GroupSpec(recs, compute, reduce))
+        layout = build_layout([tuple(r.param.shape) for r in recs], world_size)
+        specs.append(GroupSpec(recs, compute, reduce, layout))
     return specs
 
 
 def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRecord]],
-               param_dtype: torch.dtype | None,
-               reduce_dtype: torch.dtype | None) -> list[UnitPlan]:
-    """Each chosen unit's groups (:func:`group_specs`) and packed parameters."""
+               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+               world_size: int) -> list[UnitPlan]:
+    """Each chosen unit's groups (:func:`group_specs`, laid out over ``world_size``
+    ranks) and packed parameters."""
     out = []
     for (name, module), records in zip(chosen, per_unit):
         plain = [r for r in records if not uses_protocol(r.param)]
         packed = [r for r in records if uses_protocol(r.param)]
         out.append(UnitPlan(name, module, records,
-                            group_specs(plain, param_dtype, reduce_dtype), packed))
+                            group_specs(plain, param_dtype, reduce_dtype, world_size),
+                            packed))
     return out
 
 
@@ -221,29 +225,32 @@ _MAX_RUNGS = 64  # deeper than any real model; a guard, not a limit anyone meets
 @dataclass
 class AutoChoice:
     """What ``units="auto"`` chose: the units (root first), their gathered peak in
-    bytes, the budget, and ``(units, peak)`` of every rung tried, coarse to fine."""
+    bytes, the budget, and ``(units, peak)`` of every rung tried, coarse to fine; and
+    the plan it measured: every parameter (in order of discovery) and each unit's
+    groups, laid out as the engine builds them, so that ``shard`` builds that plan
+    rather than lay the groups out again."""
 
     chosen: list[tuple[str, nn.Module]]
     peak: int
     budget: int
     tried: list[tuple[int, int]]
+    records: list[ParamRecord]
+    units: list[UnitPlan]
 
     @property
     def fits(self) -> bool:
         return self.peak <= self.budget
 
 
-def gathered_bytes(per_unit: list[list[ParamRecord]], world_size: int,
+def gathered_bytes(units: list[UnitPlan], world_size: int,
                    param_dtype: torch.dtype | None) -> list[int]:
     """Bytes of each unit's full parameters while gathered, in compute dtype, padded as
-    the engine lays them out (``FlatGroup.full``)."""
+    the engine lays them out (``FlatGroup.full``): its groups' planned layouts, and its
+    packed parameters counted as plain ones."""
     out = []
-    for recs in per_unit:
-        total = 0
-        for spec in group_specs(recs, param_dtype, None):
-            layout = build_layout([tuple(r.param.shape) for r in spec.records], world_size)
-            total += layout.full_numel * spec.compute_dtype.itemsize
-        out.append(total)
+    for unit in units:
+        specs = [*unit.groups, *group_specs(unit.packed, param_dtype, None, world_size)]
+        out.append(sum(s.layout.full_numel * s.compute_dtype.itemsize for s in specs))
     return out
 
 
@@ -296,24 +303,29 @@ def _refine(root: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[s
 
 
 def _owning(root: nn.Module, units: list[tuple[str, nn.Module]]
-            ) -> tuple[list[tuple[str, nn.Module]], list[list[ParamRecord]]]:
-    """The units that own a parameter, and what each unit (root first) owns. Dropping a
-    unit that owns nothing changes no other unit's share."""
+            ) -> tuple[list[tuple[str, nn.Module]], list[ParamRecord], list[list[ParamRecord]]]:
+    """The units that own a parameter, every parameter, and what each unit (root first)
+    owns. Dropping a unit that owns nothing changes no other unit's share."""
     names = ["", *(n for n, _ in units)]
-    per_unit = assign_units(discover_params(root, names), names)
+    records = discover_params(root, names)
+    per_unit = assign_units(records, names)
     kept = [i for i, recs in enumerate(per_unit[1:], 1) if recs]
-    return [units[i - 1] for i in kept], [per_unit[0], *(per_unit[i] for i in kept)]
+    return ([units[i - 1] for i in kept], records,
+            [per_unit[0], *(per_unit[i] for i in kept)])
 
 
 def auto_units(root: nn.Module, budget: int, world_size: int,
                param_dtype: torch.dtype | None = None, prefetch: int = 1,
-               reshard_after_forward: bool = True) -> AutoChoice:
+               reshard_after_forward: bool = True,
+               reduce_dtype: torch.dtype | None = None) -> AutoChoice:
     """The fewest units, on the ladder of Note [auto units], whose gathered peak
     (:func:`gathered_peak`) is at most ``budget`` bytes; when none fits, the first rung
     with the lowest peak (finer rungs that gather no less are not worth their units),
     and ``fits`` is False. Derived from the module
     structure and parameter shapes only, so every rank that built the same model and
-    got the same budget chooses the same units.
+    got the same budget chooses the same units. The choice carries its plan
+    (:func:`plan_units`, ``reduce_dtype`` for its groups' reduction), which ``shard``
+    builds.
 
     Example:
         >>> auto_units(GPT(cfg), budget=2**40, world_size=2).chosen   # the root alone
@@ -324,15 +336,17 @@ def auto_units(root: nn.Module, budget: int, world_size: int,
     rung: list[tuple[str, nn.Module]] = []
     previous: list[str] | None = None
     for _ in range(_MAX_RUNGS):
-        rung, per_unit = _owning(root, rung)
+        rung, records, per_unit = _owning(root, rung)
         names = ["", *(n for n, _ in rung)]
         if names == previous:
             break  # nothing left to split
         previous = names
-        peak = gathered_peak(names, gathered_bytes(per_unit, world_size, param_dtype),
+        chosen = [("", root), *rung]
+        planned = plan_units(chosen, per_unit, param_dtype, reduce_dtype, world_size)
+        peak = gathered_peak(names, gathered_bytes(planned, world_size, param_dtype),
                              prefetch, reshard_after_forward)
         tried.append((len(names), peak))
-        choice = AutoChoice([("", root), *rung], peak, budget, tried)
+        choice = AutoChoice(chosen, peak, budget, tried, records, planned)
         if choice.fits:
             return choice
         if best is None or peak < best.peak:
