@@ -1,10 +1,13 @@
 """The plan of a ``shard()`` call, decided before anything is changed.
 
 Which submodules are units (:func:`choose_units`), every parameter with all its names and
-registrations (:func:`discover_params`), which unit owns each (:func:`assign_units`), and
-how each unit's parameters split into flat groups (:func:`group_specs`), and the
-``units="auto"`` choice under a memory budget (:func:`auto_units`). Nothing here
-communicates or modifies the model.
+registrations (:func:`discover_params`), which unit owns each (:func:`assign_units`), how
+each unit's parameters split into flat groups and how each group is laid out
+(:func:`group_specs`, :func:`plan_units`: the layout is computed here, once, and built as
+it is), and the ``units="auto"`` choice under a memory budget (:func:`auto_units`, which
+hands back the plan it measured). The records a plan is made of are the engine's
+(engine/plan.py), which ``engine.build`` builds. Nothing here communicates or modifies the
+model.
 """
 
 from __future__ import annotations
