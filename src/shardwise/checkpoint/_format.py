@@ -1,4 +1,4 @@
-"""The on-disk format: safetensors data, JSON metadata, atomic writes.
+"""The on-disk format: a checkpoint's file names, its safetensors data files, JSON metadata.
 
 A checkpoint is a folder::
 
@@ -8,15 +8,6 @@ A checkpoint is a folder::
         rank-00000-of-00002.safetensors   rank 0's parameter and optimizer pieces, RNG
         rank-00001-of-00002.safetensors
         buffers.safetensors               every buffer, checked identical across ranks
-
-Note [atomic save]
-Data files go into a fresh ``data-<id>`` folder that no metadata refers to yet; each is
-written to a temporary name, fsynced and renamed. Only then is ``checkpoint.json`` written
-to a temporary name, fsynced and moved over the old one with ``os.replace`` (atomic on
-POSIX), and the folder is fsynced. A crash before that leaves the old ``checkpoint.json``
-pointing at the old, untouched data; a crash after it leaves the new one complete. Stale
-``data-*`` folders are removed by the next successful save. Every data file's size and
-SHA-256 are in the metadata, so truncation and corruption are reported, by file name.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ import ctypes
 import hashlib
 import json
 import os
-import random
 import re
 import struct
 import sys
@@ -35,18 +25,16 @@ from typing import Any
 import torch
 
 from .._fs import kind, open_dir, read_head, remove_empty_dir, remove_own_files, unlink_own
-from ..errors import ShardwiseError
+from ._files import create_temporary, final_name, fsync_dir, temporary_name
 
 FORMAT = "shardwise-checkpoint"
 # 2: each rank's data file records the pieces it holds (its header's "pieces").
 FORMAT_VERSION = 2
 META = "checkpoint.json"
 BUFFERS_FILE = "buffers.safetensors"
-TMP_MARK = ".tmp-"  # temporary files are named <final name>.tmp-<pid>
 PIECES = "pieces"  # a rank file's header entry: {parameter: [offset, count]}
 DATA_DIR = re.compile(r"data-[0-9a-f]{1,64}")  # a save's data folder (a random id)
 _RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}\.safetensors")
-_TMP = re.compile(r"(.+)" + re.escape(TMP_MARK) + r"\d+")
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -58,94 +46,14 @@ _FP8 = {getattr(torch, n): s for n, s in (("float8_e4m3fn", "F8_E4M3"), ("float8
 _ST_DTYPES.update(_FP8)
 
 
-def inside(folder: str, relative: object, what: str) -> str:
-    """``folder/relative``, refused unless it stays inside ``folder`` once every symlink
-    is resolved (a metadata file must never make a load read from elsewhere).
-
-    Raises:
-        ShardwiseError: naming ``what`` (the file and field) and the path.
-    """
-    if not isinstance(relative, str) or not relative or os.path.isabs(relative):
-        raise ShardwiseError(f"{what}: {relative!r} is not a path relative to {folder}")
-    root = os.path.realpath(folder)
-    target = os.path.realpath(os.path.join(folder, relative))
-    if os.path.commonpath([root, target]) != root:
-        raise ShardwiseError(f"{what}: {relative!r} leads outside {folder} (to {target})")
-    return os.path.join(folder, relative)
-
-
-def path_argument(path: object, function: str) -> str:
-    """``path`` as a string, or a ShardwiseError saying what ``function`` takes."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path:
-        raise ShardwiseError(f"{function}: path must be a non-empty str or os.PathLike "
-                             f"(a folder), got {path!r:.80}")
-    return path
-
-
-def summary(items: list, limit: int = 10, join: str | None = None) -> str:
-    """``items`` for a message: all of them when few, else the first ``limit`` and a
-    count (a message must not list 200,000 invented names)."""
-    shown = items[:limit]
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    if join is not None:
-        return join.join(str(i) for i in shown) + (f"{join}...{more}" if more else "")
-    return f"{shown!r}"[:-1] + (f", ...{more}]" if more else "]")
-
-
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def create_temporary(tmp: str) -> int:
-    """Create ``tmp`` (a ``<name>.tmp-<pid>`` of ours) for writing, as a new file: never
-    opened through a link, never an existing file truncated (a link or a hard link of
-    that name would have made the write land in, or truncate, a file shardwise did not
-    write). A name left there by a dead process of the same pid is replaced: it is
-    removed, which removes only the name."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        return os.open(tmp, flags, 0o644)
-    except FileExistsError:
-        os.unlink(tmp)
-        return os.open(tmp, flags, 0o644)
-
-
-def _final_name(name: str) -> str:
-    """``name`` without the temporary mark of :func:`write_atomic` (if it has one)."""
-    m = _TMP.fullmatch(name)
-    return m.group(1) if m else name
 
 
 def own_data_file(dir_fd: int, name: str) -> bool:
     """Whether ``name`` in the folder ``dir_fd`` is a data file a save wrote: named as a
     save names them, with a safetensors header that says it is shardwise's."""
-    final = _final_name(name)
+    final = final_name(name)
     if final != BUFFERS_FILE and _RANK_FILE.fullmatch(final) is None:
         return False
     head = read_head(name, dir_fd, 8)
@@ -163,7 +71,7 @@ def own_data_file(dir_fd: int, name: str) -> bool:
 
 def own_meta_temporary(dir_fd: int, name: str) -> bool:
     """Whether ``name`` is a temporary ``checkpoint.json`` a save left behind."""
-    return name != META and _final_name(name) == META
+    return name != META and final_name(name) == META
 
 
 def remove_data_folder(parent_fd: int, name: str, where: str) -> bool:
@@ -207,58 +115,6 @@ def remove_checkpoint(path: str) -> bool:
     return remove_empty_dir(path)
 
 
-def write_atomic(path: str, data: bytes,
-                 before_rename: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Write ``data`` to ``path`` through a temporary file; return its size and SHA-256.
-
-    ``before_rename`` runs once the temporary file is complete (a point of the save
-    protocol, Note [save protocol] in save.py)."""
-    tmp = f"{path}{TMP_MARK}{os.getpid()}"
-    fd = create_temporary(tmp)
-    try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-    except BaseException:
-        # A full disk must not stay full of our own debris.
-        unlink_own(tmp)
-        raise
-    fsync_dir(os.path.dirname(path) or ".")
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def write_json_atomic(path: str, obj: Any,
-                      before_rename: Callable[[], None] | None = None) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode(),
-                 before_rename)
-
-
-def sha256_file(path: str, chunk: int = 1 << 24) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-            size += len(block)
-    return size, h.hexdigest()
-
-
-def verify_file(path: str, expected: dict[str, Any]) -> str | None:
-    """A description of what is wrong with ``path``, or None when it is intact."""
-    if not os.path.isfile(path):
-        return f"{path}: missing"
-    size, digest = sha256_file(path)
-    if size != expected["bytes"]:
-        return f"{path}: truncated or resized ({size} bytes, expected {expected['bytes']})"
-    if digest != expected["sha256"]:
-        return f"{path}: corrupt (SHA-256 does not match the checkpoint metadata)"
-    return None
-
-
 class SafetensorsStreamWriter:
     """Writes a safetensors file one tensor at a time, so memory stays at one tensor.
 
@@ -287,7 +143,7 @@ class SafetensorsStreamWriter:
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
         self.path = path
         self.total_bytes = offset
-        self._tmp = f"{path}{TMP_MARK}{os.getpid()}"
+        self._tmp = temporary_name(path)
         self._f = open(create_temporary(self._tmp), "wb")  # noqa: SIM115 - closed by close()
         self._hash = hashlib.sha256()
         self._bytes = 0
@@ -318,7 +174,7 @@ class SafetensorsStreamWriter:
 
     def close(self, before_rename: Callable[[], None] | None = None) -> dict[str, Any]:
         """Finish the file and rename it into place (``before_rename`` runs just before,
-        as for :func:`write_atomic`); its size and SHA-256."""
+        as for ``_files.write_atomic``); its size and SHA-256."""
         if self._next != len(self._order):
             self.abort()
             raise ValueError(f"only {self._next} of {len(self._order)} tensors were written")
@@ -341,29 +197,6 @@ class SafetensorsStreamWriter:
         unlink_own(self._tmp)
 
 
-class Progress:
-    """A byte-counting tqdm progress bar on stderr, shown only for long work on a terminal
-    or when forced."""
-
-    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=max(total, 1), desc=label, unit="B", unit_scale=True,
-                         unit_divisor=1024, file=sys.stderr,
-                         disable=not (sys.stderr.isatty() if enabled is None else enabled))
-
-    def advance(self, amount: int) -> None:
-        self._bar.update(amount)
-
-    def finish(self) -> None:
-        self._bar.close()
-
-
-def read_json(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
-
-
 def flat_range(reader_slice, shape: Iterable[int], lo: int, hi: int) -> torch.Tensor:
     """Elements ``[lo, hi)`` of a row-major tensor of at least one dimension, reading only
     the rows that hold them. ``reader_slice`` is a safetensors slice (indexable along dim 0)
@@ -378,25 +211,3 @@ def flat_range(reader_slice, shape: Iterable[int], lo: int, hi: int) -> torch.Te
     r0, r1 = lo // row, -(-hi // row)
     rows = reader_slice[r0:r1]
     return rows.reshape(-1)[lo - r0 * row:hi - r0 * row]
-
-
-def packed_key(main: str, inner: str) -> str:
-    """The data-file key of a quantized parameter's inner tensor (Note [packed
-    checkpoints])."""
-    return f"packed/{main}/{inner}"
-
-
-def by_rank(values: list) -> str:
-    """Per-rank values for a message: ``rank 0: 'a', rank 1: 'b'``."""
-    return ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-
-
-def python_rng_state() -> list:
-    """Python's ``random`` state as JSON values."""
-    version, state, gauss = random.getstate()
-    return [version, list(state), gauss]
-
-
-def set_python_rng_state(saved: list) -> None:
-    """Restore a state from :func:`python_rng_state`."""
-    random.setstate((saved[0], tuple(saved[1]), saved[2]))

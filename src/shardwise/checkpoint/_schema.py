@@ -35,7 +35,8 @@ import re
 from typing import Any
 
 from ..errors import ShardwiseError
-from ._format import _ST_DTYPES, FORMAT, FORMAT_VERSION, dtype_name
+from ._format import _ST_DTYPES, FORMAT, FORMAT_VERSION
+from ._names import dtype_name
 
 CHECKSUM = "meta_sha256"
 _DTYPES = {dtype_name(d) for d in _ST_DTYPES}

@@ -8,15 +8,11 @@ import os
 import torch
 
 from ..errors import ShardwiseError
-from ._format import (
-    BUFFERS_FILE,
-    META,
-    Progress,
-    SafetensorsStreamWriter,
-    dtype_from_name,
-    write_json_atomic,
-)
+from ._files import write_json_atomic
+from ._format import BUFFERS_FILE, META, SafetensorsStreamWriter
 from ._lock import LOCK
+from ._names import dtype_from_name, param_key
+from ._progress import Progress
 from ._schema import CHECKSUM, canonical_sha256
 from .verify import VerifiedCheckpoint
 
@@ -199,7 +195,7 @@ def _write(ck: VerifiedCheckpoint, path: str, entries, bar: Progress) -> None:
             if kind == "param":
                 e = ck.meta["params"][key]
                 numel = torch.Size(shape).numel()
-                t = ck.assemble(f"param/{key}", e["pieces"], 0, numel, dtype).view(shape)
+                t = ck.assemble(param_key(key), e["pieces"], 0, numel, dtype).view(shape)
             else:
                 t = ck.file(BUFFERS_FILE).get_tensor(key)
             writer.write(name, t)

@@ -1,7 +1,16 @@
 """``save_checkpoint``: each rank writes its pieces, rank 0 commits; atomic, no pickle.
 
-See _format.py for the layout and Note [atomic save]; Note [save protocol] below gives
-the steps in order. Reading is load.py, verification verify.py.
+Note [atomic save]
+Data files go into a fresh ``data-<id>`` folder that no metadata refers to yet; each is
+written to a temporary name, fsynced and renamed. Only then is ``checkpoint.json`` written
+to a temporary name, fsynced and moved over the old one with ``os.replace`` (atomic on
+POSIX), and the folder is fsynced. A crash before that leaves the old ``checkpoint.json``
+pointing at the old, untouched data; a crash after it leaves the new one complete. Stale
+``data-*`` folders are removed by the next successful save. Every data file's size and
+SHA-256 are in the metadata, so truncation and corruption are reported, by file name.
+
+See _format.py for the layout; Note [save protocol] below gives the steps in order.
+Reading is load.py, verification verify.py.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
 from ..engine.state import model_state
 from ..errors import ShardwiseError
+from ._files import fsync_dir, read_json, write_atomic, write_json_atomic
 from ._format import (
     BUFFERS_FILE,
     DATA_DIR,
@@ -33,20 +43,15 @@ from ._format import (
     META,
     PIECES,
     SafetensorsStreamWriter,
-    by_rank,
-    dtype_name,
-    fsync_dir,
     own_meta_temporary,
-    packed_key,
-    path_argument,
-    python_rng_state,
     rank_file,
-    read_json,
     remove_data_folder,
-    write_atomic,
-    write_json_atomic,
 )
 from ._lock import FolderLock
+from ._messages import by_rank
+from ._names import dtype_name, optim_key, packed_key, param_key, parameter_of
+from ._paths import path_argument
+from ._rng import python_rng_state, rank_rng_tensors
 from ._schema import CHECKSUM, canonical_sha256
 from ._targets import (
     PackedTarget,
@@ -101,7 +106,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
                 # pieces as the parameter, and reloads at any world size.
                 if sharded:
                     value = value.reshape(-1)[:0] if name in unsaved else value.reshape(-1)
-                tensors[f"optim/{name}/{k}"] = value
+                tensors[optim_key(name, k)] = value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
                             "dtype": dtype_name(v.dtype), "shape": shape}
             else:
@@ -155,7 +160,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     optimizer state, the step, RNG states and ``extra``. Data is safetensors,
     metadata JSON; nothing is pickled. A crash or failure at any moment, on any rank,
     leaves the new or the previous checkpoint in ``path``, complete and loadable (Note
-    [atomic save] in _format.py). One job at a time may save into a folder.
+    [atomic save]). One job at a time may save into a folder.
 
     Args:
         path: the checkpoint folder (created if needed; a previous checkpoint there is
@@ -339,7 +344,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         name_of[id(pt.packed.shard)] = pt.names[0]
     # Views of the live tensors, not copies: the data file is streamed from them, one at
     # a time (Note [streamed save]).
-    tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
+    tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
                for t in params}
     for pt in packed:
         for inner in pt.packed.inner:
@@ -351,9 +356,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         unsaved = {t.names[0] for t in params if not t.writes}
         opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, unsaved)
         tensors.update(opt_tensors)
-    tensors["rng/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    tensors.update(rank_rng_tensors())
     return tensors, opt_meta
 
 
@@ -407,8 +410,8 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     try:
         for k, v in tensors.items():
             writer.write(k, v)
-            kind, _, rest = k.partition("/")
-            release = releases.get(rest.split("/")[0]) if kind in ("param", "optim") else None
+            owner = parameter_of(k)
+            release = releases.get(owner) if owner is not None else None
             if release is not None:
                 release()  # its pages, read for the file, leave the process again
     except BaseException:
@@ -472,5 +475,5 @@ def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
         s = st.get("step")
         if s is not None:
             return int(s["value"] if s["kind"] == "value"
-                       else tensors[f"optim/{name}/step"].item())
+                       else tensors[optim_key(name, "step")].item())
     return None

@@ -17,21 +17,20 @@ import torch
 from safetensors import safe_open
 
 from ..errors import ShardwiseError
-from ._format import (
-    _ST_DTYPES,
-    BUFFERS_FILE,
-    META,
-    PIECES,
-    dtype_from_name,
-    inside,
-    packed_key,
-    path_argument,
-    rank_file,
-    summary,
-    verify_file,
-    write_json_atomic,
-)
+from ._files import file_problem, write_json_atomic
+from ._format import _ST_DTYPES, BUFFERS_FILE, META, PIECES, rank_file
 from ._lock import FolderLock
+from ._messages import summary
+from ._names import (
+    RNG_CUDA,
+    RNG_PREFIX,
+    RNG_TORCH,
+    dtype_from_name,
+    optim_key,
+    packed_key,
+    param_key,
+)
+from ._paths import inside, path_argument
 from ._schema import CHECKSUM, canonical_sha256, validate
 
 
@@ -138,7 +137,7 @@ class VerifiedCheckpoint:
             full = inside(self.data, name, f"{self.data}: data file")
             if expected is None:
                 raise ShardwiseError(f"{full}: not listed in the checkpoint metadata")
-            problem = verify_file(full, expected)
+            problem = file_problem(full, expected)
             if problem:
                 raise ShardwiseError(problem)
             try:
@@ -284,19 +283,19 @@ def check_files(ck: VerifiedCheckpoint) -> None:
     for r in range(ck.world_size):
         expected: dict[str, tuple[str, list[int]]] = {}
         for main, e in meta["params"].items():
-            expected[f"param/{main}"] = (e["dtype"], [pieces[main][r][1]])
+            expected[param_key(main)] = (e["dtype"], [pieces[main][r][1]])
         for name, st in state.items():
             for k, info in st.items():
                 if info["kind"] == "sharded":
-                    expected[f"optim/{name}/{k}"] = (info["dtype"], [pieces[name][r][1]])
+                    expected[optim_key(name, k)] = (info["dtype"], [pieces[name][r][1]])
                 elif info["kind"] == "replicated":
-                    expected[f"optim/{name}/{k}"] = (info["dtype"], info["shape"])
+                    expected[optim_key(name, k)] = (info["dtype"], info["shape"])
         for key, (dtype, inner_pieces) in packed.items():
             expected[key] = (dtype, [inner_pieces[r][1]])
         fname = rank_file(r, ck.world_size)
         f = ck.file(fname)
         where = f"{ck.data}/{fname}"
-        _check_tensors(f, where, expected, optional_prefix="rng/")
+        _check_tensors(f, where, expected, optional_prefix=RNG_PREFIX)
         # A data file recording its pieces is checked as format 2, whatever the metadata
         # claims (Note [metadata that cannot lie]).
         if meta["format_version"] >= 2 or PIECES in (f.metadata() or {}):
@@ -324,7 +323,7 @@ def _check_tensors(f, where: str, expected: dict[str, tuple[str, list[int]]],
             raise ShardwiseError(f"{where}: {key} is {piece.get_dtype()} "
                                  f"{list(piece.get_shape())} in the file, the metadata says "
                                  f"{want} {list(shape)}")
-    for key in ("rng/torch", "rng/cuda"):
+    for key in (RNG_TORCH, RNG_CUDA):
         if key in keys and (f.get_slice(key).get_dtype() != "U8"
                             or len(f.get_slice(key).get_shape()) != 1):
             raise ShardwiseError(f"{where}: {key} is not an RNG state (1-D uint8)")
