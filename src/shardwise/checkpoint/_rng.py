@@ -15,12 +15,15 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import ShardwiseError
 from ._names import RNG_CUDA, RNG_TORCH
+
+if TYPE_CHECKING:
+    from ._format import Reader
 
 
 def python_rng_state() -> list:
@@ -57,7 +60,7 @@ class RankRng:
         set_python_rng_state(self.python_state)
 
 
-def read_rank_rng(file: Any, python_state: list, where: str) -> RankRng:
+def read_rank_rng(file: Reader, python_state: list, where: str) -> RankRng:
     """A rank's RNG states from its data file ``file`` and its Python state from the
     metadata, the torch state tried on a scratch generator first, so that a bad one fails
     before anything changes.
@@ -65,9 +68,8 @@ def read_rank_rng(file: Any, python_state: list, where: str) -> RankRng:
     Raises:
         ShardwiseError: ``rng/torch`` is not a torch RNG state (naming ``where``).
     """
-    rng = RankRng(file.get_tensor(RNG_TORCH),
-                  file.get_tensor(RNG_CUDA) if RNG_CUDA in file.keys() else None,
-                  python_state)
+    rng = RankRng(file.read(RNG_TORCH),
+                  file.read(RNG_CUDA) if RNG_CUDA in file.keys() else None, python_state)
     try:
         torch.Generator().set_state(rng.torch_state)
     except (RuntimeError, TypeError) as e:

@@ -1,7 +1,8 @@
 """``load_checkpoint``: read and verify everything, then change the model, at any world size.
 
 A load at another world size reads, for each new piece, the slices of the old pieces
-that overlap it. Files are read through verify.py's ``VerifiedCheckpoint``.
+that overlap it. Files are read through verify.py's ``VerifiedCheckpoint`` (and so
+_format.py's ``Reader``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..engine.alloc import freed
 from ..errors import ShardwiseError
-from ._format import BUFFERS_FILE, rank_file
 from ._messages import by_rank, summary
 from ._names import dtype_from_name, dtype_name, optim_key, packed_key, param_key
 from ._paths import path_argument
@@ -146,8 +146,8 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
     values += inner_values
     buffer_values = []
     if buffers:
-        f = ck.file(BUFFERS_FILE)
-        buffer_values = [(b, f.get_tensor(key)) for b, key in match.buffers]
+        f = ck.buffers()
+        buffer_values = [(b, f.read(key)) for b, key in match.buffers]
 
     opt_sd = None
     deferred: list[Callable[[], None]] = []
@@ -155,8 +155,8 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
         opt_sd = _read_optimizer(ck, optimizer, matched, packed_names, deferred)
     rng: RankRng | None = None
     if ck.world_size == world:
-        rng = read_rank_rng(ck.file(rank_file(rank, world)), ck.meta["python_rng"][rank],
-                            f"{ck.data}/{rank_file(rank, world)}")
+        f = ck.rank(rank)
+        rng = read_rank_rng(f, ck.meta["python_rng"][rank], f.path)
     return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
 
 
@@ -257,7 +257,7 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
                         st[k] = (t.sharded.as_dtensor(flat.view(t.sharded.local.shape))
                                  if t.sharded is not None else flat.view(t.shape))
                     else:
-                        st[k] = ck.file(rank_file(0, ck.world_size)).get_tensor(key)
+                        st[k] = ck.rank(0).read(key)
                 state[index] = st
             ids.append(index)
             index += 1

@@ -44,7 +44,7 @@ from .._log import logger
 from ..comm.agree import agreed
 from ..errors import ShardwiseError
 from ._files import read_json, write_json_atomic
-from ._format import META, remove_checkpoint
+from ._format import has_metadata, remove_checkpoint
 from ._lock import FolderLock
 from ._paths import path_argument
 from ._rng import portable_rng, restore_portable_rng
@@ -304,7 +304,7 @@ class Resumable:
 
     def _complete_steps(self) -> list[int]:
         return [s for s in self._steps_on_disk()
-                if os.path.isfile(os.path.join(self._path(s), META))]
+                if has_metadata(self._path(s))]
 
     def _prune(self) -> None:
         """Rank 0, after saving ``self.step``: keep the newest ``keep`` complete

@@ -9,8 +9,9 @@ pointing at the old, untouched data; a crash after it leaves the new one complet
 ``data-*`` folders are removed by the next successful save. Every data file's size and
 SHA-256 are in the metadata, so truncation and corruption are reported, by file name.
 
-See _format.py for the layout; Note [save protocol] below gives the steps in order.
-Reading is load.py, verification verify.py.
+Note [save protocol] below gives the steps in order. The files are written through
+_format.py's ``Writer`` (its layout and encoding are that module's alone); reading is
+load.py, verification verify.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import uuid
 from typing import Any
 
-import safetensors.torch
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -34,18 +34,21 @@ from ..consistency import check_consistency
 from ..engine.buffers import BufferPolicy
 from ..engine.state import model_state
 from ..errors import ShardwiseError
-from ._files import fsync_dir, read_json, write_atomic, write_json_atomic
 from ._format import (
     BUFFERS_FILE,
     DATA_DIR,
+    DATA_PREFIX,
     FORMAT,
     FORMAT_VERSION,
-    META,
-    PIECES,
-    SafetensorsStreamWriter,
+    Writer,
+    data_folder,
+    metadata_path,
     own_meta_temporary,
     rank_file,
+    read_metadata,
     remove_data_folder,
+    write_metadata,
+    write_tensors,
 )
 from ._lock import FolderLock
 from ._messages import by_rank
@@ -253,9 +256,7 @@ class _Folder:
     def commit(self, meta: dict) -> None:
         """Replace ``checkpoint.json``: from here on the new checkpoint is the one."""
         meta[CHECKSUM] = canonical_sha256(meta)
-        write_json_atomic(os.path.join(self.path, META), meta,
-                          before_rename=lambda: _reached("meta-tmp"))
-        fsync_dir(self.path)
+        write_metadata(self.path, meta, before_rename=lambda: _reached("meta-tmp"))
         _reached("committed")
 
     def close(self) -> None:
@@ -273,7 +274,7 @@ class _Folder:
         """Remove data folders no checkpoint needs, and temporary files left by saves that
         crashed (ours are all gone by now: we hold the lock)."""
         current = _committed_data(self.path)
-        if current is None and os.path.exists(os.path.join(self.path, META)):
+        if current is None and os.path.exists(metadata_path(self.path)):
             return  # unreadable metadata: remove nothing rather than guess
         keep = {current, self.previous if self.keep_previous else None}
         # Only data folders and temporary files of saves, as saves write them, never
@@ -296,9 +297,9 @@ def _refuse_foreign_metadata(path: str) -> None:
     """A ``checkpoint.json`` that is JSON but not a shardwise checkpoint's is someone
     else's file: the commit would replace it. Refused, naming it (one that does not parse
     may be a damaged one of ours, which a save is the way to replace)."""
-    meta = os.path.join(path, META)
+    meta = metadata_path(path)
     try:
-        found = read_json(meta)
+        found = read_metadata(path)
     except (OSError, ValueError):
         return
     if not (isinstance(found, dict) and found.get("format") == FORMAT):
@@ -311,10 +312,10 @@ def _refuse_foreign_metadata(path: str) -> None:
 def _committed_data(path: str) -> str | None:
     """The data folder ``path/checkpoint.json`` names, or None (none, or unreadable)."""
     try:
-        data = read_json(os.path.join(path, META)).get("data")
+        data = read_metadata(path).get("data")
     except (OSError, ValueError, AttributeError):
         return None
-    return data if isinstance(data, str) and data.startswith("data-") else None
+    return data if isinstance(data, str) and data.startswith(DATA_PREFIX) else None
 
 
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
@@ -369,7 +370,7 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
     if comm is not None and world > 1:
         seen = comm.all_gather_object((path, data_id))
         paths, data_id = [p for p, _ in seen], seen[0][1]
-    data_dir = os.path.join(path, f"data-{data_id}")
+    data_dir = os.path.join(path, data_folder(str(data_id)))  # rank 0's id, on every rank
 
     def make() -> None:
         if len(set(paths)) > 1:
@@ -383,13 +384,14 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
 
 # Note [streamed save]
 # A rank's data file is written one tensor at a time, from where each tensor lives (the
-# device, host memory, or an offload tier's file), through a safetensors writer that
-# knows the header up front. The tensors collected before the writes are views of the
-# live parameters and optimizer state, not copies: nothing changes them during a save,
-# every rank being inside it. So a save needs memory for one tensor at a time, where it
-# needed a copy of the rank's state plus the file's bytes; and a disk tier's pages, read
-# for the file, are released after each of its tensors (Note [the disk tier]), so the
-# state of an offloaded model larger than memory can be saved (docs/offload.md).
+# device, host memory, or an offload tier's file), through a writer that knows the
+# file's header up front (_format.Writer). The tensors collected before the writes are
+# views of the live parameters and optimizer state, not copies: nothing changes them
+# during a save, every rank being inside it. So a save needs memory for one tensor at a
+# time, where it needed a copy of the rank's state plus the file's bytes; and a disk
+# tier's pages, read for the file, are released after each of its tensors (Note [the
+# disk tier]), so the state of an offloaded model larger than memory can be saved
+# (docs/offload.md).
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
                 buffers: dict[str, torch.Tensor], params: list[ParamTarget],
                 packed: list[PackedTarget]) -> dict:
@@ -401,10 +403,8 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
                    for t in packed for inner in t.packed.inner})
     fname = rank_file(rank, world)
-    header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
-    writer = SafetensorsStreamWriter(
-        os.path.join(data_dir, fname),
-        [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata=header)
+    writer = Writer(os.path.join(data_dir, fname),
+                    [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], pieces=pieces)
     releases = {t.names[0]: release for t in params
                 if (release := t.page_release()) is not None}
     try:
@@ -417,12 +417,9 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     except BaseException:
         writer.abort()
         raise
-    files = {fname: writer.close(before_rename=lambda: _reached("data-tmp"))}
+    files = {fname: writer.finish(before_rename=lambda: _reached("data-tmp"))}
     if rank == 0 and buffers:
-        buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
-        files[BUFFERS_FILE] = write_atomic(
-            os.path.join(data_dir, BUFFERS_FILE),
-            safetensors.torch.save(buf, metadata={"format": FORMAT}))
+        files[BUFFERS_FILE] = write_tensors(os.path.join(data_dir, BUFFERS_FILE), buffers)
     return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
 
 
