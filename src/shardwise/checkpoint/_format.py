@@ -22,11 +22,12 @@ them is the same code.
 
 Note [a new format]
 A new checkpoint format (another container for the tensors, another encoding of the
-metadata) replaces this module's ``Writer`` and ``Reader`` and nothing else: the file
-names below (``rank_file``, ``BUFFERS_FILE``, ``META``), the dtypes it can store
-(``STORABLE``, ``type_code``), how a file is recognised as a save's before it is removed
-(``own_data_file``) and how the metadata is written and parsed (``write_metadata``,
-``parse_metadata``). What a new format keeps, whatever it is:
+metadata) is a new ``Writer`` and a new ``Reader`` in this module, and no other module
+changes. With them go this module's few other facts about the files: their names
+(``rank_file``, ``BUFFERS_FILE``, ``META``), the dtypes a file can store (``STORABLE``,
+``type_code``), how a save's file is recognised before it is removed (``own_data_file``),
+and how the metadata is written and parsed (``write_metadata``, ``parse_metadata``).
+What the new ``Writer`` and ``Reader`` must still do:
 
 - ``Writer``: one data file written a tensor at a time in an order fixed up front, to a
   temporary name, fsynced and renamed by ``finish`` (``before_rename`` runs just before:
@@ -38,8 +39,8 @@ names below (``rank_file``, ``BUFFERS_FILE``, ``META``), the dtypes it can store
 - ``Reader``: one data file, opened only after its size and SHA-256 match the metadata's
   record, and kept open (a save removing its folder later cannot take it away); its keys,
   each tensor's stored type and shape, the pieces it records; a whole tensor, or any
-  range of a flattened tensor read into memory the caller owns without mapping the file
-  (Note [streamed load] in load.py).
+  range of a flattened tensor, read into memory the caller owns with plain reads, not
+  through a memory map (Note [streamed load] in load.py).
 
 The save protocol and its crash points (save.py), the metadata's schema and the checks
 against the files (_schema.py, verify.py), the names of the tensors (_names.py) and the
@@ -282,11 +283,13 @@ class Reader:
 
     With ``expected`` (the metadata's ``{"bytes", "sha256"}`` record of a data file), the
     file's size and SHA-256 are checked before it is opened. It stays open: a save that
-    removes its folder later cannot take it away. Tensors are read with plain reads into
-    memory the reader owns, not through a memory map: a mapped file's pages count in the
-    process's resident memory for as long as it stays mapped, so a load of a disk tier's
-    state, or of a model weight by weight, would hold everything it read that way (Note
-    [streamed load] in load.py, Note [quantize while loading] in engine/quantize.py).
+    removes its folder later cannot take it away. ``read`` and ``read_into`` use plain
+    reads into memory the caller owns, not a memory map: a mapped file's pages count in
+    the process's resident memory for as long as it stays mapped, so a load of a disk
+    tier's state, or of a model weight by weight, would hold everything it read that way
+    (Note [streamed load] in load.py, Note [quantize while loading] in
+    engine/quantize.py). ``read_flat``, with which ``load_pretrained`` reads a rank's rows
+    of a weight, goes through safetensors' slices, which map the file.
 
     Raises:
         ShardwiseError: the file is missing, resized or corrupt against ``expected``, or
