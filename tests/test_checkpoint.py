@@ -543,7 +543,7 @@ def _save_failures(rank, world, root):
     messages["extra"] = str(err.value)
     # A full disk on rank 1: its data file, streamed a tensor at a time (Note [streamed
     # save]), fails half-way, after some tensors reached the file.
-    real = save.SafetensorsStreamWriter.write
+    real = save.Writer.write
     written = [0]
 
     def full_disk(self, name, tensor):
@@ -552,13 +552,13 @@ def _save_failures(rank, world, root):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, name, tensor)
 
-    save.SafetensorsStreamWriter.write = full_disk
+    save.Writer.write = full_disk
     try:
         with pytest.raises(sw.ShardwiseError) as err:
             sw.save_checkpoint(good, model, opt, extra={"step": 2})
         messages["disk"] = str(err.value)
     finally:
-        save.SafetensorsStreamWriter.write = real
+        save.Writer.write = real
     torch.distributed.barrier()
     # The last good checkpoint is intact and alone: the failed save left no data folder.
     assert sw.load_checkpoint(good, model, opt) == {"step": 1}

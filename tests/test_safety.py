@@ -175,7 +175,8 @@ def _hf_reads(rank, world, root):
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM, TrainingArguments
 
-    from shardwise.checkpoint._format import META, read_json, write_json_atomic
+    from shardwise.checkpoint._files import read_json, write_json_atomic
+    from shardwise.checkpoint._format import META
     from shardwise.checkpoint._schema import CHECKSUM, canonical_sha256
     from shardwise.integrations.accelerate import ShardwiseAccelerator
     from shardwise.integrations.transformers import ShardwiseTrainer

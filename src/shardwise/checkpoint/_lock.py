@@ -16,7 +16,7 @@ may lock it read-only: finding it unlocked, it removes the stale file (which nee
 the right to write the folder) and creates its own. A name that is not a regular file,
 or a file the OS will not let go, is refused naming it, its owner and what to do.
 Readers take no lock: the previous checkpoint's data outlives one more save (Note
-[atomic save] in _format.py), and a load retries when a save replaced the checkpoint
+[atomic save] in save.py), and a load retries when a save replaced the checkpoint
 under it.
 """
 

@@ -35,12 +35,12 @@ import re
 from typing import Any
 
 from ..errors import ShardwiseError
-from ._format import _ST_DTYPES, FORMAT, FORMAT_VERSION, dtype_name
+from ._format import BUFFERS_FILE, DATA_DIR, FORMAT, FORMAT_VERSION, STORABLE, rank_file
+from ._names import dtype_name
 
 CHECKSUM = "meta_sha256"
-_DTYPES = {dtype_name(d) for d in _ST_DTYPES}
+_DTYPES = {dtype_name(d) for d in STORABLE}
 _KINDS = ("sharded", "replicated", "value")
-_DATA = re.compile(r"data-[0-9a-f]{1,64}")
 _SHA = re.compile(r"[0-9a-f]{64}")
 
 
@@ -116,7 +116,7 @@ def validate(meta: Any, path: str, signed: bool = True) -> None:
                                f"corrupted after it was written. If the edit was "
                                f"deliberate, check and sign it with `shardwise sign "
                                f"{os.path.dirname(path) or '.'}`")
-    if not isinstance(meta.get("data"), str) or not _DATA.fullmatch(meta["data"]):
+    if not isinstance(meta.get("data"), str) or not DATA_DIR.fullmatch(meta["data"]):
         raise c.fail("data", f"expected a data-<hex> folder name, got {meta.get('data')!r}")
     world = c.int_(meta.get("world_size"), "world_size", lo=1)
     if meta.get("step") is not None:
@@ -133,8 +133,8 @@ def validate(meta: Any, path: str, signed: bool = True) -> None:
         e = c.dict_(e, f"buffers.{name}")
         c.shape(e.get("shape"), f"buffers.{name}.shape")
         c.dtype(e.get("dtype"), f"buffers.{name}.dtype")
-    if buffers and "buffers.safetensors" not in meta["files"]:
-        raise c.fail("files", "buffers are listed but buffers.safetensors is not")
+    if buffers and BUFFERS_FILE not in meta["files"]:
+        raise c.fail("files", f"buffers are listed but {BUFFERS_FILE} is not")
     if meta.get("optimizer") is not None:
         _optimizer(c, meta["optimizer"], shapes, version)
     rngs = c.list_(meta.get("python_rng"), "python_rng", length=world)
@@ -143,8 +143,6 @@ def validate(meta: Any, path: str, signed: bool = True) -> None:
 
 
 def _files(c: _Checker, meta: dict, world: int) -> None:
-    from ._format import rank_file
-
     files = c.dict_(meta.get("files"), "files")
     for name, info in files.items():
         info = c.dict_(info, f"files.{name}")

@@ -17,7 +17,8 @@ from ..engine.sharded_init import init_piece
 from ..engine.state import owning_state
 from ..engine.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
-from ._format import dtype_name, summary
+from ._messages import summary
+from ._names import dtype_name
 
 
 @dataclass

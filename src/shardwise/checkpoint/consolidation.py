@@ -8,15 +8,11 @@ import os
 import torch
 
 from ..errors import ShardwiseError
-from ._format import (
-    BUFFERS_FILE,
-    META,
-    Progress,
-    SafetensorsStreamWriter,
-    dtype_from_name,
-    write_json_atomic,
-)
+from ._files import write_json_atomic
+from ._format import Writer, checkpoint_entry
 from ._lock import LOCK
+from ._names import dtype_from_name, param_key
+from ._progress import Progress
 from ._schema import CHECKSUM, canonical_sha256
 from .verify import VerifiedCheckpoint
 
@@ -62,7 +58,7 @@ def output_problem(checkpoint: str, output: str) -> str | None:
                 f"folder beside or inside it")
     if os.path.commonpath([out, ck]) == ck:
         first = os.path.relpath(out, ck).split(os.sep)[0]
-        if first in (META, LOCK) or first.startswith("data-"):
+        if first == LOCK or checkpoint_entry(first):
             return (f"the output {output!r} would overwrite the checkpoint's own "
                     f"{first}; write it elsewhere")
     return None
@@ -192,23 +188,22 @@ def consolidate(checkpoint: str, output: str, max_shard_bytes: int = 5 * 2**30,
 
 
 def _write(ck: VerifiedCheckpoint, path: str, entries, bar: Progress) -> None:
-    writer = SafetensorsStreamWriter(path, [(n, d, s) for n, d, s, _, _ in entries],
-                                     metadata={"format": "pt"})
+    writer = Writer(path, [(n, d, s) for n, d, s, _, _ in entries], export=True)
     try:
         for name, dtype, shape, kind, key in entries:
             if kind == "param":
                 e = ck.meta["params"][key]
                 numel = torch.Size(shape).numel()
-                t = ck.assemble(f"param/{key}", e["pieces"], 0, numel, dtype).view(shape)
+                t = ck.assemble(param_key(key), e["pieces"], 0, numel, dtype).view(shape)
             else:
-                t = ck.file(BUFFERS_FILE).get_tensor(key)
+                t = ck.buffers().read(key)
             writer.write(name, t)
             bar.advance(_nbytes(dtype, shape))
             del t
     except BaseException:
         writer.abort()
         raise
-    writer.close()
+    writer.finish()
 
 
 def describe(checkpoint: str) -> str:

@@ -1,7 +1,8 @@
 """``load_checkpoint``: read and verify everything, then change the model, at any world size.
 
 A load at another world size reads, for each new piece, the slices of the old pieces
-that overlap it. Files are read through verify.py's ``VerifiedCheckpoint``.
+that overlap it. Files are read through verify.py's ``VerifiedCheckpoint`` (and so
+_format.py's ``Reader``).
 """
 
 from __future__ import annotations
@@ -18,17 +19,10 @@ from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..engine.alloc import freed
 from ..errors import ShardwiseError
-from ._format import (
-    BUFFERS_FILE,
-    by_rank,
-    dtype_from_name,
-    dtype_name,
-    packed_key,
-    path_argument,
-    rank_file,
-    set_python_rng_state,
-    summary,
-)
+from ._messages import by_rank, summary
+from ._names import dtype_from_name, dtype_name, optim_key, packed_key, param_key
+from ._paths import path_argument
+from ._rng import RankRng, read_rank_rng
 from ._targets import (
     InnerTarget,
     PackedTarget,
@@ -103,10 +97,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
             for adopt in deferred:  # Note [streamed load]
                 adopt()
         if rng is not None:
-            torch.set_rng_state(rng[0])
-            if rng[1] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng[1])
-            set_python_rng_state(rng[2])
+            rng.restore()
 
     # Everything that could fail was checked above; should anything still fail on one
     # rank, every rank says so instead of the others going on to hang.
@@ -148,31 +139,24 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
     values: list[tuple[ParamTarget | InnerTarget, Value]] = []
     for t, main, entry in matched:
         lo, n = t.local_range()
-        read = functools.partial(ck.assemble, f"param/{main}", entry["pieces"], lo, n,
+        read = functools.partial(ck.assemble, param_key(main), entry["pieces"], lo, n,
                                  t.dtype)
         values.append((t, read if t.streams_state else read()))  # Note [streamed load]
     inner_values, packed_names = _read_packed(ck, packed)
     values += inner_values
     buffer_values = []
     if buffers:
-        f = ck.file(BUFFERS_FILE)
-        buffer_values = [(b, f.get_tensor(key)) for b, key in match.buffers]
+        f = ck.buffers()
+        buffer_values = [(b, f.read(key)) for b, key in match.buffers]
 
     opt_sd = None
     deferred: list[Callable[[], None]] = []
     if optimizer is not None:
         opt_sd = _read_optimizer(ck, optimizer, matched, packed_names, deferred)
-    rng = None
+    rng: RankRng | None = None
     if ck.world_size == world:
-        f = ck.file(rank_file(rank, world))
-        rng = (f.get_tensor("rng/torch"),
-               f.get_tensor("rng/cuda") if "rng/cuda" in f.keys() else None,
-               ck.meta["python_rng"][rank])
-        try:  # on a scratch generator: a bad state must fail before anything changes
-            torch.Generator().set_state(rng[0])
-        except (RuntimeError, TypeError) as e:
-            raise ShardwiseError(f"{ck.data}/{rank_file(rank, world)}: rng/torch is not a "
-                                 f"torch RNG state ({e})") from e
+        f = ck.rank(rank)
+        rng = read_rank_rng(f, ck.meta["python_rng"][rank], f.path)
     return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
 
 
@@ -259,7 +243,7 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
                 lo, n = t.local_range()
                 st = {}
                 for k, info in saved_state.items():
-                    key = f"optim/{main}/{k}"
+                    key = optim_key(main, k)
                     if info["kind"] == "value":
                         st[k] = info["value"]
                     elif info["kind"] == "sharded" and t.streams_state:
@@ -273,7 +257,7 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
                         st[k] = (t.sharded.as_dtensor(flat.view(t.sharded.local.shape))
                                  if t.sharded is not None else flat.view(t.shape))
                     else:
-                        st[k] = ck.file(rank_file(0, ck.world_size)).get_tensor(key)
+                        st[k] = ck.rank(0).read(key)
                 state[index] = st
             ids.append(index)
             index += 1

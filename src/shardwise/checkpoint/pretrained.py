@@ -25,7 +25,7 @@ from ..engine.quantize import (
 )
 from ..engine.state import owning_state
 from ..errors import ShardwiseError
-from ._format import summary
+from ._messages import summary
 from ._targets import (
     PackedTarget,
     ParamTarget,

@@ -26,9 +26,7 @@ it, and says so when attempts keep failing without getting past a checkpoint.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -45,16 +43,11 @@ from .._fs import kind, open_dir
 from .._log import logger
 from ..comm.agree import agreed
 from ..errors import ShardwiseError
-from ._format import (
-    META,
-    path_argument,
-    python_rng_state,
-    read_json,
-    remove_checkpoint,
-    set_python_rng_state,
-    write_json_atomic,
-)
+from ._files import read_json, write_json_atomic
+from ._format import has_metadata, remove_checkpoint
 from ._lock import FolderLock
+from ._paths import path_argument
+from ._rng import portable_rng, restore_portable_rng
 from ._targets import comm_of
 from .load import load_checkpoint
 from .save import save_checkpoint
@@ -287,13 +280,9 @@ class Resumable:
 
     def _rng(self) -> dict[str, Any]:
         """Rank 0's RNG states, and whether every rank's equal them."""
-        torch_state = torch.get_rng_state()
-        python_state = python_rng_state()
-        digest = hashlib.sha256(torch_state.numpy().tobytes()
-                                + json.dumps(python_state).encode()).hexdigest()
+        states, digest = portable_rng()
         digests = self._everyone(digest)
-        return {"torch": base64.b64encode(torch_state.numpy().tobytes()).decode(),
-                "python": python_state, "same": len(set(digests)) == 1}
+        return {**states, "same": len(set(digests)) == 1}
 
     def _reseed(self, rng: dict[str, Any]) -> None:
         if not rng.get("same"):
@@ -302,9 +291,7 @@ class Resumable:
                 "random streams cannot be carried to another world size; random ops "
                 "(dropout, sampling) will not repeat the uninterrupted run's draws")
             return
-        raw = base64.b64decode(rng["torch"])
-        torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        set_python_rng_state(rng["python"])
+        restore_portable_rng(rng)
 
     # -- files --------------------------------------------------------------------------
 
@@ -317,7 +304,7 @@ class Resumable:
 
     def _complete_steps(self) -> list[int]:
         return [s for s in self._steps_on_disk()
-                if os.path.isfile(os.path.join(self._path(s), META))]
+                if has_metadata(self._path(s))]
 
     def _prune(self) -> None:
         """Rank 0, after saving ``self.step``: keep the newest ``keep`` complete

@@ -1,7 +1,17 @@
 """``save_checkpoint``: each rank writes its pieces, rank 0 commits; atomic, no pickle.
 
-See _format.py for the layout and Note [atomic save]; Note [save protocol] below gives
-the steps in order. Reading is load.py, verification verify.py.
+Note [atomic save]
+Data files go into a fresh ``data-<id>`` folder that no metadata refers to yet; each is
+written to a temporary name, fsynced and renamed. Only then is ``checkpoint.json`` written
+to a temporary name, fsynced and moved over the old one with ``os.replace`` (atomic on
+POSIX), and the folder is fsynced. A crash before that leaves the old ``checkpoint.json``
+pointing at the old, untouched data; a crash after it leaves the new one complete. Stale
+``data-*`` folders are removed by the next successful save. Every data file's size and
+SHA-256 are in the metadata, so truncation and corruption are reported, by file name.
+
+Note [save protocol] below gives the steps in order. The files are written through
+_format.py's ``Writer`` (its layout and encoding are that module's alone); reading is
+load.py, verification verify.py.
 """
 
 from __future__ import annotations
@@ -12,7 +22,6 @@ import os
 import uuid
 from typing import Any
 
-import safetensors.torch
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -28,25 +37,24 @@ from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,
     DATA_DIR,
+    DATA_PREFIX,
     FORMAT,
     FORMAT_VERSION,
-    META,
-    PIECES,
-    SafetensorsStreamWriter,
-    by_rank,
-    dtype_name,
-    fsync_dir,
+    Writer,
+    data_folder,
+    metadata_path,
     own_meta_temporary,
-    packed_key,
-    path_argument,
-    python_rng_state,
     rank_file,
-    read_json,
+    read_metadata,
     remove_data_folder,
-    write_atomic,
-    write_json_atomic,
+    write_metadata,
+    write_tensors,
 )
 from ._lock import FolderLock
+from ._messages import by_rank
+from ._names import dtype_name, optim_key, packed_key, param_key, parameter_of
+from ._paths import path_argument
+from ._rng import python_rng_state, rank_rng_tensors
 from ._schema import CHECKSUM, canonical_sha256
 from ._targets import (
     PackedTarget,
@@ -101,7 +109,7 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
                 # pieces as the parameter, and reloads at any world size.
                 if sharded:
                     value = value.reshape(-1)[:0] if name in unsaved else value.reshape(-1)
-                tensors[f"optim/{name}/{k}"] = value
+                tensors[optim_key(name, k)] = value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
                             "dtype": dtype_name(v.dtype), "shape": shape}
             else:
@@ -155,7 +163,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     optimizer state, the step, RNG states and ``extra``. Data is safetensors,
     metadata JSON; nothing is pickled. A crash or failure at any moment, on any rank,
     leaves the new or the previous checkpoint in ``path``, complete and loadable (Note
-    [atomic save] in _format.py). One job at a time may save into a folder.
+    [atomic save]). One job at a time may save into a folder.
 
     Args:
         path: the checkpoint folder (created if needed; a previous checkpoint there is
@@ -248,9 +256,7 @@ class _Folder:
     def commit(self, meta: dict) -> None:
         """Replace ``checkpoint.json``: from here on the new checkpoint is the one."""
         meta[CHECKSUM] = canonical_sha256(meta)
-        write_json_atomic(os.path.join(self.path, META), meta,
-                          before_rename=lambda: _reached("meta-tmp"))
-        fsync_dir(self.path)
+        write_metadata(self.path, meta, before_rename=lambda: _reached("meta-tmp"))
         _reached("committed")
 
     def close(self) -> None:
@@ -268,7 +274,7 @@ class _Folder:
         """Remove data folders no checkpoint needs, and temporary files left by saves that
         crashed (ours are all gone by now: we hold the lock)."""
         current = _committed_data(self.path)
-        if current is None and os.path.exists(os.path.join(self.path, META)):
+        if current is None and os.path.exists(metadata_path(self.path)):
             return  # unreadable metadata: remove nothing rather than guess
         keep = {current, self.previous if self.keep_previous else None}
         # Only data folders and temporary files of saves, as saves write them, never
@@ -291,9 +297,9 @@ def _refuse_foreign_metadata(path: str) -> None:
     """A ``checkpoint.json`` that is JSON but not a shardwise checkpoint's is someone
     else's file: the commit would replace it. Refused, naming it (one that does not parse
     may be a damaged one of ours, which a save is the way to replace)."""
-    meta = os.path.join(path, META)
+    meta = metadata_path(path)
     try:
-        found = read_json(meta)
+        found = read_metadata(path)
     except (OSError, ValueError):
         return
     if not (isinstance(found, dict) and found.get("format") == FORMAT):
@@ -306,10 +312,10 @@ def _refuse_foreign_metadata(path: str) -> None:
 def _committed_data(path: str) -> str | None:
     """The data folder ``path/checkpoint.json`` names, or None (none, or unreadable)."""
     try:
-        data = read_json(os.path.join(path, META)).get("data")
+        data = read_metadata(path).get("data")
     except (OSError, ValueError, AttributeError):
         return None
-    return data if isinstance(data, str) and data.startswith("data-") else None
+    return data if isinstance(data, str) and data.startswith(DATA_PREFIX) else None
 
 
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
@@ -339,7 +345,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         name_of[id(pt.packed.shard)] = pt.names[0]
     # Views of the live tensors, not copies: the data file is streamed from them, one at
     # a time (Note [streamed save]).
-    tensors = {f"param/{t.names[0]}": t.local_values()[:t.saved_range()[1]]
+    tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
                for t in params}
     for pt in packed:
         for inner in pt.packed.inner:
@@ -351,9 +357,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
         unsaved = {t.names[0] for t in params if not t.writes}
         opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, unsaved)
         tensors.update(opt_tensors)
-    tensors["rng/torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    tensors.update(rank_rng_tensors())
     return tensors, opt_meta
 
 
@@ -366,7 +370,7 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
     if comm is not None and world > 1:
         seen = comm.all_gather_object((path, data_id))
         paths, data_id = [p for p, _ in seen], seen[0][1]
-    data_dir = os.path.join(path, f"data-{data_id}")
+    data_dir = os.path.join(path, data_folder(str(data_id)))  # rank 0's id, on every rank
 
     def make() -> None:
         if len(set(paths)) > 1:
@@ -380,13 +384,14 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
 
 # Note [streamed save]
 # A rank's data file is written one tensor at a time, from where each tensor lives (the
-# device, host memory, or an offload tier's file), through a safetensors writer that
-# knows the header up front. The tensors collected before the writes are views of the
-# live parameters and optimizer state, not copies: nothing changes them during a save,
-# every rank being inside it. So a save needs memory for one tensor at a time, where it
-# needed a copy of the rank's state plus the file's bytes; and a disk tier's pages, read
-# for the file, are released after each of its tensors (Note [the disk tier]), so the
-# state of an offloaded model larger than memory can be saved (docs/offload.md).
+# device, host memory, or an offload tier's file), through a writer that knows the
+# file's header up front (_format.Writer). The tensors collected before the writes are
+# views of the live parameters and optimizer state, not copies: nothing changes them
+# during a save, every rank being inside it. So a save needs memory for one tensor at a
+# time, where it needed a copy of the rank's state plus the file's bytes; and a disk
+# tier's pages, read for the file, are released after each of its tensors (Note [the
+# disk tier]), so the state of an offloaded model larger than memory can be saved
+# (docs/offload.md).
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
                 buffers: dict[str, torch.Tensor], params: list[ParamTarget],
                 packed: list[PackedTarget]) -> dict:
@@ -398,28 +403,23 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
                    for t in packed for inner in t.packed.inner})
     fname = rank_file(rank, world)
-    header = {"format": FORMAT, PIECES: json.dumps(pieces, separators=(",", ":"))}
-    writer = SafetensorsStreamWriter(
-        os.path.join(data_dir, fname),
-        [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], metadata=header)
+    writer = Writer(os.path.join(data_dir, fname),
+                    [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], pieces=pieces)
     releases = {t.names[0]: release for t in params
                 if (release := t.page_release()) is not None}
     try:
         for k, v in tensors.items():
             writer.write(k, v)
-            kind, _, rest = k.partition("/")
-            release = releases.get(rest.split("/")[0]) if kind in ("param", "optim") else None
+            owner = parameter_of(k)
+            release = releases.get(owner) if owner is not None else None
             if release is not None:
                 release()  # its pages, read for the file, leave the process again
     except BaseException:
         writer.abort()
         raise
-    files = {fname: writer.close(before_rename=lambda: _reached("data-tmp"))}
+    files = {fname: writer.finish(before_rename=lambda: _reached("data-tmp"))}
     if rank == 0 and buffers:
-        buf = {n: b.detach().to("cpu", copy=True).contiguous() for n, b in buffers.items()}
-        files[BUFFERS_FILE] = write_atomic(
-            os.path.join(data_dir, BUFFERS_FILE),
-            safetensors.torch.save(buf, metadata={"format": FORMAT}))
+        files[BUFFERS_FILE] = write_tensors(os.path.join(data_dir, BUFFERS_FILE), buffers)
     return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
 
 
@@ -472,5 +472,5 @@ def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
         s = st.get("step")
         if s is not None:
             return int(s["value"] if s["kind"] == "value"
-                       else tensors[f"optim/{name}/step"].item())
+                       else tensors[optim_key(name, "step")].item())
     return None

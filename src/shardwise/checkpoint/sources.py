@@ -5,14 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from collections.abc import Callable, Mapping
 
 import torch
-from safetensors import safe_open
 
 from ..errors import ShardwiseError
-from ._format import flat_range
+from ._format import Reader
 
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
@@ -90,110 +88,55 @@ _SAMPLE_BYTES = 64 * 2**10
 
 
 class SafetensorsSource(Source):
-    """One or more safetensors files; each rank reads only the slices it asks for."""
+    """One or more safetensors files, read through _format.py's ``Reader`` (the reader of
+    a checkpoint's data files: a Hugging Face folder is read as a checkpoint is); each
+    rank reads only the slices it asks for."""
 
-    def __init__(self, files: dict[str, str], description: str) -> None:
+    def __init__(self, files: dict[str, Reader], description: str) -> None:
         super().__init__(description)
-        self._file_of = files  # key -> path
-        self._handles: dict[str, object] = {}
-        self._headers: dict[str, dict] = {}
-        self._data_start: dict[str, int] = {}
-
-    def _h(self, key: str):
-        path = self._file_of[key]
-        if path not in self._handles:
-            try:
-                self._handles[path] = safe_open(path, framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - any parse failure is a bad file
-                raise ShardwiseError(f"{path}: not a readable safetensors file ({e})") from e
-        return self._handles[path]
+        self._file_of = files  # key -> its file
 
     def keys(self) -> list[str]:
         return list(self._file_of)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._h(key).get_slice(key).get_shape())
+        return self._file_of[key].shape(key)
 
     def read(self, key: str) -> torch.Tensor:
         """The whole tensor, read with plain file reads, not through a memory map: a
         mapped file's pages count in the reading process's RSS for as long as the file
         stays open, so reading a model weight by weight through one would grow a rank's
         RSS by everything it read (Note [quantize while loading] in engine/quantize.py)."""
-        entry = self._header(self._file_of[key]).get(key)
-        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry, dict) else None
-        if dtype is None or entry is None:
-            return self._h(key).get_tensor(key)
-        path = self._file_of[key]
-        start, end = entry["data_offsets"]
-        out = torch.empty(end - start, dtype=torch.uint8)
-        with open(path, "rb") as f:
-            f.seek(self._data_start[path] + start)
-            if f.readinto(out.numpy()) != end - start:  # type: ignore[arg-type]
-                raise ShardwiseError(f"{path}: {key} is cut short (the file is truncated)")
-        return out.view(dtype).reshape(entry["shape"])
+        return self._file_of[key].read(key)
 
     def dtype(self, key: str) -> torch.dtype:
-        entry = self._header(self._file_of[key]).get(key)
-        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry, dict) else None
-        return dtype if dtype is not None else self._h(key).get_tensor(key).dtype
-
-    def _header(self, path: str) -> dict:
-        if path not in self._headers:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._headers[path] = json.loads(f.read(n))
-            self._data_start[path] = 8 + n
-        return self._headers[path]
+        return self._file_of[key].dtype(key)
 
     def read_flat(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        shape = self.shape(key)
-        if len(shape) == 0:
-            return self.read(key).reshape(-1)[lo:hi]
-        return flat_range(self._h(key).get_slice(key), shape, lo, hi)
+        return self._file_of[key].read_flat(key, lo, hi)
 
     def fingerprint(self) -> str:
         h = hashlib.sha256()
-        files = sorted(set(self._file_of.values()), key=os.path.basename)
-        for path in files:
+        readers = {r.path: r for r in self._file_of.values()}
+        for path in sorted(readers, key=os.path.basename):
             h.update(f"{os.path.basename(path)}|".encode())
-            h.update(_file_sample(path))
+            h.update(readers[path].sample(_SAMPLE_BYTES))
         return h.hexdigest()[:16]
 
 
-# safetensors' dtype names, for the plain reads of SafetensorsSource.read (any other is
-# read through safetensors itself).
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def _file_sample(path: str) -> bytes:
-    """A safetensors file's size, header, and the first and last bytes of its data."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = f.read(min(n, size))
-        data = f.read(_SAMPLE_BYTES)
-        f.seek(max(8 + n, size - _SAMPLE_BYTES))
-        tail = f.read(_SAMPLE_BYTES)
-    return hashlib.sha256(str(size).encode() + header + data + tail).digest()
-
-
-def _safetensors_files(paths: list[str]) -> dict[str, str]:
-    files: dict[str, str] = {}
+def _safetensors_files(paths: list[str]) -> dict[str, Reader]:
+    """Every key of the files ``paths``, each with its file, opened (Raises:
+    ShardwiseError: a file does not read, or two hold one key)."""
+    files: dict[str, Reader] = {}
     for path in paths:
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                keys = list(f.keys())
-        except Exception as e:  # noqa: BLE001
-            raise ShardwiseError(f"{path}: not a readable safetensors file ({e})") from e
-        for k in keys:
+        reader = Reader(path)
+        for k in reader.keys():
             if k in files:
                 raise ShardwiseError(
-                    f"{k!r} is stored twice, in {files[k]} and in {path}: which one to load "
-                    f"is ambiguous. Remove it from one file (and from the index), or "
+                    f"{k!r} is stored twice, in {files[k].path} and in {path}: which one to "
+                    f"load is ambiguous. Remove it from one file (and from the index), or "
                     f"re-save the folder with save_pretrained")
-            files[k] = path
+            files[k] = reader
     return files
 
 
@@ -254,11 +197,11 @@ def open_source(source: object) -> Source:
             files = {k: _entry(path, v, f"{index}: weight_map[{k!r}]")
                      for k, v in weight_map.items()}
             actual = _safetensors_files(sorted(set(files.values())))
-            absent = [k for k, p in files.items() if actual.get(k) != p]
+            absent = [k for k, p in files.items() if k not in actual or actual[k].path != p]
             if absent:
                 raise ShardwiseError(f"{index} maps keys to files that do not hold them: "
                                      f"{absent[:10]}")
-            return SafetensorsSource(files, path)
+            return SafetensorsSource({k: actual[k] for k in files}, path)
         if os.path.lexists(single):
             return SafetensorsSource(
                 _safetensors_files([_entry(path, "model.safetensors", path)]), single)

@@ -7,31 +7,37 @@ lie] in _schema.py says what is checked).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import json
 import os
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..errors import ShardwiseError
 from ._format import (
-    _ST_DTYPES,
     BUFFERS_FILE,
     META,
-    PIECES,
-    dtype_from_name,
-    inside,
-    packed_key,
-    path_argument,
+    Reader,
+    has_metadata,
+    metadata_path,
+    parse_metadata,
     rank_file,
-    summary,
-    verify_file,
-    write_json_atomic,
+    read_metadata_bytes,
+    type_code,
+    write_metadata,
 )
 from ._lock import FolderLock
+from ._messages import summary
+from ._names import (
+    RNG_CUDA,
+    RNG_PREFIX,
+    RNG_TORCH,
+    dtype_from_name,
+    optim_key,
+    packed_key,
+    param_key,
+)
+from ._paths import inside, path_argument
 from ._schema import CHECKSUM, canonical_sha256, validate
 
 
@@ -58,8 +64,7 @@ def no_checkpoint(path: str) -> str:
         return (f"{path}: a file, not a checkpoint folder (a checkpoint is the folder "
                 f"sw.save_checkpoint wrote, holding {META})")
     try:
-        inside = sorted(e for e in os.listdir(path)
-                        if os.path.isfile(os.path.join(path, e, META)))
+        inside = sorted(e for e in os.listdir(path) if has_metadata(os.path.join(path, e)))
     except OSError:
         inside = []
     if inside:
@@ -74,8 +79,9 @@ class VerifiedCheckpoint:
     """A verified view of a checkpoint folder's metadata and files: what reads one.
 
     ``meta`` is ``checkpoint.json``, validated (and its checksum checked when
-    ``signed``); ``file(name)`` opens a data file after checking its size and SHA-256;
-    ``assemble`` reads any range of a sharded tensor from the pieces that hold it.
+    ``signed``); ``file(name)``, ``rank(r)`` and ``buffers()`` open a data file (a
+    ``_format.Reader``) after checking its size and SHA-256; ``assemble`` reads any range
+    of a sharded tensor from the pieces that hold it.
     ``load_checkpoint``, ``consolidate``, ``describe`` and ``sign_checkpoint`` read
     through it; nothing else opens a checkpoint's data.
 
@@ -91,12 +97,12 @@ class VerifiedCheckpoint:
 
     Example:
         >>> ck = VerifiedCheckpoint("ckpt/latest")
-        >>> ck.meta["world_size"], ck.file(BUFFERS_FILE).keys()
+        >>> ck.meta["world_size"], ck.buffers().keys()
     """
 
     def __init__(self, path: str, expect: int | None = None, signed: bool = True) -> None:
         self.path = path
-        meta_path = os.path.join(path, META)
+        meta_path = metadata_path(path)
         if not os.path.isfile(meta_path):
             raise ShardwiseError(no_checkpoint(path))
         try:
@@ -105,9 +111,8 @@ class VerifiedCheckpoint:
                     f"{meta_path}: {os.path.getsize(meta_path)} bytes of metadata, far "
                     f"more than a checkpoint of a model of {expect} tensors needs "
                     f"(at most {_meta_cap(expect)}): not this model's checkpoint")
-            with open(meta_path, "rb") as f:
-                self.raw = f.read()
-            self.meta = json.loads(self.raw)
+            self.raw = read_metadata_bytes(path)
+            self.meta = parse_metadata(self.raw)
         except (OSError, ValueError) as e:
             raise ShardwiseError(f"{meta_path}: unreadable ({e})") from e
         if expect is not None:
@@ -115,8 +120,7 @@ class VerifiedCheckpoint:
         validate(self.meta, meta_path, signed)  # Note [metadata that cannot lie]
         self.data = inside(path, self.meta.get("data"), f"{meta_path}: field 'data'")
         self.world_size = self.meta["world_size"]
-        self._handles: dict[str, Any] = {}
-        self._raw: dict[str, _RawFile] = {}
+        self._readers: dict[str, Reader] = {}
 
     @property
     def digest(self) -> str:
@@ -126,31 +130,31 @@ class VerifiedCheckpoint:
     def replaced(self) -> bool:
         """Whether ``checkpoint.json`` changed since it was read (a save committed)."""
         try:
-            with open(os.path.join(self.path, META), "rb") as f:
-                return f.read() != self.raw
+            return read_metadata_bytes(self.path) != self.raw
         except OSError:
             return True
 
-    def file(self, name: str):
-        """An open safetensors file, verified against its size and SHA-256 first."""
-        if name not in self._handles:
+    def file(self, name: str) -> Reader:
+        """The data file ``name``, open, verified against its size and SHA-256 first.
+
+        Opened now, it stays readable: a save removing the folder later cannot take it
+        away. A save may have removed it already: the error then makes the caller see
+        the checkpoint replaced, and read the new one."""
+        if name not in self._readers:
             expected = self.meta["files"].get(name)
             full = inside(self.data, name, f"{self.data}: data file")
             if expected is None:
                 raise ShardwiseError(f"{full}: not listed in the checkpoint metadata")
-            problem = verify_file(full, expected)
-            if problem:
-                raise ShardwiseError(problem)
-            try:
-                handle = safe_open(full, framework="pt", device="cpu")
-                # Opened now: a save removing the folder later cannot take it away.
-                self._raw[name] = _RawFile(full)
-            except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
-                # A concurrent save may have removed it since it was verified: the caller
-                # sees the checkpoint replaced and reads the new one.
-                raise ShardwiseError(f"{full}: not a readable safetensors file ({e})") from e
-            self._handles[name] = handle
-        return self._handles[name]
+            self._readers[name] = Reader(full, expected)
+        return self._readers[name]
+
+    def rank(self, r: int) -> Reader:
+        """Rank ``r``'s data file (:meth:`file`)."""
+        return self.file(rank_file(r, self.world_size))
+
+    def buffers(self) -> Reader:
+        """The buffers' data file (:meth:`file`)."""
+        return self.file(BUFFERS_FILE)
 
     def assemble(self, key: str, pieces: list[list[int]], lo: int, n: int,
                  dtype: torch.dtype) -> torch.Tensor:
@@ -160,48 +164,12 @@ class VerifiedCheckpoint:
             a, b = max(lo, off), min(lo + n, off + cnt)
             if b <= a:
                 continue
-            name = rank_file(r, self.world_size)
-            self.file(name)  # verified first
-            self._raw[name].read_into(key, a - off, out[a - lo:b - lo])
+            self.rank(r).read_into(key, a - off, out[a - lo:b - lo])
         return out
 
     def __del__(self) -> None:
-        for raw in getattr(self, "_raw", {}).values():
-            raw.close()
-
-
-class _RawFile:
-    """A verified safetensors file read with ``pread`` into the caller's tensors.
-
-    safetensors' own reader maps the file, and every page it reads then counts in the
-    process's resident memory until the mapping goes: a load of a disk tier's state would
-    hold the whole file that way (Note [streamed load]). Reading with ``pread`` leaves
-    the pages to the page cache, outside the process."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._f = open(path, "rb")  # noqa: SIM115 - kept open while the checkpoint is read
-        n = int.from_bytes(self._f.read(8), "little")
-        header = json.loads(self._f.read(n))
-        self._base = 8 + n
-        self._offsets = {k: v["data_offsets"][0] for k, v in header.items()
-                         if k != "__metadata__"}
-
-    def read_into(self, key: str, first: int, out: torch.Tensor) -> None:
-        """Elements ``[first, first + out.numel())`` of tensor ``key`` into ``out``."""
-        size = out.element_size()
-        nbytes = out.numel() * size
-        start = self._base + self._offsets[key] + first * size
-        view = memoryview((ctypes.c_ubyte * nbytes).from_address(out.data_ptr()))
-        done = 0
-        while done < nbytes:
-            got = os.preadv(self._f.fileno(), [view[done:]], start + done)
-            if got <= 0:
-                raise ShardwiseError(f"{self.path}: ended while reading {key}")
-            done += got
-
-    def close(self) -> None:
-        self._f.close()
+        for reader in getattr(self, "_readers", {}).values():
+            reader.close()
 
 
 def _meta_cap(expect: int) -> int:
@@ -248,7 +216,7 @@ def sign_checkpoint(path: str | os.PathLike) -> str:
         >>> sw.checkpoint.sign_checkpoint("ckpt/latest")   # after editing "extra" by hand
     """
     path = path_argument(path, "sign_checkpoint")
-    if not os.path.isfile(os.path.join(path, META)):
+    if not has_metadata(path):
         raise ShardwiseError(no_checkpoint(path))
     lock = FolderLock(path)
     lock.acquire()
@@ -261,7 +229,7 @@ def sign_checkpoint(path: str | os.PathLike) -> str:
         if before == after:
             return f"{path}: the checksum matches already; nothing written"
         ck.meta[CHECKSUM] = after
-        write_json_atomic(os.path.join(path, META), ck.meta)
+        write_metadata(path, ck.meta)
         was = "no checksum before" if before is None else "the old checksum did not match"
         return f"{path}: signed ({was}); the metadata agrees with the data files"
     finally:
@@ -284,29 +252,29 @@ def check_files(ck: VerifiedCheckpoint) -> None:
     for r in range(ck.world_size):
         expected: dict[str, tuple[str, list[int]]] = {}
         for main, e in meta["params"].items():
-            expected[f"param/{main}"] = (e["dtype"], [pieces[main][r][1]])
+            expected[param_key(main)] = (e["dtype"], [pieces[main][r][1]])
         for name, st in state.items():
             for k, info in st.items():
                 if info["kind"] == "sharded":
-                    expected[f"optim/{name}/{k}"] = (info["dtype"], [pieces[name][r][1]])
+                    expected[optim_key(name, k)] = (info["dtype"], [pieces[name][r][1]])
                 elif info["kind"] == "replicated":
-                    expected[f"optim/{name}/{k}"] = (info["dtype"], info["shape"])
+                    expected[optim_key(name, k)] = (info["dtype"], info["shape"])
         for key, (dtype, inner_pieces) in packed.items():
             expected[key] = (dtype, [inner_pieces[r][1]])
-        fname = rank_file(r, ck.world_size)
-        f = ck.file(fname)
-        where = f"{ck.data}/{fname}"
-        _check_tensors(f, where, expected, optional_prefix="rng/")
+        f = ck.rank(r)
+        where = f.path
+        _check_tensors(f, where, expected, optional_prefix=RNG_PREFIX)
         # A data file recording its pieces is checked as format 2, whatever the metadata
         # claims (Note [metadata that cannot lie]).
-        if meta["format_version"] >= 2 or PIECES in (f.metadata() or {}):
+        if meta["format_version"] >= 2 or f.records_pieces():
             _check_pieces(f, where, {main: p[r] for main, p in pieces.items()})
     if meta.get("buffers"):
-        _check_tensors(ck.file(BUFFERS_FILE), f"{ck.data}/{BUFFERS_FILE}",
+        f = ck.buffers()
+        _check_tensors(f, f.path,
                        {n: (e["dtype"], e["shape"]) for n, e in meta["buffers"].items()})
 
 
-def _check_tensors(f, where: str, expected: dict[str, tuple[str, list[int]]],
+def _check_tensors(f: Reader, where: str, expected: dict[str, tuple[str, list[int]]],
                    optional_prefix: str | None = None) -> None:
     keys = set(f.keys())
     absent = [k for k in expected if k not in keys]
@@ -318,23 +286,22 @@ def _check_tensors(f, where: str, expected: dict[str, tuple[str, list[int]]],
         raise ShardwiseError(f"{where}: holds tensors the metadata does not describe: "
                              f"{summary(stray)}")
     for key, (dtype, shape) in expected.items():
-        piece = f.get_slice(key)
-        want = _ST_DTYPES[dtype_from_name(dtype)]
-        if piece.get_dtype() != want or list(piece.get_shape()) != list(shape):
-            raise ShardwiseError(f"{where}: {key} is {piece.get_dtype()} "
-                                 f"{list(piece.get_shape())} in the file, the metadata says "
-                                 f"{want} {list(shape)}")
-    for key in ("rng/torch", "rng/cuda"):
-        if key in keys and (f.get_slice(key).get_dtype() != "U8"
-                            or len(f.get_slice(key).get_shape()) != 1):
+        stored, stored_shape = f.stored(key)
+        want = type_code(dtype_from_name(dtype))
+        if stored != want or stored_shape != list(shape):
+            raise ShardwiseError(f"{where}: {key} is {stored} {stored_shape} in the file, "
+                                 f"the metadata says {want} {list(shape)}")
+    for key in (RNG_TORCH, RNG_CUDA):
+        if key in keys and (f.stored(key)[0] != type_code(torch.uint8)
+                            or len(f.stored(key)[1]) != 1):
             raise ShardwiseError(f"{where}: {key} is not an RNG state (1-D uint8)")
 
 
-def _check_pieces(f, where: str, pieces: dict[str, list[int]]) -> None:
+def _check_pieces(f: Reader, where: str, pieces: dict[str, list[int]]) -> None:
     """A rank's file names the pieces it holds; the metadata must say the same."""
     try:
-        recorded = json.loads((f.metadata() or {})[PIECES])
-    except (KeyError, ValueError) as e:
+        recorded = f.pieces()
+    except ValueError as e:
         raise ShardwiseError(f"{where}: its header does not record its pieces") from e
     if recorded != pieces:
         wrong = sorted(n for n in set(pieces) | set(recorded if isinstance(recorded, dict)
