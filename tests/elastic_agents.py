@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "elastic_script.py")
+# The waits below only catch a hang: generous, since launching 4 workers took minutes on
+# a loaded machine (issue 51 item 9).
 # torchrun's agents share one worker store across rounds by default, and an agent that
 # joins a later round then waits forever for that store's address, which the rank-0
 # agent publishes only in the first round (DistStoreError: wait timeout ... MASTER_ADDR).
@@ -80,7 +82,7 @@ def uninterrupted(folder: str, total: int, extra: tuple[str, ...] = ()) -> str:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node=4", SCRIPT, folder, str(total), str(total),
                           *extra], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=400)
     if out.returncode != 0:
         raise AssertionError(out.stderr[-3000:])
     return out.stdout
@@ -108,9 +110,9 @@ def shrink(root: str, total: int, every: int, kill_at: int, extra: tuple[str, ..
     agents = [agent(port, n == 0, folder, total, every, logs[n], extra, launcher=launcher)
               for n in (0, 1)]
     try:
-        _wait_for_step(logs, kill_at, 4, agents, 120)
+        _wait_for_step(logs, kill_at, 4, agents, 300)
         kill_tree(agents[1])
-        agents[0].wait(timeout=150)
+        agents[0].wait(timeout=300)
     finally:
         for a in agents:
             kill_tree(a)
@@ -124,10 +126,10 @@ def grow(root: str, total: int, every: int, join_after: int) -> Run:
     logs = [os.path.join(root, f"agent{n}.log") for n in (0, 1)]
     agents = [agent(port, True, folder, total, every, logs[0], env=FRESH_STORE)]
     try:
-        _wait_for_step(logs[:1], join_after, 2, agents, 120)
+        _wait_for_step(logs[:1], join_after, 2, agents, 300)
         agents.append(agent(port, False, folder, total, every, logs[1], env=FRESH_STORE))
         for a in agents:
-            a.wait(timeout=150)
+            a.wait(timeout=300)
     finally:
         for a in agents:
             kill_tree(a)

@@ -5,23 +5,114 @@ gloo process group through a FileStore (no ports to collide), sets one intra-op 
 calls ``fn(rank, world_size, *args)`` and sends back its return value or its traceback.
 A rank that fails makes the test fail with the tracebacks of every failed rank; ranks
 still running after ``timeout`` seconds are killed and reported as hung.
+
+Note [forking from pytest's process]: a forked child gets a copy of every object of
+pytest's process but only the thread that forked. An object whose destructor joins a
+thread of its own (a ``TCPStore`` server, a process group's gloo threads) hangs forever
+when the child destroys it; a child's ``gc.collect()`` (accelerate's ``free_memory``
+calls one) does exactly that to garbage it inherited, such as the frames of a failed
+test that made a store (issue 51 item 9: two QLoRA Trainer ranks hung 300 s each).
+So every fork from pytest's process goes through :func:`forking`, which
+
+- first collects this process's garbage when threads other than this one exist, so
+  that such an object is destroyed here, where its threads are;
+- then refuses to fork while a thread is still there (a live store or process group, a
+  pool), naming it, instead of forking a child that may hang in it;
+- and freezes the garbage collector's view of every object that exists at the fork
+  (``gc.freeze``), so that no child ever collects, and so destroys, what it inherited.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
 class RankFailure(AssertionError):
     pass
+
+
+class ForkHazard(AssertionError):
+    """pytest's process holds what a forked child must not inherit (Note [forking from
+    pytest's process])."""
+
+
+def other_threads() -> list[str]:
+    """The names of this process's threads other than the calling one (Linux's
+    /proc/self/task: native threads too, which ``threading`` does not list)."""
+    me = threading.get_native_id()
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: only the threads Python knows
+        return [name for tid, name in python.items() if tid != me]
+    names = []
+    for tid in map(int, tasks):
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                native = f.read().strip()
+        except OSError:  # ended meanwhile
+            continue
+        names.append(f"{python[tid]} (Python thread)" if tid in python else native)
+    return sorted(names)
+
+
+def fork_hazards() -> list[str]:
+    """What pytest's process holds that a forked child must not inherit; empty if none.
+    Collects garbage first when threads exist, so that garbage holding them goes."""
+    found = []
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        found.append("a default process group is initialised in pytest's process "
+                     "(create process groups inside the ranks, or destroy it in `finally`)")
+    threads = other_threads()
+    if threads:
+        gc.collect()  # a failed test's frames holding a TCPStore: destroyed here
+        for _ in range(20):  # a thread that was just joined may linger for a moment
+            threads = other_threads()
+            if not threads:
+                break
+            time.sleep(0.05)
+    if threads:
+        found.append(f"threads besides the main one: {threads} (a TCPStore's is "
+                     f"'pt_tcpstore_uv', a process group's 'pt_gloo_runloop'); close what "
+                     f"started them in `finally`, or create it in a subprocess or the ranks")
+    return found
+
+
+@contextlib.contextmanager
+def forking() -> Iterator[None]:
+    """Around every fork from pytest's process (Note [forking from pytest's process]):
+    refuse while a thread or a process group exists here; keep everything that exists
+    at the fork out of the children's garbage collections."""
+    found = fork_hazards()
+    if found:
+        raise ForkHazard("pytest's process holds what a forked child must not inherit "
+                         "(Note [forking from pytest's process] in tests/harness.py; it "
+                         "may be left by an earlier test):\n- " + "\n- ".join(found))
+    ours = gc.get_freeze_count() == 0  # not undoing a freeze someone else made
+    parent = os.getpid()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        # Here, the parent collects its own garbage as before; a child of os.fork() that
+        # leaves the block keeps what it inherited frozen.
+        if ours and os.getpid() == parent:
+            gc.unfreeze()
 
 
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) -> None:
@@ -46,19 +137,26 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) 
         os._exit(code)  # skip pytest's atexit handlers inherited through fork
 
 
+# Seconds the other ranks get to finish after one fails or dies. 10 s was enough on a quiet
+# machine, but not at a load average of 20 on 2 cores (issue 51 item 9), where a rank
+# that is about to raise its own error may get little CPU for many seconds.
+GRACE = 30
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
               deaths_expected: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     With ``deaths_expected``, a rank that dies (a test killing it on purpose) gives None
-    instead of a failure; the others must still finish within 10 s of its death.
+    instead of a failure; the others must still finish within ``GRACE`` s of its death.
     """
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as workdir:
         procs = [ctx.Process(target=_child, args=(fn, r, world_size, args, workdir))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with forking():
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + timeout
         first_failure = None
         while any(p.is_alive() for p in procs):
@@ -66,7 +164,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
             if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
                 first_failure = now
             # Once a rank failed, the others are likely blocked in a collective.
-            if now > deadline or (first_failure is not None and now - first_failure > 10):
+            if now > deadline or (first_failure is not None and now - first_failure > GRACE):
                 break
             time.sleep(0.02)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]

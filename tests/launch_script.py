@@ -3,7 +3,7 @@
     launch_script.py MODE FOLDER
 
 ``run``: two Resumable steps; rank 0 prints the launcher settings its worker sees.
-``loops``: rank 0 runs ``steps(5)``, rank 1 ``steps(8)``.
+``loops``: rank 0 runs ``steps(5)``, rank 1 ``steps(8)``; each prints when it raises.
 ``abandoned``: rank 0 starts a ``Resumable`` while rank 1 runs a forward; rank 0's peer
 watch raises with its all-gather pending, and prints when, before re-raising.
 The process group's timeout is 120 s: a rank still alive by then hung in its exit.
@@ -44,11 +44,17 @@ def main(mode: str, folder: str) -> None:
             raise
         return
     total = (5 if rank == 0 else 8) if mode == "loops" else 2
-    with sw.Resumable(folder, model, opt, every=1) as run:
-        for _ in run.steps(total):
-            model(x[:, :-1], x[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
+    started = time.time()
+    try:
+        with sw.Resumable(folder, model, opt, every=1) as run:
+            for _ in run.steps(total):
+                model(x[:, :-1], x[:, 1:]).backward()
+                opt.step()
+                opt.zero_grad()
+    except sw.ShardwiseError:
+        print(f"rank {rank} started at {started:.3f} raised at {time.time():.3f}",
+              flush=True)
+        raise
     if rank == 0:
         print(f"done at step {run.step}: {os.environ.get('TORCH_DISABLE_SHARE_RDZV_TCP_STORE')}"
               f" restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS')}", flush=True)

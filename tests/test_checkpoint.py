@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import forking, run_ranks
 from loops import train_steps
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -815,9 +815,15 @@ def _as_another_user(folder):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     p = ctx.Process(target=_lock_as_another_user, args=(folder, queue))
-    p.start()
-    p.join(30)
-    return queue.get(timeout=5)
+    with forking():  # Note [forking from pytest's process] in tests/harness.py
+        p.start()
+    try:
+        return queue.get(timeout=120)  # generous: the machine may be loaded
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def test_a_stale_lock_never_blocks_a_later_writer():

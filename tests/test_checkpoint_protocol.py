@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import forking, run_ranks
 
 import shardwise as sw
 import shardwise.checkpoint.save as save
@@ -225,12 +225,20 @@ def test_concurrent_writers_and_a_reader(tmp_path, keep_previous):
     writers = [ctx.Process(target=_writer, args=(folder, 15, keep_previous, outcomes))
                for _ in range(2)]
     reader = ctx.Process(target=_reader, args=(folder, stop, outcomes))
-    for p in [reader, *writers]:
-        p.start()
-    for p in writers:
-        p.join(120)
-    stop.set()
-    reader.join(120)
+    with forking():  # Note [forking from pytest's process] in tests/harness.py
+        for p in [reader, *writers]:
+            p.start()
+    try:
+        # Generous: 15 saves each take a few seconds at a load average of 20 on 2 cores.
+        for p in writers:
+            p.join(600)
+        stop.set()
+        reader.join(120)
+    finally:
+        for p in [reader, *writers]:
+            if p.is_alive():  # hung: reported by the exit codes below, never left running
+                p.kill()
+                p.join()
     assert all(p.exitcode == 0 for p in [reader, *writers]), [p.exitcode for p in
                                                                [reader, *writers]]
     results = [outcomes.get(timeout=5) for _ in range(3)]

@@ -203,7 +203,9 @@ def test_a_peer_that_dies_mid_step_ends_in_an_error_within_seconds(tmp_path, che
     with pytest.raises(RankFailure, match=r"rank 1 died \(exit code 7\)"):
         run_ranks(_peer_dies, 2, check, report, timeout=60)
     seconds, message = open(report).read().split("\n", 1)
-    assert float(seconds) < 20, message  # not the 60 s timeout
+    # Not the 60 s timeout. Wider than the few seconds it takes, for a loaded machine
+    # (issue 51 item 9); rank 0 has the harness's GRACE after rank 1's death anyway.
+    assert float(seconds) < 30, (seconds, message)
 
 
 def _runs_out_and_exits(rank, world):
@@ -224,9 +226,9 @@ def _runs_out_and_exits(rank, world):
 
 
 def test_a_rank_whose_data_ran_out_and_exited_is_named_with_the_fix():
-    seconds, message = run_ranks(_runs_out_and_exits, 2, timeout=60,
+    seconds, message = run_ranks(_runs_out_and_exits, 2, timeout=120,
                                  deaths_expected=True)[0]
-    assert seconds < 10, message
+    assert seconds < 60, (seconds, message)  # not the default 10 minutes; room for load
     assert "rank(s) [1] exited (their processes are gone; rank 1 is not in a shardwise " \
            "operation; it last finished the backward of step 2)" in message, message
     for fix in ("sw.micro_batches(batch, M)", "drop_last=True", "DistributedSampler"):
@@ -260,7 +262,8 @@ def _diverged_arguments(rank, world, root):
     with pytest.raises(sw.ShardwiseError, match=r"modifier_rank='0' is not a rank"):
         with sw.gathered(model, modifier_rank="0"):
             pass
-    assert time.monotonic() - start < 20  # errors, not timeouts
+    # Errors, not timeouts (the default 10 minutes); wide for a loaded machine.
+    assert time.monotonic() - start < 120
     assert not os.listdir(root)  # nothing was created
     _step(model, x)  # the group is still usable
     with sw.gathered(model, modifier_rank=1):
@@ -268,7 +271,7 @@ def _diverged_arguments(rank, world, root):
 
 
 def test_arguments_that_decide_communication_are_compared(tmp_path):
-    run_ranks(_diverged_arguments, 2, str(tmp_path), timeout=60)
+    run_ranks(_diverged_arguments, 2, str(tmp_path), timeout=180)
 
 
 def _evaluate_alone(rank, world, report):
@@ -314,7 +317,7 @@ def _evaluate_alone(rank, world, report):
 
 def test_a_rank_alone_in_an_operation_is_named_within_seconds(tmp_path):
     report = str(tmp_path / "rank0.txt")
-    run_ranks(_evaluate_alone, 2, report, timeout=90)
+    run_ranks(_evaluate_alone, 2, report, timeout=240)
     seconds, warned, warning, message = open(report).read().split("\n", 3)
     said = "rank 1 is not in a shardwise operation; it last finished a forward without " \
            "backward (after step 1)"
@@ -323,7 +326,9 @@ def test_a_rank_alone_in_an_operation_is_named_within_seconds(tmp_path):
     # (SHARDWISE_PEER_TIMEOUT), then one every 3 s until the group's timeout (20 s).
     assert int(warned) >= 3, warned
     assert said in message and "The wait then ended" in message, message
-    assert 15 < float(seconds) < 60, seconds
+    # At the group's timeout: not before it, and not long after it, with room for a
+    # loaded machine (issue 51 item 9).
+    assert 15 < float(seconds) < 120, seconds
     # Uneven data looks the same from the waiting rank (its peer ran out of batches and
     # waits in dist.barrier()): the warning names that likely cause and its fixes, not
     # only the barrier (issue 30 item 7).
@@ -451,14 +456,16 @@ def _dead_or_elsewhere(rank, world, report):
 
 def test_a_dead_peer_or_one_in_another_operation_is_named_within_seconds(tmp_path):
     report = str(tmp_path / "rank1.txt")
-    seconds, message = run_ranks(_dead_or_elsewhere, 2, report, timeout=120,
+    seconds, message = run_ranks(_dead_or_elsewhere, 2, report, timeout=240,
                                  deaths_expected=True)[0]
-    assert seconds < 10, message  # not the group's 60 s
+    assert seconds < 30, (seconds, message)  # not the group's 60 s; room for load
     assert "but rank(s) [1] exited (their processes are gone)" in message, message
     assert "give every rank the same number of batches" in message, message
     assert "DistributedSampler" in message and "that rank's own error" in message, message
     seconds, message = open(report).read().split("\n", 1)
-    assert float(seconds) < 10, message  # not the group's 15 s
+    # Not the group's 15 s (the peer watch's 2 s and its looks took about 5 s; room for
+    # a loaded machine, issue 51 item 9).
+    assert float(seconds) < 14, (seconds, message)
     assert "in the order check before full_state_dict, which its peers are not in: " \
            "rank 0 is in the forward" in message, message
     assert "in the same order" in message and "cannot be used after" in message, message
@@ -630,8 +637,9 @@ def _settings_and_micro_batches(rank, world):
             if rank == 0:
                 bn(torch.randn(3, 4))
     sw.check_consistency(bn)
-    assert time.monotonic() - start < 30  # errors, not timeouts
+    # Errors, not timeouts (the default 10 minutes); wide for a loaded machine.
+    assert time.monotonic() - start < 120
 
 
 def test_settings_no_sync_counts_and_gathered_training_forwards_do_not_hang():
-    run_ranks(_settings_and_micro_batches, 2, timeout=90)
+    run_ranks(_settings_and_micro_batches, 2, timeout=240)

@@ -19,8 +19,9 @@ import pytest
 from shardwise.launcher import plan
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "launch_script.py")
-# The script's process group waits 120 s; a job that outlives this hung in its exit.
-LIMIT = 90
+# Only against a hang: the tests time what matters from the ranks' own timestamps, since
+# starting the launcher and two ranks took minutes on a loaded machine (issue 51 item 9).
+LIMIT = 400
 
 
 def _launch(launcher: list[str], mode: str, folder: str, env: dict | None = None
@@ -65,11 +66,21 @@ def test_shardwise_run_launches_a_short_run(tmp_path):
 def test_ranks_whose_resumable_loops_differ_are_named_and_the_job_ends(tmp_path):
     """Before: named by the peer watch after 32 s, then the raising rank sat in its exit
     until the process group's timeout."""
-    out, started = _launch(["torch.distributed.run"], "loops", str(tmp_path / "run"))
+    # The peer watch's 30 s (SHARDWISE_PEER_TIMEOUT) made 120: the names must come from
+    # the order check, not the watch, even with time to spare on a loaded machine.
+    out, _ = _launch(["torch.distributed.run"], "loops", str(tmp_path / "run"),
+                     env={"SHARDWISE_PEER_TIMEOUT": "120"})
+    ended = time.time()
     assert out.returncode != 0
     assert "rank 0: steps(5) with every=1, keep=2; rank 1: steps(8)" in out.stderr, \
         out.stderr[-3000:]
-    assert time.time() - started < 60
+    times = [(float(a), float(b)) for a, b in
+             re.findall(r"started at (\S+) raised at (\S+)", out.stdout)]
+    assert times, out.stdout + out.stderr[-3000:]
+    # Named in seconds (not by the watch, at 120 s), and the job ended soon after (not
+    # at the process group's timeout, 120 s); both wide for a loaded machine.
+    assert max(raised - started for started, raised in times) < 60, times
+    assert ended - min(raised for _, raised in times) < 60, (times, ended)
 
 
 @pytest.mark.slow
@@ -83,5 +94,6 @@ def test_a_rank_that_gives_up_a_pending_collective_exits_within_seconds(tmp_path
     raised = [float(t) for t in re.findall(r"raised at (\S+)", out.stdout)]
     assert raised, out.stdout + out.stderr[-3000:]
     assert "which its peers are not in" in out.stderr
-    # torchrun ends the job once one worker exits; a second or two of exit and teardown.
-    assert ended - min(raised) < 15, ended - min(raised)
+    # torchrun ends the job once one worker exits: a second or two of exit and teardown
+    # on a quiet machine; not the process group's 120 s, with room for a loaded one.
+    assert ended - min(raised) < 60, ended - min(raised)

@@ -75,8 +75,10 @@ def test_killing_one_agent_ends_the_whole_job_within_seconds():
             assert line or agents[0].poll() is None, "the job ended before training"
         os.kill(agents[1].pid, signal.SIGKILL)
         start = time.monotonic()
-        agents[0].communicate(timeout=60)
-        assert time.monotonic() - start < 30
+        agents[0].communicate(timeout=150)
+        # The job would train on for nearly 120 s; it ended in seconds on a quiet machine,
+        # and 60 leaves room for a loaded one (issue 51 item 9).
+        assert time.monotonic() - start < 60
         assert agents[0].returncode != 0  # the surviving agent reports the failure
     finally:
         for a in agents:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import forking, run_ranks
 from parity import GPT_CFG, gpt_batches
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -287,7 +287,8 @@ def test_disk_folder_is_owned_and_leftovers_are_never_read(folder):
     from shardwise.engine.offload.disk import DiskFolder
 
     path = os.path.join(folder, "rank0")
-    pid = os.fork()
+    with forking():  # Note [forking from pytest's process] in tests/harness.py
+        pid = os.fork()
     if pid == 0:  # an earlier process made the folder (and died)
         try:
             DiskFolder(path)
@@ -309,7 +310,8 @@ def test_disk_folder_is_owned_and_leftovers_are_never_read(folder):
         DiskFolder(path)
     # A holder killed with SIGKILL leaves the folder free and nothing in it.
     other = os.path.join(folder, "rank1")
-    pid = os.fork()
+    with forking():
+        pid = os.fork()
     if pid == 0:  # the child takes the folder, fills a buffer, and waits to be killed
         try:
             DiskFolder(other).buffer(1 << 20, torch.float32, "master").tensor.fill_(1)
@@ -318,7 +320,14 @@ def test_disk_folder_is_owned_and_leftovers_are_never_read(folder):
             signal.pause()
         finally:
             os._exit(1)
+    deadline = time.monotonic() + 120  # generous: the machine may be loaded
     while not os.path.exists(os.path.join(folder, "ready")):
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            raise AssertionError("the child holding the folder died before taking it")
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child holding the folder hung before taking it")
         time.sleep(0.01)
     with pytest.raises(sw.ShardwiseError, match="in use by another process"):
         DiskFolder(other)
