@@ -78,19 +78,32 @@ def fork_hazards() -> list[str]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         found.append("a default process group is initialised in pytest's process "
                      "(create process groups inside the ranks, or destroy it in `finally`)")
-    threads = other_threads()
+    threads = c10d_threads()
     if threads:
         gc.collect()  # a failed test's frames holding a TCPStore: destroyed here
         for _ in range(20):  # a thread that was just joined may linger for a moment
-            threads = other_threads()
+            threads = c10d_threads()
             if not threads:
                 break
             time.sleep(0.05)
     if threads:
-        found.append(f"threads besides the main one: {threads} (a TCPStore's is "
+        found.append(f"threads of torch.distributed: {threads} (a TCPStore's is "
                      f"'pt_tcpstore_uv', a process group's 'pt_gloo_runloop'); close what "
                      f"started them in `finally`, or create it in a subprocess or the ranks")
     return found
+
+
+# The threads of torch.distributed's objects, whose destructors join them: a child that
+# inherited such an object and destroyed it would wait for ever (the fork copies no
+# thread). Other libraries' threads stay alive in the parent and their objects are never
+# collected in a child (gc.freeze, in forking()): jemalloc's background thread, which
+# pyarrow starts at import (datasets, TRL), is one every full run has.
+_C10D_THREADS = ("pt_",)
+
+
+def c10d_threads() -> list[str]:
+    """The names of this process's torch.distributed threads (``pt_...``)."""
+    return [t for t in other_threads() if t.startswith(_C10D_THREADS)]
 
 
 @contextlib.contextmanager

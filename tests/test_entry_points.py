@@ -223,19 +223,43 @@ def _optimizer(params: Any, lr: float = 0.05) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
-def plain(s: System, on: bool) -> list[float]:
-    """The loop every row varies: forward, backward, step, zero_grad."""
-    opt = _optimizer(s.params(), lr=0.05)
+Micro = Callable[[int, int, Any], torch.Tensor]  # (step, i, batch) -> the loss, backwarded
+
+
+def _forward_backward(s: System, batch: Any, **kw: Any) -> torch.Tensor:
+    loss = _loss(s.model, *batch, **kw)
+    s.backward(loss)
+    return loss
+
+
+def train(s: System, micro: Micro | None = None, *,
+          opt: torch.optim.Optimizer | None = None, step_optimizer: bool = True,
+          before: Callable[[int, torch.optim.Optimizer], None] | None = None,
+          after: Callable[[int, torch.optim.Optimizer], torch.optim.Optimizer | None]
+          | None = None) -> list[float]:
+    """The loop every row varies: STEPS steps, each ``micro(step, i, batch)`` over the
+    step's micro-batches (all but the last under no_sync; by default a forward and a
+    backward), then the optimizer's step and zero_grad. ``before(step, opt)`` runs
+    before a step's micro-batches, ``after(step, opt)`` after its step and may hand back
+    another optimizer. Returns each micro-batch's loss."""
+    run = micro or (lambda step, i, batch: _forward_backward(s, batch))
+    opt = opt or _optimizer(s.params())
     losses: list[float] = []
     for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
+        if before is not None:
+            before(step, opt)
+        s.micro_batches(step, lambda i, batch: losses.append(run(step, i, batch).item()))
+        if step_optimizer:
+            opt.step()
+            opt.zero_grad()
+        if after is not None:
+            opt = after(step, opt) or opt
     return losses
+
+
+def plain(s: System, on: bool) -> list[float]:
+    """The loop with no entry point used."""
+    return train(s)
 
 
 def tensor_hook(s: System, on: bool) -> list[float]:
@@ -244,16 +268,16 @@ def tensor_hook(s: System, on: bool) -> list[float]:
         for p in s.inner.blocks[1].parameters():
             if p.requires_grad:  # the quantized base is frozen: torch refuses its hooks
                 p.register_hook(lambda g: g * 0.5)
-    return plain(s, on)
+    return train(s)
 
 
 def post_accumulate_hook(s: System, on: bool) -> list[float]:
     """``register_post_accumulate_grad_hook``: the optimizer-in-backward idiom (one
     optimizer per parameter, stepped and zeroed in the hook); off, the normal loop."""
     if not on:
-        return plain(s, on)
+        return train(s)
     runs: list[int] = []
-    opts = {p: _optimizer([p], lr=0.05) for p in s.params()}
+    opts = {p: _optimizer([p]) for p in s.params()}
 
     def step(p: torch.Tensor) -> None:
         runs.append(1)
@@ -261,13 +285,7 @@ def post_accumulate_hook(s: System, on: bool) -> list[float]:
         opts[p].zero_grad()
     for p in s.params():
         p.register_post_accumulate_grad_hook(step)
-    losses: list[float] = []
-    for st in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(st, micro)
+    losses = train(s, step_optimizer=False)
     assert len(runs) == STEPS * len(opts), (len(runs), STEPS * len(opts))
     return losses
 
@@ -280,74 +298,51 @@ def module_hooks(s: System, on: bool) -> list[float]:
         b[0].register_forward_pre_hook(lambda m, args: (args[0] * 0.9,))
         b[1].register_forward_hook(lambda m, args, out: out + 0.1)
         b[2].register_full_backward_hook(lambda m, gin, gout: (gin[0] * 0.5,))
-    return plain(s, on)
+    return train(s)
 
 
 def freeze_between_steps(s: System, on: bool) -> list[float]:
     """``requires_grad_(False)`` on a block after the first step, back on after the second."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
+    def before(step: int, opt: Any) -> None:
         if on and step in (1, 2):
             s.adapter(0).requires_grad_(step == 2)
-
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train(s, before=before)
 
 
 def freeze_before_backward(s: System, on: bool) -> list[float]:
     """A block frozen between a forward and its backward, unfrozen after the step:
     autograd gives a leaf frozen after its forward no gradient."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            if on and step == 1:
-                s.adapter(2).requires_grad_(False)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        loss = _loss(s.model, *batch)
+        if on and step == 1:
+            s.adapter(2).requires_grad_(False)
+        s.backward(loss)
+        return loss
+    def after(step: int, opt: Any) -> None:
         s.adapter(2).requires_grad_(True)
-    return losses
+    return train(s, micro, after=after)
 
 
 def disable_adapter(s: System, on: bool) -> list[float]:
     """PEFT's ``disable_adapter()`` as TRL's DPO uses it: between a forward and its
     backward, a block's ``requires_grad`` off, a ``no_grad`` forward, and on again."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            if on:
-                s.adapter(1).requires_grad_(False)
-                with torch.no_grad():
-                    ref = _loss(s.model, *batch)
-                s.adapter(1).requires_grad_(True)
-                loss = loss + 0.0 * ref
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        loss = _loss(s.model, *batch)
+        if on:
+            s.adapter(1).requires_grad_(False)
+            with torch.no_grad():
+                ref = _loss(s.model, *batch)
+            s.adapter(1).requires_grad_(True)
+            loss = loss + 0.0 * ref
+        s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 def _zero_grad_after_abandon(how: str, s: System, on: bool) -> list[float]:
     """A micro-batch's backward under no_sync, then the loop abandoned: ``zero_grad``
     (``how``) must drop its gradient, as DDP's clears ``.grad``."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
+    def before(step: int, opt: torch.optim.Optimizer) -> None:
         x, y = s.batches[step][0]
         with s.no_sync():
             s.backward(_loss(s.model, x * 3.0, y))  # abandoned
@@ -361,15 +356,7 @@ def _zero_grad_after_abandon(how: str, s: System, on: bool) -> list[float]:
                 opt.zero_grad(set_to_none=False)
             else:
                 s.model.zero_grad()
-
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train(s, before=before)
 
 
 def _edit(how: str, s: System, on: bool) -> list[float]:
@@ -377,9 +364,6 @@ def _edit(how: str, s: System, on: bool) -> list[float]:
     micro-batches of a step (under no_sync, where units are held gathered). torchao's
     ``NF4Tensor`` has no in-place arithmetic: on a quantized weight the edit raises,
     whole (DDP) or sharded, and must change nothing."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-
     def edit_one(p: torch.Tensor) -> None:
         if how == "no_grad":
             with torch.no_grad():
@@ -390,155 +374,101 @@ def _edit(how: str, s: System, on: bool) -> list[float]:
             with torch.no_grad():
                 p.copy_(p * 0.9)
 
-    def edit() -> None:
-        for p in s.model.parameters():
-            if _is_nf4(p):
-                with pytest.raises(NotImplementedError, match="NF4Tensor dispatch"):
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        if on and (i > 0 or s.acc == 1):
+            for p in s.model.parameters():
+                if _is_nf4(p):
+                    with pytest.raises(NotImplementedError, match="NF4Tensor dispatch"):
+                        edit_one(p)
+                else:
                     edit_one(p)
-            else:
-                edit_one(p)
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            if on and (i > 0 or s.acc == 1):
-                edit()
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+        return _forward_backward(s, batch)
+    return train(s, micro)
 
 
 def checkpointed(kind: str, s: System, on: bool) -> list[float]:
     """Each block under ``torch.utils.checkpoint`` (``kind``: reentrant or not)."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch, ckpt=kind if on else "")
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train(s, lambda step, i, batch: _forward_backward(s, batch, ckpt=kind if on else ""))
 
 
 def input_saliency(s: System, on: bool) -> list[float]:
     """``torch.autograd.grad`` of the loss with respect to the input (a saliency map, kept
     for logging), through the retained graph, before the loss's own backward."""
-    opt = _optimizer(s.params())
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            x, y = batch
-            x = x.clone().requires_grad_(on)
-            loss = _loss(s.model, x, y)
-            if on:
-                (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
-                assert gx.shape == x.shape and bool(gx.abs().sum() > 0)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_(on)
+        loss = _loss(s.model, x, y)
+        if on:
+            (gx,) = torch.autograd.grad(loss, x, retain_graph=True)
+            assert gx.shape == x.shape and bool(gx.abs().sum() > 0)
+        s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 def input_grad_penalty(s: System, on: bool) -> list[float]:
     """``torch.autograd.grad`` of the loss with respect to the input, with
     ``create_graph``, its norm added to the loss: a double backward."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            x, y = batch
-            x = x.clone().requires_grad_(on)
-            loss = _loss(s.model, x, y)
-            if on:
-                (gx,) = torch.autograd.grad(loss, x, create_graph=True)
-                loss = loss + 10.0 * gx.pow(2).sum()
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        x, y = batch
+        x = x.clone().requires_grad_(on)
+        loss = _loss(s.model, x, y)
+        if on:
+            (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+            loss = loss + 10.0 * gx.pow(2).sum()
+        s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 def backward_create_graph(s: System, on: bool) -> list[float]:
     """``loss.backward(create_graph=True)``: gradients that carry a graph of their own."""
-    opt = _optimizer(s.params())
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss, create_graph=on)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        loss = _loss(s.model, *batch)
+        s.backward(loss, create_graph=on)
+        return loss
+    return train(s, micro)
 
 
 def retained_graph(s: System, on: bool) -> list[float]:
     """``backward(retain_graph=True)`` then a second backward through the same graph."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            if on:
-                s.backward(loss, retain_graph=True)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        loss = _loss(s.model, *batch)
+        if on:
+            s.backward(loss, retain_graph=True)
+        s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 def param_grads_by_autograd_grad(s: System, on: bool) -> list[float]:
     """``torch.autograd.grad(loss, model.parameters())`` instead of ``backward``."""
-    opt = _optimizer(s.params(), lr=0.05)
     params = s.params()
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            if on:
-                grads = torch.autograd.grad(loss, params)
-                for p, g in zip(params, grads):
-                    p.grad = g if p.grad is None else p.grad + g
-            else:
-                s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        loss = _loss(s.model, *batch)
+        if on:
+            grads = torch.autograd.grad(loss, params)
+            for p, g in zip(params, grads):
+                p.grad = g if p.grad is None else p.grad + g
+        else:
+            s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 def functional_call(s: System, on: bool) -> list[float]:
     """``torch.func.functional_call`` with one parameter replaced, for the loss."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            x, y = batch
-            if on:
-                out = torch.func.functional_call(
-                    s.model, {s.prefix + "head.bias": torch.zeros(4)}, (x,))
-                loss = ((out - y) ** 2).mean()
-            else:
-                loss = _loss(s.model, x, y)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    def micro(step: int, i: int, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if not on:
+            return _forward_backward(s, batch)
+        out = torch.func.functional_call(s.model, {s.prefix + "head.bias": torch.zeros(4)},
+                                         (x,))
+        loss = ((out - y) ** 2).mean()
+        s.backward(loss)
+        return loss
+    return train(s, micro)
 
 
 class _Scaled(nn.Module):
@@ -556,7 +486,7 @@ def _trainable_linear(net: nn.Module, i: int) -> nn.Module:
 
 def parametrized(s: System, on: bool) -> list[float]:
     """``nn.utils.parametrize`` registered on a block's weight before wrapping."""
-    return plain(s, on)
+    return train(s)
 
 
 parametrized.prepare = lambda net: torch.nn.utils.parametrize.register_parametrization(  # type: ignore[attr-defined]
@@ -567,48 +497,31 @@ def parametrized_after(s: System, on: bool) -> list[float]:
     """``nn.utils.parametrize`` registered on a block's weight after wrapping."""
     torch.nn.utils.parametrize.register_parametrization(_trainable_linear(s.inner, 1),
                                                         "weight", _Scaled())
-    return plain(s, on)
+    return train(s)
 
 
 def add_param_group(s: System, on: bool) -> list[float]:
     """An optimizer built over the blocks, the rest added by ``add_param_group``."""
     if not on:
-        return plain(s, on)
+        return train(s)
     trainable = {id(p) for p in s.params()}
     blocks = [p for p in s.inner.blocks.parameters() if id(p) in trainable]
     ids = {id(p) for p in blocks}
-    opt = _optimizer(blocks, lr=0.05)
+    opt = _optimizer(blocks)
     opt.add_param_group({"params": [p for p in s.params() if id(p) not in ids]})
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train(s, opt=opt)
 
 
 def optimizer_load_state_dict(s: System, on: bool) -> list[float]:
     """The optimizer's state dict taken after the first step and loaded into a new
     optimizer, which takes the remaining steps."""
-    opt = _optimizer(s.params(), lr=0.05)
-    losses: list[float] = []
-    for step in range(STEPS):
-        def micro(i: int, batch: Any) -> None:
-            loss = _loss(s.model, *batch)
-            s.backward(loss)
-            losses.append(loss.item())
-        s.micro_batches(step, micro)
-        opt.step()
-        opt.zero_grad()
-        if on and step == 0:
-            saved = opt.state_dict()
-            opt = _optimizer(s.params(), lr=0.05)
-            opt.load_state_dict(saved)
-    return losses
+    def after(step: int, opt: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+        if not (on and step == 0):
+            return None
+        fresh = _optimizer(s.params())
+        fresh.load_state_dict(opt.state_dict())
+        return fresh
+    return train(s, after=after)
 
 
 ROWS: dict[str, Callable[[System, bool], list[float]]] = {

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch.distributed as dist
-from harness import ForkHazard, forking, other_threads, run_ranks
+from harness import ForkHazard, c10d_threads, forking, other_threads, run_ranks
 
 
 def _collects(rank, world):
@@ -45,7 +45,7 @@ def test_garbage_holding_a_store_does_not_hang_a_rank_that_collects():
     finally:
         if enabled:
             gc.enable()
-    assert other_threads() == []  # destroyed in pytest's process, where its thread is
+    assert c10d_threads() == []  # destroyed in pytest's process, where its thread is
 
 
 class _Finalized:
@@ -102,12 +102,12 @@ def test_a_live_store_in_pytests_process_is_refused_before_forking():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True,
                           timeout=datetime.timedelta(seconds=30))
     try:
-        with pytest.raises(ForkHazard, match=r"threads besides the main one: "
+        with pytest.raises(ForkHazard, match=r"threads of torch.distributed: "
                                              r"\['pt_tcpstore_uv'\]"):
             run_ranks(_collects, 2, timeout=60)
     finally:
         del store
-    assert other_threads() == []
+    assert c10d_threads() == []
 
 
 def test_a_process_group_in_pytests_process_is_refused_before_forking():
@@ -117,4 +117,4 @@ def test_a_process_group_in_pytests_process_is_refused_before_forking():
             run_ranks(_collects, 2, timeout=60)
     finally:
         dist.destroy_process_group()
-    assert other_threads() == []
+    assert c10d_threads() == []

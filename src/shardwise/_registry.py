@@ -107,8 +107,9 @@ def is_sharded_root(module: nn.Module) -> bool:
 
 
 # -- modules -----------------------------------------------------------------------------
-def set_instance_method(module: nn.Module, name: str, fn: Callable[..., Any]) -> None:
-    """Shadow a method (or attribute) on one instance; its class is left alone."""
+def set_instance_method(module: object, name: str, fn: Callable[..., Any]) -> None:
+    """Shadow a method (or attribute) on one instance (a module, an optimizer); its class
+    is left alone."""
     module.__dict__[name] = fn
 
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -156,14 +157,22 @@ def _safetensors_files(paths: list[str]) -> dict[str, Reader]:
 # (tests/test_safety.py plants a pickle that would leave a file behind into every file of
 # every folder shardwise reads). The one pickle.loads left, in comm/collectives.py,
 # reads what the job's own ranks sent over its process group, never a file.
-def _weights_only(path: str) -> dict[str, torch.Tensor]:
+def load_weights_only(path: str, advice: str) -> Any:
+    """``torch.load(path, weights_only=True)``, or a ``ShardwiseError`` saying that the
+    file needs more than torch's allow-list (pickled code) and ``advice``: the one way a
+    torch pickle is opened anywhere in shardwise."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - refuse anything that needs unpickling code
         raise ShardwiseError(
             f"{path}: refusing to load: it does not load with torch.load(weights_only=True), "
-            f"which would mean running pickled code ({type(e).__name__}: {e}). Convert it to "
-            f"safetensors from a trusted environment first") from e
+            f"which would mean running pickled code ({type(e).__name__}: {str(e)[:300]}). "
+            f"{advice}") from None
+
+
+def _weights_only(path: str) -> dict[str, torch.Tensor]:
+    obj = load_weights_only(path, "Convert it to safetensors from a trusted environment "
+                                  "first")
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping):

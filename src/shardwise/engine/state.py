@@ -478,6 +478,9 @@ class ModelState:
     def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
         own (Note [forward entries])."""
+        # Note [a backward that accumulates nothing]: one that raised never reached its
+        # end callback; no backward runs while a forward starts.
+        self._aside = None
         # Note [flags of a forward without gradients] in engine/unit.py
         recording = torch.is_grad_enabled()
         check_model(self.root, self.units, follow_flags=recording)

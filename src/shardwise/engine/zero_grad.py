@@ -79,8 +79,8 @@ def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
 
 def guard_optimizer_zero_grad(optimizer: torch.optim.Optimizer) -> None:
     """Note [zero_grad reaches held gradients], for an optimizer holding shards."""
-    optimizer.__dict__["zero_grad"] = functools.partial(
-        _optimizer_zero_grad, optimizer.zero_grad, optimizer)
+    set_instance_method(optimizer, "zero_grad", functools.partial(
+        _optimizer_zero_grad, optimizer.zero_grad, optimizer))
 
 
 def guard_module_zero_grad(module: nn.Module) -> None:

@@ -32,6 +32,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.sources import load_weights_only
 from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.order_check import watch_steps
 from ..engine.state import model_state, owning_state
@@ -242,14 +243,8 @@ def _old_schedulers(path: str) -> list:
     allow-list of tensors and plain containers, so that it can never run code."""
     if not os.path.isfile(path):
         return []
-    try:
-        states = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - pickle raises many kinds
-        raise ShardwiseError(
-            f"{path}: refusing to load: it does not load with torch.load(weights_only="
-            f"True), which would mean running pickled code ({type(e).__name__}: "
-            f"{str(e)[:300]}). Save the state again with this shardwise (it now keeps "
-            f"the schedulers in the checkpoint's JSON)") from None
+    states = load_weights_only(path, "Save the state again with this shardwise (it now "
+                                     "keeps the schedulers in the checkpoint's JSON)")
     if not isinstance(states, list):
         raise ShardwiseError(f"{path}: expected a list of scheduler states, found a "
                              f"{type(states).__name__}")

@@ -35,6 +35,7 @@ import torch.nn as nn
 from transformers import Trainer
 
 from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from ..checkpoint.sources import load_weights_only
 from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.process_group import init_distributed
 from ..engine.sharded_init import sharded_init
@@ -192,13 +193,8 @@ class ShardwiseTrainer(Trainer):
             # The Trainer's own format (a torch pickle), read as transformers reads it:
             # weights_only=True, torch's allow-list of tensors and plain containers,
             # which never runs code.
-            try:
-                state = torch.load(scheduler, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001 - pickle raises many kinds
-                raise ShardwiseError(
-                    f"{scheduler}: refusing to load: it does not load with torch.load("
-                    f"weights_only=True), which would mean running pickled code "
-                    f"({type(e).__name__}: {str(e)[:300]})") from None
+            state = load_weights_only(scheduler, "The Trainer writes it with its "
+                                                 "scheduler's state only")
             self.lr_scheduler.load_state_dict(state)
 
     def _load_best_model(self) -> None:
