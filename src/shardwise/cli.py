@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
 
 # Argument types: a bad value is a one-line usage error (exit 2), never a traceback
@@ -130,65 +131,19 @@ def _sign(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
     from shardwise.errors import ShardwiseError
-    from shardwise.planning.planner import (
-        MeshPlan,
-        build_on_meta,
-        comm_plan,
-        plan,
-        to_json,
-        uniform_comm_plan,
-        uniform_plan,
-    )
+    from shardwise.planning.planner import to_json
 
-    dtype = args.param_dtype
-    activations = int(args.activation_gib * 2**30)
     # With --mesh R,S each rank holds 1/S of the state; flat ZeRO-3 over R*S is reported
     # next to it.
     replicas, shards = args.mesh or (1, args.world)
-    world = replicas * shards
-    note = ""
     if args.model:
-        try:
-            model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None,
-                                  args.dtype)
-        except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
-            raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
-        if ":" not in args.model and args.dtype is None:  # Note [the dtype planned]
-            note = ("  (a config folder is planned in float32, as LlamaForCausalLM(config) "
-                    "builds it; --dtype plans another, --param-dtype the gathered units')")
-        if not isinstance(model, torch.nn.Module):
-            raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
-                                 f"torch.nn.Module")
-        result = plan(model, shards, args.optimizer, dtype, activation_bytes=activations,
-                      offload=args.offload)
-        if args.mesh:
-            mesh = MeshPlan(result, comm_plan(model, replicas, shards, dtype),
-                            plan(model, world, args.optimizer, dtype,
-                                 activation_bytes=activations),
-                            comm_plan(model, 1, world, dtype))
+        result, mesh, note = _plan_model(args, replicas, shards)
     elif args.offload is not None:
         raise ShardwiseError("--offload needs --model: the bytes per tier follow the "
                              "engine's layout of the real parameters")
     elif args.params and args.layers:
-        stored = args.dtype or torch.float32
-        size = torch.empty(0, dtype=stored).element_size()
-        compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
-        n, layers = int(args.params), args.layers
-        result = uniform_plan(n, layers, shards, size, args.optimizer, compute, activations)
-        if args.mesh:
-            mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, size,
-                                                      compute),
-                            uniform_plan(n, layers, world, size, args.optimizer, compute,
-                                         activations),
-                            uniform_comm_plan(n, layers, 1, world, size, compute))
-        for p in (result, mesh.flat_memory) if args.mesh else (result,):
-            p.dtype = _dtype_name(stored)
-            p.compute_dtype = _dtype_name(dtype or stored)
+        result, mesh, note = _plan_uniform(args, replicas, shards)
     else:
         raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
                              "or --params and --layers")
@@ -199,6 +154,66 @@ def _plan_command(args: argparse.Namespace) -> int:
     if note and not args.json:
         print(note)
     return 0
+
+
+def _plan_model(args: argparse.Namespace, replicas: int, shards: int) -> tuple[Any, Any, str]:
+    """``plan --model``: the plan of the model built on the meta device, the mesh's plan
+    (with ``--mesh``) and a note on the dtype assumed."""
+    import json
+
+    import torch
+
+    from shardwise.errors import ShardwiseError
+    from shardwise.planning.planner import MeshPlan, build_on_meta, comm_plan, plan
+
+    dtype, activations = args.param_dtype, int(args.activation_gib * 2**30)
+    try:
+        model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None,
+                              args.dtype)
+    except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
+        raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
+    note = ""
+    if ":" not in args.model and args.dtype is None:  # Note [the dtype planned]
+        note = ("  (a config folder is planned in float32, as LlamaForCausalLM(config) "
+                "builds it; --dtype plans another, --param-dtype the gathered units')")
+    if not isinstance(model, torch.nn.Module):
+        raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
+                             f"torch.nn.Module")
+    result = plan(model, shards, args.optimizer, dtype, activation_bytes=activations,
+                  offload=args.offload)
+    mesh = None
+    if args.mesh:
+        world = replicas * shards
+        mesh = MeshPlan(result, comm_plan(model, replicas, shards, dtype),
+                        plan(model, world, args.optimizer, dtype,
+                             activation_bytes=activations),
+                        comm_plan(model, 1, world, dtype))
+    return result, mesh, note
+
+
+def _plan_uniform(args: argparse.Namespace, replicas: int,
+                  shards: int) -> tuple[Any, Any, str]:
+    """``plan --params --layers``: a model of equal layers, and the mesh's plan."""
+    import torch
+
+    from shardwise.planning.planner import MeshPlan, uniform_comm_plan, uniform_plan
+
+    dtype, activations = args.param_dtype, int(args.activation_gib * 2**30)
+    stored = args.dtype or torch.float32
+    size = torch.empty(0, dtype=stored).element_size()
+    compute = torch.empty(0, dtype=dtype).element_size() if dtype else None
+    n, layers, world = int(args.params), args.layers, replicas * shards
+    result = uniform_plan(n, layers, shards, size, args.optimizer, compute, activations)
+    mesh = None
+    if args.mesh:
+        mesh = MeshPlan(result, uniform_comm_plan(n, layers, replicas, shards, size, compute),
+                        uniform_plan(n, layers, world, size, args.optimizer, compute,
+                                     activations),
+                        uniform_comm_plan(n, layers, 1, world, size, compute))
+    for p in (result, mesh.flat_memory) if mesh is not None else (result,):
+        p.dtype = _dtype_name(stored)
+        p.compute_dtype = _dtype_name(dtype or stored)
+    return result, mesh, ""
 
 
 def _dtype_name(dtype) -> str:
