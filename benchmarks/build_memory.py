@@ -1,6 +1,6 @@
 """Resident memory while a model too big for one rank is built: after ``sharded_init``
 and after ``shard``, as the increase over the process's own start (Note [freed memory]
-in src/shardwise/engine/alloc.py).
+in src/shardwise/engine/groups/alloc.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/build_memory.py 32
 

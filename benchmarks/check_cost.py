@@ -40,7 +40,7 @@ from workloads import WORKLOADS
 
 import shardwise as sw
 from shardwise.comm.channel import END_FORWARD
-from shardwise.engine.state import model_state
+from shardwise.engine.iteration.state import model_state
 from shardwise.models import GPT, GPTConfig
 
 # name: (GPTConfig fields, batch per micro-batch)

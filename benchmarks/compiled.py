@@ -5,7 +5,7 @@
 
 Four models built alike: DDP and ``sw.shard``, each eager and under ``torch.compile``
 (inductor; the sharded model compiled whole, after sharding: Note [compile] in
-engine/hooks.py). Each step runs each model once, in turn; the first two steps (compile
+engine/iteration/hooks.py). Each step runs each model once, in turn; the first two steps (compile
 time) are left out of the medians. ``gpt`` is the reference workload (GPT 6x512, vocabulary
 8192, sequence 256, batch 4 per rank); ``llama`` a small Hugging Face Llama (4 layers,
 hidden 256, sequence 128, batch 4). Prints medians, ratios to compiled DDP and the first

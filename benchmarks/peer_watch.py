@@ -1,5 +1,5 @@
 """What the peer watch and the collective-order check cost a training step (Note [peer
-watch] in src/shardwise/comm/peers.py, Note [collective order] in engine/state.py).
+watch] in src/shardwise/comm/peers.py, Note [collective order] in engine/iteration/state.py).
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/peer_watch.py
 

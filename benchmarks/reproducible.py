@@ -28,7 +28,7 @@ from step_time import System, build, run_rounds
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
-from shardwise.engine.state import model_state
+from shardwise.engine.iteration.state import model_state
 from shardwise.integrations._units import no_split_units
 from shardwise.models import GPTConfig
 

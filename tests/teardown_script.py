@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import shardwise as sw
 from shardwise.comm.order_check import watch_steps
-from shardwise.engine.state import model_state
+from shardwise.engine.iteration.state import model_state
 from shardwise.models import GPT, GPTConfig
 
 sw.init_distributed()

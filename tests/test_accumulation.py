@@ -1,5 +1,5 @@
 """Gradient accumulation under ``sw.no_sync`` with units kept gathered between micro-batches
-(Note [gathered across micro-batches] in engine/state.py), against DistributedDataParallel
+(Note [gathered across micro-batches] in engine/iteration/state.py), against DistributedDataParallel
 and against the same loop with ``keep_gathered=False`` (which reshards as any step does, so
 its arithmetic is the same: the two must agree bit for bit at any world size)."""
 

@@ -27,7 +27,18 @@ LAYERS: list[tuple[str, str, list[str]]] = [
     ("comm", "collectives, process groups and meshes, the checks riding on them",
      ["shardwise.comm"]),
     ("exact", "the reproducible mode's arithmetic", ["shardwise.exact"]),
-    ("engine", "a parameter's life: layout, units, gathers, reduction, hooks, buffers",
+    # The engine's three rooms (issue 52, item 4), then its top: the build, which puts
+    # them together.
+    ("engine: groups", "a group of parameters and how it moves: layout, copies, storage, "
+                       "offload, reduction",
+     ["shardwise.engine.groups"]),
+    ("engine: iteration", "one iteration: units, phases, hooks, prefetch, buffers",
+     ["shardwise.engine.iteration"]),
+    ("engine: entry points", "what torch sees: the step, zero_grad, casts, the state dict, "
+                             "refusals",
+     ["shardwise.engine.entry_points"]),
+    ("engine", "the engine's top: the plan it is given and the build that puts the rooms "
+               "together",
      ["shardwise.engine"]),
     ("planning", "units, memory and communication decided before building",
      ["shardwise.planning"]),
@@ -102,27 +113,59 @@ def test_the_layer_test_sees_an_upward_import(tmp_path):
     """The check above can fail: an engine module importing the public package is caught."""
     fake = tmp_path / "unit.py"
     fake.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                    "    from ..sharding import shard\n")
-    found = imports("shardwise.engine.unit", fake, modules())
+                    "    from ...sharding import shard\n")
+    found = imports("shardwise.engine.iteration.unit", fake, modules())
     assert found == {"shardwise.sharding"}
-    assert layer_of("shardwise.sharding") > layer_of("shardwise.engine.unit")
+    assert layer_of("shardwise.sharding") > layer_of("shardwise.engine.iteration.unit")
+
+
+def test_the_layer_test_sees_a_room_reaching_up(tmp_path):
+    """The rooms' order can fail: a group importing the unit that holds it (a room
+    above), or the iteration importing a refusal of the entry points, is caught."""
+    known = modules()
+    fake = tmp_path / "flat.py"
+    fake.write_text("from ..iteration.unit import Unit\n")
+    found = imports("shardwise.engine.groups.flat", fake, known)
+    assert found == {"shardwise.engine.iteration.unit"}
+    assert layer_of("shardwise.engine.iteration.unit") > layer_of("shardwise.engine.groups.flat")
+    fake.write_text("from ..entry_points.guards import check_step\n")
+    found = imports("shardwise.engine.iteration.state", fake, known)
+    assert found == {"shardwise.engine.entry_points.guards"}
+    assert layer_of("shardwise.engine.entry_points.guards") > layer_of(
+        "shardwise.engine.iteration.state")
+    assert layer_of("shardwise.engine.build") > layer_of("shardwise.engine.entry_points.step")
+
+
+# Issue 52's bound on a room: a newcomer reads a folder of at most 12 modules (its
+# __init__ counted).
+MAX_MODULES_PER_FOLDER = 12
+
+
+def test_no_engine_folder_holds_more_than_twelve_modules():
+    folders: dict[pathlib.Path, int] = {}
+    for f in (SRC / "shardwise" / "engine").rglob("*.py"):
+        folders[f.parent] = folders.get(f.parent, 0) + 1
+    big = {str(d.relative_to(SRC)): n for d, n in folders.items()
+           if n > MAX_MODULES_PER_FOLDER}
+    assert len(folders) >= 4, f"the engine's rooms were not found: {sorted(folders)}"
+    assert not big, f"engine folders over {MAX_MODULES_PER_FOLDER} modules: {big}"
 
 
 def test_offload_sits_below_the_groups():
-    """Inside the engine, the offload package is a part the groups are given (engine/
-    group_parts.py): it imports nothing of the engine but the allocator, never the units
+    """Inside the engine, the offload package is a part the groups are given
+    (engine/groups/parts.py): it imports nothing of the engine but the allocator, never the units
     or groups that use it (issue 42, item 7)."""
     known = modules()
     upward = [f"{m} imports {t}" for m, path in known.items()
-              if m.startswith("shardwise.engine.offload")
+              if m.startswith("shardwise.engine.groups.offload")
               for t in sorted(imports(m, path, known))
-              if t.startswith("shardwise.engine.") and t != "shardwise.engine.alloc"
-              and not t.startswith("shardwise.engine.offload")]
+              if t.startswith("shardwise.engine.") and t != "shardwise.engine.groups.alloc"
+              and not t.startswith("shardwise.engine.groups.offload")]
     assert not upward, "offload reaches up into the engine:\n" + "\n".join(upward)
 
 
 # Issue 42, item 3: the operations on a sharded model ask a unit's groups through their
-# interface (Note [one interface for a group] in engine/group.py), never the engine's
+# interface (Note [one interface for a group] in engine/groups/interface.py), never the engine's
 # internals: a group's offload storage, a tier's placement, the unit's state enum, or
 # which kind of group it is.
 GROUP_INTERNALS = {"store", "UnitState", "FlatGroup", "PackedGroup", "GroupStorage",
@@ -313,3 +356,46 @@ if __name__ == "__main__":
     head, rest = text.split(BEGIN)
     _, tail = rest.split(END)
     LAYOUT_PAGE.write_text(f"{head}{BEGIN}\n{layout_table()}\n{END}{tail}")
+
+
+# A mention "Note [x] in engine/y.py" sends a reader to a file: it must be the one naming
+# the Note (a move of files or of a Note leaves such mentions behind, silently).
+_NOTE_WHERE = re.compile(r"Note\s+\[([^\]]+)\]\s+(?:in|\()\s*`?((?:[\w]+/)*[\w]+\.py)`?")
+
+
+def misplaced_notes(files: dict[str, str], mentioned_in: list[str]) -> list[str]:
+    """The mentions "Note [x] in path" in ``mentioned_in`` whose path (relative to the
+    package, or to the repository) names no such Note; ``files`` maps paths to texts."""
+    wrong = []
+    for text in mentioned_in:
+        for m in _NOTE_WHERE.finditer(re.sub(r"(?m)^\s*#", " ", text)):
+            name, where = " ".join(m.group(1).split()), m.group(2)
+            candidates = [t for p, t in files.items()
+                          if p == where or p.endswith("/" + where)]
+            if not candidates:
+                continue  # a file outside the package (torch's, a test's): not checked
+            named = {" ".join(n.group(1).split()) for t in candidates
+                     for n in _NOTE_NAMED.finditer(t)}
+            if name not in named:
+                wrong.append(f"Note [{name}] in {where}")
+    return sorted(set(wrong))
+
+
+def test_every_note_is_where_its_mentions_say():
+    root = SRC.parent
+    files = {p.relative_to(root).as_posix(): p.read_text()
+             for p in sorted((SRC / "shardwise").rglob("*.py"))}
+    texts = [*files.values(),
+             *[p.read_text() for p in sorted((root / "tests").glob("*.py"))
+               if p.name != "test_architecture.py"],
+             *[p.read_text() for p in sorted((root / "docs").glob("*.md"))],
+             (root / "README.md").read_text()]
+    wrong = misplaced_notes(files, texts)
+    assert not wrong, "Notes mentioned in a file that does not name them:\n" + "\n".join(wrong)
+
+
+def test_the_note_place_test_sees_a_moved_note():
+    files = {"src/shardwise/engine/a.py": "# Note [one]\n# why\n", "src/shardwise/b.py": ""}
+    assert misplaced_notes(files, ["see Note [one] in engine/a.py"]) == []
+    assert misplaced_notes(files, ["see Note [one] in b.py, and Note [one]\n# (engine/a.py)"]) \
+        == ["Note [one] in b.py"]

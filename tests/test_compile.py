@@ -1,6 +1,6 @@
 """torch.compile and sharded models: per-block compile before sharding, and
 ``torch.compile`` of the whole sharded model, which compiles each unit's forward between
-its hooks (Note [compile] in engine/hooks.py) and trains like compiled DDP."""
+its hooks (Note [compile] in engine/iteration/hooks.py) and trains like compiled DDP."""
 
 import copy
 import warnings

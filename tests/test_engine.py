@@ -262,11 +262,11 @@ def test_reshard_after_forward_false_and_mixed_precision():
 
 def _regather_keeps_saved_tensors_valid(rank, world):
     # A full parameter autograd saved is freed after forward and refilled before backward
-    # (Note [freeing full parameters] in engine/unit.py); refilling it, however often, must
-    # leave autograd's version check satisfied and the saved values right. The test drives
-    # the unit's state machine (engine/unit.py) by hand: no public call regathers a unit between
-    # a forward and its backward (gathered() refuses to), hence the private accessor.
-    from shardwise.engine.unit import unit_of
+    # (Note [freeing full parameters] in engine/iteration/unit.py); refilling it, however often,
+    # must leave autograd's version check satisfied and the saved values right. The test drives
+    # the unit's state machine (engine/iteration/unit.py) by hand: no public call regathers a unit
+    # between a forward and its backward (gathered() refuses to), hence the private accessor.
+    from shardwise.engine.iteration.unit import unit_of
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

@@ -277,7 +277,7 @@ def _compiled() -> None:
 
 def _as_dtensor(rank: int, world: int) -> None:
     import shardwise as sw
-    from shardwise.engine.state import model_state
+    from shardwise.engine.iteration.state import model_state
 
     torch.manual_seed(0)
     model = sw.shard(torch.nn.Linear(4, 6))

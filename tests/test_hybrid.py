@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardwise as sw
-from shardwise.engine.state import model_state
+from shardwise.engine.iteration.state import model_state
 from shardwise.models import GPT
 
 LOSS_BOUND = 1e-6        # measured at most 1.2e-7 (hybrid and FSDP2's HSDP)

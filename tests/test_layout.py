@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from shardwise.engine.copies import copy_out, padding_gaps, rank_major, write_rank_major
-from shardwise.engine.layout import ALIGN, build_layout
+from shardwise.engine.groups.copies import copy_out, padding_gaps, rank_major, write_rank_major
+from shardwise.engine.groups.layout import ALIGN, build_layout
 
 SHAPES = [(10, 4), (1,), (3, 2, 5), (0, 7), (130,), (2, 3)]
 

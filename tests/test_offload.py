@@ -1,4 +1,4 @@
-"""Offload (``sw.Offload``, engine/offload/): every placement trains to the same bits as
+"""Offload (``sw.Offload``, engine/groups/offload/): every placement trains to the same bits as
 no offload, at 2 and 3 ranks and on a hybrid mesh, and what cannot work is refused.
 
 Exactness is bit for bit, not within a tolerance: an offloaded state holds the same values
@@ -284,7 +284,7 @@ def test_what_cannot_step_disk_offloaded_state_is_refused(folder):
 
 
 def test_disk_folder_is_owned_and_leftovers_are_never_read(folder):
-    from shardwise.engine.offload.disk import DiskFolder
+    from shardwise.engine.groups.offload.disk import DiskFolder
 
     path = os.path.join(folder, "rank0")
     with forking():  # Note [forking from pytest's process] in tests/harness.py
@@ -400,7 +400,7 @@ def test_a_full_offload_folder_says_the_real_sizes_and_cause(folder, monkeypatch
     import errno
     from types import SimpleNamespace
 
-    from shardwise.engine.offload.disk import DiskFolder
+    from shardwise.engine.groups.offload.disk import DiskFolder
 
     held = DiskFolder(os.path.join(folder, "rank0"))
     held.buffer(1000, torch.float32, "master")  # 4000 bytes, before the disk filled up

@@ -1,6 +1,7 @@
-"""The optimizer step over plain local tensors (Note [plain step] in engine/plain_step.py):
-no DTensor dispatch in the step of an elementwise torch optimizer, the same bits as the
-DTensor path, and everything that reads the optimizer sees what it saw before."""
+"""The optimizer step over plain local tensors (Note [plain step] in
+engine/entry_points/plain_step.py): no DTensor dispatch in the step of an elementwise torch
+optimizer, the same bits as the DTensor path, and everything that reads the optimizer sees what it
+saw before."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ tokenizer. Nothing is downloaded.
 DPO with LoRA and no reference model computes the reference log-probabilities from the
 policy itself, inside PEFT's ``disable_adapter()`` under ``no_grad``, between the
 policy's forward and its backward: a forward under ``no_grad`` takes up no
-``requires_grad`` change (Note [flags of a forward without gradients] in engine/unit.py;
+``requires_grad`` change (Note [flags of a forward without gradients] in engine/iteration/unit.py;
 before, every LoRA gradient was lost, issue 50 item 1).
 """
 

@@ -789,7 +789,7 @@ def _table_across_threads(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from shardwise.engine import mixed
+    from shardwise.engine.iteration import mixed
 
     a = DTensor.from_local(torch.ones(4), init_device_mesh("cpu", (world,)), [Shard(0)])
     table = dict(DTensor._op_dispatcher._custom_op_handlers)
@@ -830,7 +830,7 @@ def _table_across_threads(rank, world):
 
 
 def test_the_dtensor_table_is_safe_across_threads():
-    # Before (Note [one table for every thread] in engine/mixed.py): KeyError on
+    # Before (Note [one table for every thread] in engine/iteration/mixed.py): KeyError on
     # aten.add.Tensor in threads falling through at once, and our handler left in
     # DTensor's table after every forward had ended.
     for errors, restored in run_ranks(_table_across_threads, 2, timeout=120):

@@ -128,8 +128,8 @@ def test_cast_after_shard_is_applied_and_a_replaced_shard_raises():
 
 
 def _reduction_states(rank, world):
-    from shardwise.engine.reduce import Reduction
-    from shardwise.engine.state import model_state
+    from shardwise.engine.groups.reduce import Reduction
+    from shardwise.engine.iteration.state import model_state
 
     model = sw.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     reduction = model_state(model).units[1].groups[0].reduction
@@ -150,6 +150,6 @@ def _reduction_states(rank, world):
 
 
 def test_gradient_reduction_moves_only_along_its_states():
-    """GradReduction's states (shardwise.engine.reduce.Reduction) and their checked moves, in a
-    world of one (this tests the module itself, so it reaches into it)."""
+    """GradReduction's states (shardwise.engine.groups.reduce.Reduction) and their checked moves,
+    in a world of one (this tests the module itself, so it reaches into it)."""
     run_ranks(_reduction_states, 1)

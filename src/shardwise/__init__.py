@@ -78,9 +78,9 @@ from .checkpoint import Resumable, load_checkpoint, load_pretrained, save_checkp
 from .checkpoint.state_dict import full_optimizer_state_dict, full_state_dict
 from .comm.process_group import init_distributed
 from .consistency import check_consistency
-from .engine.buffers import BufferPolicy, sync_buffers
-from .engine.guards import per_rank
-from .engine.offload import Offload
+from .engine.entry_points.step import per_rank
+from .engine.groups.offload import Offload
+from .engine.iteration.buffers import BufferPolicy, sync_buffers
 from .engine.sharded_init import sharded_init
 from .errors import CollectiveError, DivergenceError, ReadOnlyGatherError, ShardwiseError
 from .exact.micro_batches import global_mean, micro_batches

@@ -60,3 +60,8 @@ def shown(value: Any) -> str:
     """``value`` for a message: its type and a short repr."""
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def some_names(names: list[Any]) -> str:
+    """The first three of ``names`` for an error message, with ``...`` if there are more."""
+    return ", ".join(map(str, names[:3])) + (", ..." if len(names) > 3 else "")

@@ -3,38 +3,38 @@
 No other module reads or writes ``__dict__``: the keys below are the whole list of what
 shardwise leaves on user objects, so a reader can see at once what a sharded model carries.
 This module is the bottom of the stack and knows none of shardwise's types: the typed
-accessors of its own objects (``engine.state.model_state``, ``engine.unit.unit_of`` and
-``sharded_param``, ``engine.sharded_init.init_piece``) live with those types and go through
-:func:`attached` and :func:`attach_to`.
+accessors of its own objects (``engine.iteration.state.model_state``,
+``engine.iteration.unit.unit_of`` and ``sharded_param``, ``engine.sharded_init.init_piece``)
+live with those types and go through :func:`attached` and :func:`attach_to`.
 
 On modules:
-- ``_shardwise``: the root's :class:`~shardwise.engine.state.ModelState`;
-- ``_shardwise_unit``: the :class:`~shardwise.engine.unit.Unit` a module is the root of;
+- ``_shardwise``: the root's :class:`~shardwise.engine.iteration.state.ModelState`;
+- ``_shardwise_unit``: the :class:`~shardwise.engine.iteration.unit.Unit` a module is the root of;
 - ``save_pretrained`` and ``resize_token_embeddings``: the guards that replace a Hugging
-  Face model's methods on the instance (``engine/guards.py``);
+  Face model's methods on the instance (``engine/entry_points/guards.py``);
 - ``_ddp_params_and_buffers_to_ignore``: the guard DDP's constructor trips on;
 - ``_is_fsdp_managed_module``: the marker by which Hugging Face transformers knows that
   every rank must run every forward (``generate`` turns on ``synced_gpus``, LayerDrop
   stops skipping layers), on every module of a sharded model, with
   ``_fsdp_use_orig_params``, by which dynamo compiles such modules with their parameters
-  as inputs (Note [compile] in ``engine/hooks.py``);
+  as inputs (Note [compile] in ``engine/iteration/hooks.py``);
 - ``_apply``: on every module of a sharded model, the guard that makes moves and casts
-  no-ops or refuses them (``engine/guards.py``);
+  no-ops or refuses them (``engine/entry_points/casts.py``);
 - ``__deepcopy__`` and ``__reduce_ex__``: on every module of a sharded model, the deep
   copy of the whole model and the refusal to pickle (``engine/clone.py``).
 
 Read, never written: ``require_backward_grad_sync`` set on a sharded root by the user
 (DDP's attribute for gradient accumulation; Note [DDP's sync attribute] in
-``engine/state.py``).
+``engine/iteration/state.py``).
 
-Besides these keys, shardwise registers forward hooks on unit modules (``engine/hooks.py``) and
-``state_dict`` / ``load_state_dict`` hooks on the modules holding shards
-(``engine/state_dict_hooks.py``).
+Besides these keys, shardwise registers forward hooks on unit modules
+(``engine/iteration/hooks.py``) and ``state_dict`` / ``load_state_dict`` hooks on the modules
+holding shards (``engine/entry_points/state_dict.py``).
 
 On tensors:
-- ``_shardwise_param``: the :class:`~shardwise.engine.unit.ShardedParam` behind a shard or a
-  full parameter;
-- ``_shardwise_packed``: the :class:`~shardwise.engine.packed.PackedParam` behind a shard
+- ``_shardwise_param``: the :class:`~shardwise.engine.iteration.unit.ShardedParam` behind a
+  shard or a full parameter;
+- ``_shardwise_packed``: the :class:`~shardwise.engine.groups.packed.PackedParam` behind a shard
   or full tensor of a quantized (tensor subclass) parameter;
 - ``_shardwise_init``: the :class:`~shardwise.engine.sharded_init.InitPiece` of a parameter
   partitioned by ``sharded_init``;
@@ -43,7 +43,7 @@ On tensors:
 - ``_shardwise_retired``: the name of an original parameter ``shard`` replaced;
 - ``_shardwise_synchronised``: what keeps a plain parameter identical across ranks
   (``"DistributedDataParallel"``, ``"sw.per_rank"``: Note [parameters nothing
-  synchronises] in ``engine/guards.py``).
+  synchronises] in ``engine/entry_points/guards.py``).
 
 On optimizers:
 - ``_shardwise_loose``: the plain trainable parameters beside shards that nothing
@@ -67,9 +67,10 @@ import torch
 import torch.nn as nn
 
 # The keys whose values are shardwise's own objects. Their typed accessors live with the
-# types (``engine.state.model_state``, ``engine.unit.unit_of`` and ``sharded_param``,
-# ``engine.sharded_init.init_piece``), so that this module, at the bottom of the stack, knows
-# none of them; they read and write through :func:`attached` and :func:`attach_to`.
+# types (``engine.iteration.state.model_state``, ``engine.iteration.unit.unit_of`` and
+# ``sharded_param``, ``engine.sharded_init.init_piece``), so that this module, at the bottom
+# of the stack, knows none of them; they read and write through :func:`attached` and
+# :func:`attach_to`.
 STATE = "_shardwise"
 UNIT = "_shardwise_unit"
 PARAM = "_shardwise_param"
@@ -138,7 +139,7 @@ def mark_collective_forward(module: nn.Module) -> None:
     - dynamo (``torch.compile``) then treats it as FSDP with original parameters: its
       parameters are read when a compiled graph runs, not baked in or guarded on, since
       they are swapped between shards and full parameters (Note [compile] in
-      engine/hooks.py)."""
+      engine/iteration/hooks.py)."""
     module.__dict__["_is_fsdp_managed_module"] = True
     module.__dict__["_fsdp_use_orig_params"] = True
 

@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
 from .comm.order_check import operation
-from .engine.buffers import comm_for, named_buffers
-from .engine.packed import packed_param
-from .engine.state import model_state
-from .engine.unit import sharded_param
+from .engine.groups.packed import packed_param
+from .engine.iteration.buffers import comm_for, named_buffers
+from .engine.iteration.state import model_state
+from .engine.iteration.unit import sharded_param
 from .errors import DivergenceError
 
 

@@ -29,10 +29,10 @@ from .comm.collectives import Comm
 from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
-from .engine.buffers import named_buffers
-from .engine.group import BufferGroup
-from .engine.packed import PackedParam, packed_param
-from .engine.unit import ShardedParam, Unit, sharded_param
+from .engine.groups.interface import BufferGroup
+from .engine.groups.packed import PackedParam, packed_param
+from .engine.iteration.buffers import named_buffers
+from .engine.iteration.unit import ShardedParam, Unit, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
 
@@ -96,8 +96,8 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # Code inside a block may keep a full parameter, or a view of one, past its end:
 # ``w = model.head.weight``, ``p.detach()`` (``.cpu()`` of a CPU tensor is the tensor
 # itself), a unit's forward returning ``self.bias`` (Note [returned parameters] in
-# engine/lent.py). The unit's resharding resized their storage to zero (Note [freeing
-# full parameters] in engine/unit.py) and the next read was a segmentation fault. So at
+# engine/iteration/lent.py). The unit's resharding resized their storage to zero (Note [freeing
+# full parameters] in engine/iteration/unit.py) and the next read was a segmentation fault. So at
 # the end of the block each unit it gathered leaves its full buffer, values and all,
 # to whatever still references it, and takes a new, empty one with new full parameter
 # objects (``FlatGroup.leave_full``): what was kept reads the values it had in the block
@@ -114,7 +114,7 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # there, and the object's end-of-backward trigger is removed, so that a user's own
 # backward through it starts nothing of the model's. The old objects keep their record
 # (``sharded_param``), so an optimizer holding them is still refused (``_refuse_full``
-# in engine/guards.py). The cost, on this path only: per group, a new empty buffer (its
+# in engine/entry_points/guards.py). The cost, on this path only: per group, a new empty buffer (its
 # allocation momentarily adds one group's full size) and new parameter objects.
 _LEFT_AT: weakref.WeakKeyDictionary[Unit, int] = weakref.WeakKeyDictionary()
 
@@ -272,7 +272,7 @@ class _GatherSession:
                                      "backward; use it outside training steps")
             # A unit held across no_sync micro-batches may hold values older than its
             # shard (an optimizer step since): every rank lets it go here, alike (Note
-            # [gathered across micro-batches] in engine/state.py).
+            # [gathered across micro-batches] in engine/iteration/state.py).
             u.model.release_held()
             if r is not None and any(g.compute_dtype != g.dtype for g in u.groups):
                 raise ShardwiseError("gathered(..., modifier_rank=...) is not supported "
@@ -466,7 +466,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 
 # Note [quantized parameters in gathered()]
 # A quantized (tensor subclass) parameter is gathered with its unit, through the extension
-# protocol (Note [packed parameters] in engine/packed.py): inside the block the module
+# protocol (Note [packed parameters] in engine/groups/packed.py): inside the block the module
 # holds the full subclass tensor (an NF4Tensor: ``w.get_original_weight()`` dequantizes
 # it, for inference or to merge an adapter). Writes are detected by the full tensor's
 # version counter, which an in-place operation on the subclass bumps (its inner tensors'
@@ -481,7 +481,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
 # rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
 # a write of theirs to a weight rank r left alone does not stay in their shard. A weight
-# divided by bytes (Note [uneven packed parameters] in engine/packed.py) is the same full
+# divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the same full
 # subclass tensor, rebuilt around the gathered bytes: none of its inner tensors is the
 # shard's, so a read-only block's regather alone restores it, and ``take_full`` keeps
 # each rank's element ranges.

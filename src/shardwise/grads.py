@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
-from .engine.reduce import GradReduction
-from .engine.state import model_state
+from .engine.groups.reduce import GradReduction
+from .engine.iteration.state import model_state
 from .errors import ShardwiseError
 
 
@@ -136,7 +136,7 @@ def no_sync(module: nn.Module, *, keep_gathered: bool = True) -> Iterator[None]:
     model's gradients until the next synchronised backward); the first backward outside
     the block adds its gradients and reduce-scatters the sum. Each trainable unit also
     stays gathered from one micro-batch to the next and through the synced one, whose
-    backward reshards it (Note [gathered across micro-batches] in engine/state.py): no
+    backward reshards it (Note [gathered across micro-batches] in engine/iteration/state.py): no
     gather per micro-batch, as DDP has none, at the cost of holding the full parameters
     beside the full gradients (docs/performance.md). DDP's attribute form works the same
     way: while ``model.require_backward_grad_sync`` is False (nanoGPT sets it per

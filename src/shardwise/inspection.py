@@ -23,15 +23,15 @@ import torch.nn as nn
 
 from ._args import require_module
 from .comm.collectives import CommStats
-from .engine.group import ParamGroup, tier_totals
-from .engine.layout import ALIGN
-from .engine.state import model_state
-from .engine.unit import sharded_param, unit_of
+from .engine.groups.interface import ParamGroup, tier_totals
+from .engine.groups.layout import ALIGN
+from .engine.iteration.state import model_state
+from .engine.iteration.unit import sharded_param, unit_of
 from .errors import ShardwiseError
 from .planning.memory import unique_bytes
 
 if TYPE_CHECKING:
-    from .engine.unit import ShardedParam, Unit
+    from .engine.iteration.unit import ShardedParam, Unit
 
 # The kinds of collective shardwise counts: each appears in every snapshot, 0 if unused,
 # so that a count can be read before the first collective of its kind.
@@ -103,7 +103,7 @@ class GroupView:
 class PackedView:
     """A unit's frozen tensor-subclass parameters (quantized weights such as torchao's
     ``NF4Tensor``), gathered through FSDP2's extension protocol in one all-gather of bytes
-    (Note [packed parameters] in engine/packed.py)."""
+    (Note [packed parameters] in engine/groups/packed.py)."""
 
     names: tuple[str, ...]       # the first qualified name of each parameter
     types: tuple[str, ...]       # each one's class name

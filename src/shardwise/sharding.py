@@ -32,14 +32,14 @@ from .comm.collectives import Comm
 from .comm.mesh import Topology, check_secondary, topology
 from .comm.order_check import order_checks_enabled
 from .consistency import maybe_check
-from .engine.buffers import BufferPolicy, buffer_policy
 from .engine.build import build
-from .engine.offload import Offload
-from .engine.packed import cut, refusal, shard_mesh, uses_protocol
+from .engine.groups.offload import Offload
+from .engine.groups.packed import cut, refusal, shard_mesh, uses_protocol
+from .engine.iteration.buffers import BufferPolicy, buffer_policy
+from .engine.iteration.state import Settings, model_state
+from .engine.iteration.unit import sharded_param, unit_of
 from .engine.plan import Plan
 from .engine.sharded_init import init_piece
-from .engine.state import Settings, model_state
-from .engine.unit import sharded_param, unit_of
 from .errors import ShardwiseError
 from .planning.memory import AUTO_BUDGET_FRACTION, free_memory
 from .planning.units import (
@@ -172,7 +172,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             it exceeds the budget.
         mixed_precision: a :class:`MixedPrecision`, or ``None`` for full precision.
         buffers: a :class:`~shardwise.BufferPolicy` or its name, ``"broadcast"``,
-            ``"average"`` or ``"local"``; see :mod:`shardwise.engine.buffers`.
+            ``"average"`` or ``"local"``; see :mod:`shardwise.engine.iteration.buffers`.
         src_rank: rank (in ``group``) whose initial state everyone takes.
         reshard_after_forward: free non-root units after forward (``True``, ZeRO-3),
             keep them until their backward (``False``: less communication, more
@@ -498,11 +498,11 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     packed = [r for r in records if uses_protocol(r.param)]
     for r in packed:
         # Refuses what cannot be divided among the ranks, before any change (Note
-        # [uneven packed parameters] in engine/packed.py).
+        # [uneven packed parameters] in engine/groups/packed.py).
         cut(r.fqns[0], r.param, shards, compute_dtype)
     if packed and offload is not None and offload.param_tier != "device" \
             and device.type != "cpu":
-        # Note [packed bytes offloaded] in engine/packed.py: optimizer tiers take only
+        # Note [packed bytes offloaded] in engine/groups/packed.py: optimizer tiers take only
         # the trainable groups (adapters), which are flat; the packed bytes are frozen
         # and have no optimizer state.
         raise ShardwiseError(f"Offload(params={offload.params!r}) does not take quantized "

@@ -48,12 +48,12 @@ from ._args import require_bool, require_module
 from .comm.collectives import Comm
 from .comm.order_check import announce
 from .comm.peers import ACTIVITY
-from .engine.copies import copy_out
-from .engine.flat import FlatGroup, ShardedParam
-from .engine.layout import build_layout
-from .engine.packed import PackedParam, packed_param
-from .engine.state import ModelState, Phase, owning_state
-from .engine.unit import Unit, sharded_param
+from .engine.groups.copies import copy_out
+from .engine.groups.flat import FlatGroup, ShardedParam
+from .engine.groups.layout import build_layout
+from .engine.groups.packed import PackedParam, packed_param
+from .engine.iteration.state import ModelState, Phase, owning_state
+from .engine.iteration.unit import Unit, sharded_param
 from .errors import ShardwiseError
 
 _NAME = "full_parameters"

@@ -288,7 +288,7 @@ class Reader:
     the process's resident memory for as long as it stays mapped, so a load of a disk
     tier's state, or of a model weight by weight, would hold everything it read that way
     (Note [streamed load] in load.py, Note [quantize while loading] in
-    engine/quantize.py). ``read_flat``, with which ``load_pretrained`` reads a rank's rows
+    engine/groups/quantize.py). ``read_flat``, with which ``load_pretrained`` reads a rank's rows
     of a weight, goes through safetensors' slices, which map the file.
 
     Raises:

@@ -8,7 +8,7 @@ Each rank's data file holds, under these keys (docs/checkpoints.md):
 - ``optim/<name>/<state>``: its piece of an optimizer-state tensor shaped like the
   parameter, flat; or, in rank 0's file, a state tensor of another shape, whole;
 - ``packed/<name>/<inner>``: its piece of a quantized parameter's inner tensor (Note
-  [packed checkpoints] in engine/packed.py);
+  [packed checkpoints] in engine/groups/packed.py);
 - ``rng/torch`` and ``rng/cuda``: its RNG states (checkpoint/_rng.py).
 
 These names are independent of how the files encode tensors (checkpoint/_format.py): a

@@ -169,7 +169,7 @@ def _params(c: _Checker, meta: dict, world: int,
 
 
 def _packed(c: _Checker, meta: dict, world: int, seen: set[str]) -> None:
-    """Quantized parameters (Note [packed checkpoints] in engine/packed.py): each inner
+    """Quantized parameters (Note [packed checkpoints] in engine/groups/packed.py): each inner
     tensor's pieces tile its full shape, as a parameter's do."""
     for main, e in c.dict_(meta.get("packed"), "packed").items():
         f = f"packed.{main}"

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm.collectives import Comm
-from ..engine.alloc import freed
-from ..engine.packed import PackedParam, packed_param
+from ..engine.groups.alloc import freed
+from ..engine.groups.packed import PackedParam, packed_param
+from ..engine.iteration.state import owning_state
+from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..engine.sharded_init import init_piece
-from ..engine.state import owning_state
-from ..engine.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._names import dtype_name
@@ -69,7 +69,7 @@ class ParamTarget:
                 self.plain.copy_(values.reshape(self.shape))
 
     # What a checkpoint asks of the parameter's group (Note [one interface for a group]
-    # in engine/group.py): never which tier it is on.
+    # in engine/groups/interface.py): never which tier it is on.
     def page_release(self) -> Callable[[], None] | None:
         """What drops the pages of this parameter's group once a checkpoint has read or
         written its rows (Note [the disk tier]); ``None`` when there are none."""
@@ -97,7 +97,7 @@ class ParamTarget:
 @dataclass
 class PackedTarget:
     """One quantized (tensor subclass) parameter, under every name it has; a checkpoint
-    holds its inner tensors' values (Note [packed checkpoints] in engine/packed.py)."""
+    holds its inner tensors' values (Note [packed checkpoints] in engine/groups/packed.py)."""
 
     names: list[str]
     packed: PackedParam
@@ -154,7 +154,7 @@ def abandon_unfinished(module: nn.Module) -> None:
     state = owning_state(module)
     if state is not None:
         state.recover()
-        state.release_held()  # Note [gathered across micro-batches] in engine/state.py
+        state.release_held()  # Note [gathered across micro-batches] in engine/iteration/state.py
 
 
 def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:

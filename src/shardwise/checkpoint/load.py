@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..comm.agree import agreed
 from ..comm.order_check import operation
-from ..engine.alloc import freed
+from ..engine.groups.alloc import freed
 from ..errors import ShardwiseError
 from ._messages import by_rank, summary
 from ._names import dtype_from_name, dtype_name, optim_key, packed_key, param_key

@@ -13,9 +13,9 @@ from .._args import require_bool
 from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
-from ..engine.alloc import freed
-from ..engine.packed import packed_param, uses_protocol
-from ..engine.quantize import (
+from ..engine.groups.alloc import freed
+from ..engine.groups.packed import packed_param, uses_protocol
+from ..engine.groups.quantize import (
     NF4,
     awaiting,
     guard_forward,
@@ -23,7 +23,7 @@ from ..engine.quantize import (
     mark_loaded,
     nf4_module,
 )
-from ..engine.state import owning_state
+from ..engine.iteration.state import owning_state
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
@@ -50,9 +50,9 @@ from .sources import Rename, Source, open_source, renamer
 # once): the refusal is the same on every rank, names the first tensors and counts
 # their values, and comes before anything changes. Quantized weights
 # are read whole, one a rank, in rounds after the full-precision ones are written (Note
-# [quantize while loading] in engine/quantize.py): one holding NaN or inf stops the load
+# [quantize while loading] in engine/groups/quantize.py): one holding NaN or inf stops the load
 # at its round, on every rank, and the quantized weights of that round and later ones,
-# awaiting load (Note [the base awaits loading] in engine/quantize.py), keep the model
+# awaiting load (Note [the base awaits loading] in engine/groups/quantize.py), keep the model
 # from running until a load gives them values. ``allow_nonfinite=True`` skips the checks.
 #: (place in the load's order, source key, first element read, elements read, how many
 #: are NaN or inf, elements in all)
@@ -121,7 +121,7 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     params, buffers = module_targets(module)
     packed = packed_targets(module)
     # Quantized weights match as the full weights they stand for, and are loaded last,
-    # one at a time (Note [quantize while loading] in engine/quantize.py).
+    # one at a time (Note [quantize while loading] in engine/groups/quantize.py).
     stand_ins = [ParamTarget(t.names, tuple(t.packed.shape), t.packed.dtype, None, None)
                  for t in packed]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
@@ -176,7 +176,7 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
                 casts: Counter[tuple[torch.dtype, torch.dtype]],
                 allow_nonfinite: bool) -> list[torch.Tensor]:
     """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
-    ``sw.shard`` divides it (Note [uneven packed parameters] in engine/packed.py): what
+    ``sw.shard`` divides it (Note [uneven packed parameters] in engine/groups/packed.py): what
     each rank stores, as one byte row each, its slots one after another.
 
     Raises:
@@ -196,7 +196,7 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     q = rule.quantize(full)
     released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
     del full
-    freed(released)  # Note [freed memory] in engine/alloc.py
+    freed(released)  # Note [freed memory] in engine/groups/alloc.py
     sizes = pp.cut.slot_bytes()
     out = []
     for parts in pp.cut.shares(t.names[0], q):
@@ -214,10 +214,10 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
                     allow_nonfinite: bool) -> None:
     """Each quantized weight read, quantized and shared out, in rounds of N weights: in
     a round rank r quantizes the r-th and scatters each rank its share (Note [quantize
-    while loading] in engine/quantize.py). A rank holds one weight in full precision at
+    while loading] in engine/groups/quantize.py). A rank holds one weight in full precision at
     a time. Each weight awaits loading until its round is written, so a load that stops
     part-way leaves a model that refuses to run, naming the weights it did not load
-    (Note [the base awaits loading] in engine/quantize.py)."""
+    (Note [the base awaits loading] in engine/groups/quantize.py)."""
     if not items:
         return
     group = items[0][0].packed.group
@@ -308,7 +308,7 @@ def _nothing_matched(description: str, key_of: dict[str, str], names: list[str],
 def _check_base_filled(module: nn.Module, loaded: set[str], unexpected: list[str],
                        description: str) -> None:
     """Refuse a load that would leave a parameter of a quantized base unloaded, even under
-    ``strict=False`` (Note [the base awaits loading] in engine/quantize.py): it would
+    ``strict=False`` (Note [the base awaits loading] in engine/groups/quantize.py): it would
     keep its random init (or zeros) and train silently."""
     left = [n for n in awaiting(module) if n not in loaded]
     if not left:
@@ -399,7 +399,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
             but LoRA adapters) must come from the source, since it would otherwise keep
             a random init or zeros; what was added after the block (the adapters of
             ``get_peft_model``) may be missing (Note [the base awaits loading] in
-            engine/quantize.py).
+            engine/groups/quantize.py).
         rename: how source keys map to module keys, never guessed: a prefix mapping such
             as ``{"model.": ""}`` (strip) or ``{"": "model."}`` (add), or a callable.
         allow_nonfinite: load parameters holding NaN or inf, and buffers holding NaN,
@@ -415,7 +415,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
             [one source] in sources.py), or when a parameter holds NaN or inf or a
             buffer NaN (the first ones named, with their counts; unless
             ``allow_nonfinite``). Quantized weights
-            (Note [quantize while loading] in engine/quantize.py) are read and
+            (Note [quantize while loading] in engine/groups/quantize.py) are read and
             quantized after the plain ones are written: a file that fails to read
             then, on some rank, raises on every rank with the plain weights loaded and
             the quantized ones partly, as does a quantized weight holding NaN or inf;

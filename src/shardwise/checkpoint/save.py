@@ -31,8 +31,8 @@ from .._fs import open_dir, remove_own_files
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
-from ..engine.buffers import BufferPolicy
-from ..engine.state import model_state
+from ..engine.iteration.buffers import BufferPolicy
+from ..engine.iteration.state import model_state
 from ..errors import ShardwiseError
 from ._format import (
     BUFFERS_FILE,

@@ -107,7 +107,7 @@ class SafetensorsSource(Source):
         """The whole tensor, read with plain file reads, not through a memory map: a
         mapped file's pages count in the reading process's RSS for as long as the file
         stays open, so reading a model weight by weight through one would grow a rank's
-        RSS by everything it read (Note [quantize while loading] in engine/quantize.py)."""
+        RSS by everything it read (Note [quantize while loading] in engine/groups/quantize.py)."""
         return self._file_of[key].read(key)
 
     def dtype(self, key: str) -> torch.dtype:

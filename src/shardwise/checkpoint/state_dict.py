@@ -14,9 +14,9 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
-from ..engine.packed import PackedParam, packed_param
-from ..engine.state import owning_state
-from ..engine.unit import ShardedParam, sharded_param
+from ..engine.groups.packed import PackedParam, packed_param
+from ..engine.iteration.state import owning_state
+from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
 
 

@@ -1,8 +1,8 @@
 """Check messages: ranks learn that they do the same thing without waiting for each other.
 
 Note [checks ride the exchanges]
-Under gloo, the collective-order check (Note [collective order] in engine/state.py) is a stream
-of small fixed-size messages, *headers*, each rank sending one to every peer of the
+Under gloo, the collective-order check (Note [collective order] in engine/iteration/state.py) is a
+stream of small fixed-size messages, *headers*, each rank sending one to every peer of the
 model's group at each point it checks. Every exchange of the forward (Note [gloo
 exchanges] in comm/collectives.py) sends a header just before its data, saying what it is (its
 collective, unit and message size) and what the rank is doing ("unit blocks.3"); the
@@ -356,7 +356,7 @@ def diverged(names: list[str]) -> ShardwiseError:
     advice = ("Every rank must call shardwise's collective operations (full_state_dict, "
               "gathered, save_checkpoint, ...) in the same order")
     if any("(gathered again: " in h for h in heads):
-        # Note [held units on one rank] in engine/state.py
+        # Note [held units on one rank] in engine/iteration/state.py
         advice = ("A unit kept gathered across sw.no_sync micro-batches was gathered again "
                   "on some ranks only, because its shard changed there (an edit of the "
                   "shards, or an optimizer step, on one rank inside sw.no_sync): make the "

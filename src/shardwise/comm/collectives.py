@@ -5,7 +5,7 @@ torch 2.13 deprecates ``all_gather_into_tensor``/``reduce_scatter_tensor`` in fa
 is used where it exists, so no deprecation warning is raised on any release.
 
 Collectives write only into buffers of their own (the all-gather output is a temporary
-that is copied out, Note [freeing full parameters] in engine/unit.py), never into tensors
+that is copied out, Note [freeing full parameters] in engine/iteration/unit.py), never into tensors
 autograd has saved: gloo bumps an output's version counter on its worker thread, at a
 moment nobody can wait for.
 

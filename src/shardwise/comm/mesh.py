@@ -10,7 +10,7 @@ replicated over the R rows. Three groups then do three jobs (:class:`Topology`):
   they stay on a node's fast links; the layout, a rank's rows and its file pieces follow
   the rank's place in this group;
 - ``replicate``: after a unit's reduce-scatter, its gradient shard is summed across the
-  R replicas holding the same rows (``engine/reduce.py``): the only bulk traffic between
+  R replicas holding the same rows (``engine/groups/reduce.py``): the only bulk traffic between
   nodes, P/S elements per step, and none inside ``no_sync``, which defers both;
 - ``world``: every rank of the mesh, for what must hold everywhere: buffers (broadcast
   from ``src_rank``), the collective-order check, agreement on errors, ``gathered()``'s

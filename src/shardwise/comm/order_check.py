@@ -1,7 +1,7 @@
 """The collective-order check: ranks agree on what they are about to do, or all raise.
 
-Note [collective order] in engine/state.py says why every rank must issue the same collectives
-in the same order. When ranks diverge anyway (a rank that caught an exception and went
+Note [collective order] in engine/iteration/state.py says why every rank must issue the same
+collectives in the same order. When ranks diverge anyway (a rank that caught an exception and went
 on, skipped a unit, or alone called ``full_state_dict``), their next collectives pair up
 wrongly; under gloo, two messages of different sizes abort the process (SIGABRT inside
 gloo) instead of raising. So ranks say what they do at each unit's forward, at the end of
@@ -103,7 +103,7 @@ class OrderCheck:
 
 class ModelChecks:
     """One sharded model's order checks, forward after forward (Note [collective order]
-    in engine/state.py): an :class:`OrderCheck` for each forward that communicates, none
+    in engine/iteration/state.py): an :class:`OrderCheck` for each forward that communicates, none
     for one inside ``gathered()`` (Note [a forward inside gathered]), which keeps the
     check of an awaited backward's forward when it joins one.
 

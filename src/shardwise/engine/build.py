@@ -9,17 +9,18 @@ once:
 1. the groups (:func:`build`, ``shard`` only): one unit at a time, each flat group laid
    out, given ``src_rank``'s values and registered in place of the original parameters,
    which are released before the next group is built (Note [freed memory] in
-   engine/alloc.py); a unit's frozen tensor subclasses become its packed group;
+   engine/groups/alloc.py); a unit's frozen tensor subclasses become its packed group;
 2. the buffers, on the device and ``src_rank``'s on every rank (``shard`` only);
 3. the units and the model state (:func:`_assemble`), every setting to a constructor;
 4. the hooks:
-   - module hooks on each unit and on a wrapper root's entries (engine/hooks.py) and
-     state-dict hooks (engine/state_dict_hooks.py), by :func:`build` only: a deep copy's
+   - module hooks on each unit and on a wrapper root's entries (engine/iteration/hooks.py) and
+     state-dict hooks (engine/entry_points/state_dict.py), by :func:`build` only: a deep copy's
      modules carry copies of them, which find their unit through the module they run on;
-   - the process-wide step hooks (engine/step.py), once per process;
+   - the process-wide step hooks (engine/entry_points/step.py), once per process;
    - each trainable full parameter's end-of-backward trigger
      (``ShardedParam.hook_end_of_backward``, also what a parameter unfrozen later gets);
-5. the registry entries and the guards (engine/guards.py, engine/zero_grad.py), and
+5. the registry entries and the guards (engine/entry_points/guards.py,
+   engine/entry_points/casts.py, engine/entry_points/zero_grad.py), and
    the copy guard (engine/clone.py), handed :func:`build_copy` to build copies with.
 """
 
@@ -35,21 +36,22 @@ from .._registry import mark_collective_forward, remove_instance_method
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology, secondary_groups
 from ..errors import ShardwiseError
-from . import hooks
-from .alloc import freed, trim
-from .buffers import BufferSync
 from .clone import BuiltUnit, guard_model_copies
-from .flat import flat_group
-from .guards import guard_apply, guard_ddp, guard_resize, guard_save_pretrained, retire
-from .offload.placement import Placement
-from .packed import PackedGroup
+from .entry_points.casts import guard_apply
+from .entry_points.guards import guard_ddp, guard_resize, guard_save_pretrained, retire
+from .entry_points.state_dict import install_state_dict_hooks
+from .entry_points.step import install_step_hooks
+from .entry_points.zero_grad import guard_module_zero_grad
+from .groups.alloc import freed, trim
+from .groups.flat import flat_group
+from .groups.offload.placement import Placement
+from .groups.packed import PackedGroup
+from .iteration import hooks
+from .iteration.buffers import BufferSync
+from .iteration.state import ModelState, Settings, set_model_state
+from .iteration.unit import FlatGroup, Unit, set_unit
 from .plan import GroupSpec, ParamRecord, Plan, UnitPlan
 from .sharded_init import clear_init_piece, full_value
-from .state import ModelState, Settings, set_model_state
-from .state_dict_hooks import install_state_dict_hooks
-from .step import install_step_hooks
-from .unit import FlatGroup, Unit, set_unit
-from .zero_grad import guard_module_zero_grad
 
 
 def build(root: nn.Module, plan: Plan, topology: Topology, device: torch.device,
@@ -156,19 +158,19 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
         clear_init_piece(rec.param)
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
-    freed(released)  # Note [freed memory] in engine/alloc.py
+    freed(released)  # Note [freed memory] in engine/groups/alloc.py
     return g
 
 
 def _build_packed(records: list[ParamRecord], topology: Topology, device: torch.device,
                   src_rank: int, compute_dtype: torch.dtype | None,
                   placement: Placement | None) -> PackedGroup:
-    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/packed.py):
+    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/groups/packed.py):
     rows from ``src_rank``, registered in place of the originals, which are released."""
     g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
                     [r.param for r in records], topology, device, compute_dtype, src_rank)
     if placement is not None:
-        g.place(placement)  # Note [packed bytes offloaded] in engine/packed.py
+        g.place(placement)  # Note [packed bytes offloaded] in engine/groups/packed.py
     g.install()
     for rec in records:
         rec.param = None  # type: ignore[assignment]

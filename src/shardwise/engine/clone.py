@@ -21,7 +21,7 @@ in three steps:
    settings.
 
 Module and state-dict hooks are copied with their modules; they find their unit through
-the module they are called on (``engine/hooks.py``), so the copy's hooks drive the copy's
+the module they are called on (``engine/iteration/hooks.py``), so the copy's hooks drive the copy's
 units. Every module of a sharded model carries the two methods below in its
 ``__dict__``, bound (through ``functools.partial``, which a deep copy rebinds) to the
 module and the root. The builder installs them with :func:`guard_model_copies`, passing
@@ -42,10 +42,10 @@ import torch.nn as nn
 from .._registry import set_instance_method
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
-from .buffers import BufferSync
-from .flat import FlatGroup, Member
-from .packed import PackedGroup
-from .state import ModelState, Settings, model_state
+from .groups.flat import FlatGroup, Member
+from .groups.packed import PackedGroup
+from .iteration.buffers import BufferSync
+from .iteration.state import ModelState, Settings, model_state
 
 # One unit's groups, built and installed, before its Unit is made: (name, module, flat
 # groups, packed groups). What engine/build.py assembles, for ``shard`` and copies alike.

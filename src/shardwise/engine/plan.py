@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .buffers import BufferPolicy
-from .layout import ShardLayout
-from .offload.placement import Placement
+from .groups.layout import ShardLayout
+from .groups.offload.placement import Placement
+from .iteration.buffers import BufferPolicy
 
 
 @dataclass
@@ -43,7 +43,7 @@ class GroupSpec:
 @dataclass
 class UnitPlan:
     """One unit as planned: its flat groups, and the parameters gathered through FSDP2's
-    extension protocol instead (Note [packed parameters] in engine/packed.py)."""
+    extension protocol instead (Note [packed parameters] in engine/groups/packed.py)."""
 
     name: str
     module: nn.Module

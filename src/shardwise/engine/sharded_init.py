@@ -29,7 +29,7 @@ is never touched. Nested blocks: the innermost block wins (its group and ``src_r
 Leaving the block, normally or by an exception, removes the hooks and the mode.
 
 With ``quantize=``, linear weights are deferred rather than partitioned: Note [quantize
-while loading] in engine/quantize.py.
+while loading] in engine/groups/quantize.py.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ from .._registry import (
 )
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
-from .alloc import bound_heap, freed
-from .layout import ShardLayout, build_layout
-from .quantize import NF4, guard_forward, mark_awaiting, resolve
-from .quantize import is_adapter as is_adapter_path
-from .unit import sharded_param
+from .groups.alloc import bound_heap, freed
+from .groups.layout import ShardLayout, build_layout
+from .groups.quantize import NF4, guard_forward, mark_awaiting, resolve
+from .groups.quantize import is_adapter as is_adapter_path
+from .iteration.unit import sharded_param
 
 _METADATA = {"shape", "dtype", "ndim", "requires_grad", "is_leaf", "grad_fn",
              "size", "dim", "numel", "is_floating_point", "is_complex", "element_size",
@@ -170,7 +170,7 @@ class _ShardedInit:
         set_partitioned_as(p, meta)
         released = p.numel() * p.element_size() if p.device.type == "cpu" else 0
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        freed(released)  # Note [freed memory] in engine/alloc.py
+        freed(released)  # Note [freed memory] in engine/groups/alloc.py
         return meta
 
     def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module):
@@ -193,7 +193,7 @@ class _ShardedInit:
                 self.partitioned.append((mod, pname))
         return None
 
-    # -- quantize= (Note [quantize while loading] in engine/quantize.py) -----------------
+    # -- quantize= (Note [quantize while loading] in engine/groups/quantize.py) -----------------
     def path_of(self, mod: nn.Module) -> str:
         """``mod``'s path from the outermost module it is registered under so far."""
         parts = []
@@ -210,7 +210,7 @@ class _ShardedInit:
         self.deferred.append((mod, pname, meta, p.device))
         released = p.numel() * p.element_size() if p.device.type == "cpu" else 0
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        freed(released)  # Note [freed memory] in engine/alloc.py
+        freed(released)  # Note [freed memory] in engine/groups/alloc.py
         return meta
 
     def finish_quantize(self) -> None:
@@ -261,7 +261,7 @@ class _ShardedInit:
                 self.partitioned.append((mod, pname))
         # Every parameter of the base awaits loading, not only the deferred ones: the
         # embeddings, norms and head hold src_rank's random init, which would train
-        # silently (Note [the base awaits loading] in engine/quantize.py).
+        # silently (Note [the base awaits loading] in engine/groups/quantize.py).
         for root in roots.values():
             for name, mod in root.named_modules():
                 if is_adapter_path(name):
@@ -384,7 +384,7 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0,
     Every parameter built in the block but LoRA adapters must then come from the
     source, even under ``strict=False``, and the model refuses to run forward until
     loaded (Note [quantize while loading] and Note [the base awaits loading] in
-    engine/quantize.py).
+    engine/groups/quantize.py).
 
     Scope: only modules built by this thread inside the block are affected; nested blocks
     use the innermost block's group and ``src_rank``; torch's hook registries are left as
@@ -420,7 +420,7 @@ def sharded_init(group: dist.ProcessGroup | None = None, src_rank: int = 0,
     rule = resolve(quantize)
     if rule is not None:
         # A model loaded quantized promises a peak that does not grow with its depth, as
-        # an offloaded one does: Note [a fixed mmap threshold] in engine/alloc.py.
+        # an offloaded one does: Note [a fixed mmap threshold] in engine/groups/alloc.py.
         bound_heap()
     ctx = _ShardedInit(comm, src_rank, rule)
     handle = torch_module.register_module_module_registration_hook(ctx.on_module_registered)

@@ -60,7 +60,7 @@ def micro_batches(batch: Any, count: int, group: dist.ProcessGroup | None = None
     ``count`` micro-batches, with the same bits at any N dividing ``count``. Backpropagate
     each micro-batch's loss undivided: divided by ``len()`` of the result (``count/N``) it
     would depend on N, and a reproducible model that returns its loss raises at the
-    synced backward (Note [a divided loss] in engine/loss_seeds.py).
+    synced backward (Note [a divided loss] in engine/iteration/exact_checks.py).
 
     Args:
         batch: a tensor, or a tuple, list or dict of tensors (nested), of equal length

@@ -35,8 +35,8 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.sources import load_weights_only
 from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.order_check import watch_steps
-from ..engine.state import model_state, owning_state
-from ..engine.state_dict_hooks import install_optimizer_hooks
+from ..engine.entry_points.state_dict import install_optimizer_hooks
+from ..engine.iteration.state import model_state, owning_state
 from ..errors import ShardwiseError
 from ..grads import clip_grad_norm_, no_sync
 from ..sharding import is_sharded, shard

@@ -48,8 +48,8 @@ from .._registry import has_instance_attribute, remove_instance_method
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint._format import remove_checkpoint
 from ..comm.order_check import watch_steps
-from ..engine import hooks as engine_hooks
-from ..engine.state import model_state
+from ..engine.iteration import hooks as engine_hooks
+from ..engine.iteration.state import model_state
 from ..errors import ShardwiseError
 from ..grads import no_sync
 from ..sharding import MixedPrecision, is_sharded, shard

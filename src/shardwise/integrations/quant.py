@@ -2,14 +2,14 @@
 
 ``quantize_nf4(model)`` replaces the weights of a model's linear layers by frozen
 ``NF4Tensor`` s before ``sw.shard``; shardwise then shards, gathers and releases them as
-packed bytes (Note [packed parameters] in engine/packed.py). torchao is imported quietly:
+packed bytes (Note [packed parameters] in engine/groups/packed.py). torchao is imported quietly:
 on a machine without CUDA its CUDA-only extension libraries are not loaded at all
 (``TORCHAO_FORCE_SKIP_LOADING_SO_FILES``), so they print no "Failed to load" warnings,
 and nothing NF4 needs lives in them.
 
 To quantize while loading, with no rank ever holding the full-precision weights, build
 under ``sw.sharded_init(quantize="nf4")`` (or ``quantize=NF4(...)``), shard, then
-``sw.load_pretrained``: Note [quantize while loading] in engine/quantize.py.
+``sw.load_pretrained``: Note [quantize while loading] in engine/groups/quantize.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..engine.quantize import NF4, default_choice, nf4_module
+from ..engine.groups.quantize import NF4, default_choice, nf4_module
+from ..engine.iteration.unit import sharded_param
 from ..engine.sharded_init import init_piece
-from ..engine.unit import sharded_param
 from ..errors import ShardwiseError
 
 

@@ -38,8 +38,8 @@ from ..checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from ..checkpoint.sources import load_weights_only
 from ..checkpoint.state_dict import full_state_dict, share_tied
 from ..comm.process_group import init_distributed
+from ..engine.iteration.state import model_state
 from ..engine.sharded_init import sharded_init
-from ..engine.state import model_state
 from ..errors import ShardwiseError
 from ..sharding import is_sharded, shard
 from ._units import no_split_units

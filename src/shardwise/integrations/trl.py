@@ -38,7 +38,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..checkpoint.state_dict import full_state_dict
-from ..engine.state import owning_state
+from ..engine.iteration.state import owning_state
 
 # TRL's modules whose trainers hash their model (Note [TRL's model hash]).
 _HASHING = ("trl.trainer.dpo_trainer", "trl.trainer.kto_trainer")

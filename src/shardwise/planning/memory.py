@@ -52,7 +52,7 @@ def gathered_unit_bytes(module: nn.Module) -> dict[str, int]:
         >>> max(gathered_unit_bytes(model).values())   # the largest all-gather's output
         1051136
     """
-    from ..engine.state import model_state
+    from ..engine.iteration.state import model_state
 
     state = model_state(module)
     if state is None:

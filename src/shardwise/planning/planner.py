@@ -1,7 +1,7 @@
 """Memory per rank, planned before anything is built: ``shardwise plan`` and :func:`plan`.
 
 For a real model the plan uses the engine's own decisions (``planning/units.py``: units and
-groups; ``engine/layout.py``: padded shard sizes) on a copy built on the meta device, so its
+groups; ``engine/groups/layout.py``: padded shard sizes) on a copy built on the meta device, so its
 parameter, gradient and optimizer figures are the bytes the engine allocates, not an
 approximation. For a model given only as a parameter and layer count it assumes equal
 blocks. Activations depend on batch, sequence and the model's code, so they are a term
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from ..engine.layout import ShardLayout
-from ..engine.offload.placement import TIERS, Offload
+from ..engine.groups.layout import ShardLayout
+from ..engine.groups.offload.placement import TIERS, Offload
 from .units import (
     AUTO,
     UnitSpec,
@@ -47,7 +47,7 @@ class MemoryPlan:
     prefetched_unit: int    # the next unit, gathered while the largest computes
     activations: int
     units: int
-    # With an Offload (engine/offload): what the offloaded groups keep on each tier, as
+    # With an Offload (engine/groups/offload): what the offloaded groups keep on each tier, as
     # sw.inspect(model).tier_bytes counts it after a step, and the bytes shardwise moves
     # to and from the offload tiers per step (Note [bytes moved]) against the minimum,
     # every state read and written once.
@@ -58,7 +58,7 @@ class MemoryPlan:
     # Gradient accumulation under sw.no_sync, held until the synced backward on top of
     # ``total``: the full gradients it sums (every trainable group's, unsharded), and the
     # full parameters of the units it keeps gathered from one micro-batch to the next
-    # (Note [gathered across micro-batches] in engine/state.py; 0 with
+    # (Note [gathered across micro-batches] in engine/iteration/state.py; 0 with
     # ``sw.no_sync(model, keep_gathered=False)`` or an Offload).
     accumulated_grads: int = 0
     held_params: int = 0
@@ -161,7 +161,7 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
                 rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
                 opt += per_elem * rows * size + per_param * len(layout.slots)
             # Gathered once a step: the root (for the whole step) and the unit running
-            # last (kept for the backward that follows it; engine/state.py's _runs_last),
+            # last (kept for the backward that follows it; engine/iteration/state.py's _runs_last),
             # assumed to be the last in module order; every other unit twice.
             traffic.add(layout, size, _itemsize(spec.compute_dtype), p.requires_grad,
                         gathers=1 if i in (0, len(per_unit) - 1) else 2)
@@ -177,7 +177,7 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
 
 class _Traffic:
     """What an ``Offload`` puts on each tier, and moves per step (Note [bytes moved] in
-    engine/offload/storage.py), group by group, as the engine does it on rank 0."""
+    engine/groups/offload/storage.py), group by group, as the engine does it on rank 0."""
 
     def __init__(self, offload: Offload | None, per_elem: int) -> None:
         self.offload = offload
@@ -273,7 +273,7 @@ def build_on_meta(spec: str, kwargs: dict | None = None,
 # is the gathered units' dtype, ``MixedPrecision(param_dtype=...)``, as for any model.
 def _build_hf(spec: str) -> nn.Module:
     _check_config_folder(spec)
-    from ..engine.quantize import _quiet_import
+    from ..engine.groups.quantize import _quiet_import
 
     # transformers imports torchao when it is installed, which logs every CUDA library it
     # cannot load: a command's output must begin with its own lines.

@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._registry import partitioned_as
-from ..engine.layout import build_layout
-from ..engine.packed import uses_protocol
+from ..engine.groups.layout import build_layout
+from ..engine.groups.packed import uses_protocol
 from ..engine.plan import (  # the records a plan is made of: the engine builds from them
     GroupSpec,
     ParamRecord,

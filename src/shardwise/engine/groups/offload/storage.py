@@ -1,0 +1,266 @@
+"""One flat group's offloaded storage: its master shard, its parameter copy, its
+gradients and its optimizer state, each on the tier Note [two states, three tiers] puts
+it on.
+
+Note [bytes moved]
+``moved`` counts the bytes shardwise's own copies read from and write to the offload
+tiers (host memory, disk): staging a shard for a gather, refreshing the parameters tier's
+copy, parking reduced rows, publishing gradients, and (counted from the tensors it
+stepped) the optimizer step's reads and writes of master shards, gradients and state.
+``planning/planner.py`` predicts the same quantity per step from the layout, and a test
+holds the two equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..alloc import freed
+from .disk import DiskBuffer
+from .placement import TIERS, Placement
+
+# The optimizer tiers any group of this process was ever given: until "cpu" or "disk" is
+# here, an optimizer step has nothing of offload's to do, and skips the walk of its
+# parameters (engine/groups/offload/step.py) that every step of every optimizer would pay.
+OPTIMIZER_TIERS_USED: set[str] = set()
+
+
+class GroupStorage:
+    """Where a group's states live when any is offloaded.
+
+    ``master`` is the shard buffer (``FlatGroup.local``: the DTensor parameters view it);
+    ``copy`` the parameters tier's copy in the compute dtype, or ``None`` when gathers
+    read the master itself. It answers what a flat group asks of its storage
+    (``ShardStorage`` in engine/groups/parts.py), as the device's storage does.
+    """
+
+    def __init__(self, placement: Placement, numel: int, dtype: torch.dtype,
+                 compute_dtype: torch.dtype) -> None:
+        self.placement = placement
+        self.device = placement.device  # where gathers and reductions run
+        OPTIMIZER_TIERS_USED.add(placement.optimizer)
+        self.numel = numel
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype
+        self._disk: list[DiskBuffer] = []  # every disk buffer, released together
+        self.master = self._make(placement.optimizer, dtype, "master")
+        self._master_file = self._disk[0] if self._disk else None
+        self.copy = (None if placement.params == placement.optimizer else
+                     self._make(placement.params, compute_dtype, "params"))
+        self.copy_version = -1  # the master's version the copy was taken at
+        # Disk tier only, made at first use (a frozen group never has them):
+        self._grads: torch.Tensor | None = None  # the gradients' home
+        self._parked: torch.Tensor | None = None  # reduced rows until published (park)
+        self._parked_file: DiskBuffer | None = None  # the file _parked views
+        self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.moved = 0  # Note [bytes moved]
+
+    def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
+        assert self.placement.folder is not None, "Offload checked folder="
+        buf = self.placement.folder.buffer(self.numel, dtype, what)
+        self._disk.append(buf)
+        return buf
+
+    def _make(self, tier: str, dtype: torch.dtype, what: str) -> torch.Tensor:
+        if tier == "disk":
+            return self._disk_buffer(dtype, what).tensor
+        if tier == "cpu":
+            return self.placement.host_tensor(self.numel, dtype)
+        return torch.zeros(self.numel, dtype=dtype, device=self.placement.device)
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self._disk)
+
+    @property
+    def streams_state(self) -> bool:
+        """Whether the optimizer's state of the group's parameters lives in its files."""
+        return self.placement.optimizer == "disk"
+
+    def like(self) -> GroupStorage:
+        """A storage of its own for a copy of the group (``copy.deepcopy``)."""
+        return GroupStorage(self.placement, self.numel, self.dtype, self.compute_dtype)
+
+    def recast(self, dtype: torch.dtype, compute: torch.dtype) -> None:
+        raise AssertionError("an offloaded group is never cast: guards refuse it")
+
+    def tiers(self) -> tuple[str, str]:
+        """(the parameters tier, the optimizer tier)."""
+        return self.placement.params, self.placement.optimizer
+
+    def describe(self) -> str | None:
+        return self.placement.describe()
+
+    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
+        """Note [freezing after shard]: its tiers were planned for a group trainable
+        at ``shard``; only freezing or unfreezing all of such a group is followed."""
+        return "offload" if changed < total or not trainable_at_build else ""
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return f"unit {unit_name} is offloaded (sw.Offload)"
+
+    @property
+    def steps_in_place(self) -> bool:
+        """No: its step is offload's own (engine/groups/offload/step.py)."""
+        return False
+
+    def full_freed(self, nbytes: int) -> None:
+        """The group's full parameters' ``nbytes`` were freed."""
+        if self.on_disk:
+            # Note [a fixed mmap threshold]: free chunks left in the heap from before the
+            # threshold was fixed would keep what each unit frees.
+            freed(nbytes)
+
+    # -- initial values, whole reads -------------------------------------------------
+    def receiving(self) -> torch.Tensor:
+        """Where initial shards are received: a device buffer (:meth:`received`)."""
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+
+    def check_files(self) -> None:
+        """Raise if a disk tier file was truncated from outside (Note [tier files changed
+        from outside] in engine/groups/offload/disk.py)."""
+        for b in self._disk:
+            b.check()
+
+    def received(self, into: torch.Tensor) -> None:
+        self.check_files()
+        with torch.no_grad():
+            self.master.copy_(into)
+        self.release()
+
+    def readable(self) -> torch.Tensor:
+        """The master shard, copied to the device for a collective."""
+        self.check_files()
+        out = self.master.to(self.device, copy=True)
+        self.release()
+        return out
+
+    # -- gathers ---------------------------------------------------------------------
+    def gather_source(self, version: int) -> torch.Tensor:
+        """The shard in the compute dtype on the device, for an all-gather: the
+        parameters tier's copy when it is on the device, else a fresh staged copy."""
+        self.check_files()
+        if self.copy is not None and self.copy_version != version:
+            self.refresh(version)
+        src = self.master if self.copy is None else self.copy
+        if src is self.copy and self.placement.params == "device":
+            return src
+        staged = torch.empty(self.numel, dtype=self.compute_dtype, device=self.placement.device)
+        with torch.no_grad():
+            staged.copy_(src)
+        self.moved += _nbytes(src)
+        self.release()
+        return staged
+
+    def refresh(self, version: int) -> None:
+        """Take the parameters tier's copy from the master (which is at ``version``)."""
+        assert self.copy is not None
+        with torch.no_grad():
+            self.copy.copy_(self.master)
+        self.copy_version = version
+        self.moved += _nbytes(self.master)
+        if self.placement.params != "device":
+            self.moved += _nbytes(self.copy)
+        self.release()
+
+    # -- gradients -------------------------------------------------------------------
+    def park(self, out: torch.Tensor) -> torch.Tensor:
+        """Reduced rows (``out``, on the device) moved to the optimizer's tier until the
+        backward ends and they are published: into a file of their own for the disk
+        tier (kept for the next backward), into host memory for the CPU tier."""
+        self.check_files()
+        self.moved += _nbytes(out)
+        if self.placement.optimizer == "disk":
+            if self._parked is None or self._parked.dtype != out.dtype:
+                self._parked_file = self._disk_buffer(out.dtype, "reduced")
+                self._parked = self._parked_file.tensor
+            home = self._parked[:out.numel()]
+            with torch.no_grad():
+                home.copy_(out.reshape(-1))
+            self.release()
+            return home
+        return out.to("cpu", copy=True)
+
+    def publish(self, p: Any, rows: torch.Tensor) -> None:
+        """Hand parameter ``p`` its reduced rows (parked, in its dtype) as a gradient on
+        the optimizer's tier, or add them to the one it has."""
+        # Read from where they were parked (unless a dtype change made a device copy),
+        # written to the gradient's home.
+        self.moved += _nbytes(rows) * (2 if rows.dtype == self.dtype else 1)
+        existing = cast(DTensor | None, p.shard.grad)
+        if existing is not None:
+            local = existing.to_local()
+            with torch.no_grad():
+                local.add_(rows.to(local.device))
+            return
+        if self.placement.optimizer == "disk":
+            if self._grads is None:
+                self._grads = self._disk_buffer(self.dtype, "grads").tensor
+            home = self._grads[p.slot.offset:p.slot.offset + rows.numel()].view(rows.shape)
+            with torch.no_grad():
+                home.copy_(rows)
+        else:
+            # Host memory: a tensor of its own even where host and device are one.
+            home = rows.to("cpu", copy=True)
+        p.shard.grad = p.as_dtensor(home)
+
+    # -- optimizer state -------------------------------------------------------------
+    def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor:
+        """Parameter ``p``'s state ``key`` moved into this group's file for it (the
+        value itself if it is there already)."""
+        local = value.to_local()
+        where = (key, local.dtype)
+        if where not in self._state:
+            self._state[where] = self._disk_buffer(local.dtype, f"state-{key}").tensor
+        home = self._state[where][p.slot.offset:p.slot.offset + local.numel()].view(
+            local.shape)
+        if home.data_ptr() == local.data_ptr():
+            return value
+        with torch.no_grad():
+            home.copy_(local)
+        return cast(DTensor, p.as_dtensor(home))
+
+    def count_step(self, p: Any, state: dict) -> None:
+        """Note [bytes moved]: one step of ``p`` read its master rows, gradient and
+        state, and wrote its master rows and state."""
+        n = _nbytes(p.local)
+        shaped = sum(_nbytes(v.to_local()) for v in state.values()
+                     if isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape))
+        self.moved += 3 * n + 2 * shaped
+
+    # -- pages -----------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop this group's disk pages from the process (Note [the disk tier])."""
+        for b in self._disk:
+            b.release()
+
+    def prefetch(self, gather: bool = False) -> None:
+        """Start reading this group's disk pages ahead of use: for a gather, the master
+        shard's; for an optimizer step, every file but the parked rows' (read by then)."""
+        if gather:
+            if self._master_file is not None and self.placement.params == "disk":
+                self._master_file.prefetch()
+            return
+        for b in self._disk:
+            if b is not self._parked_file:
+                b.prefetch()
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Bytes this group's storage holds on each tier: the master, the parameters
+        copy, and on disk the gradients, parked rows and optimizer state (state the
+        optimizer keeps in host memory is its own)."""
+        out = dict.fromkeys(TIERS, 0)
+        out[self.placement.optimizer] += _nbytes(self.master)
+        if self.copy is not None:
+            out[self.placement.params] += _nbytes(self.copy)
+        for t in (self._grads, self._parked, *self._state.values()):
+            if t is not None:
+                out["disk"] += _nbytes(t)
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,970 @@
+"""Frozen tensor subclasses gathered through FSDP2's extension protocol (QLoRA bases).
+
+Note [packed parameters]
+A quantized weight such as torchao's ``NF4Tensor`` is a tensor subclass: it reports the
+shape and dtype of the weight it stands for, and stores packed 4-bit codes and scales in
+inner tensors. Sharded like a plain parameter it would be dequantized (``.to(dtype)``) into
+a full-precision shard: 7x the bytes QLoRA exists to save, and nothing said. A subclass
+that implements FSDP2's extension protocol says instead how it is gathered:
+
+- sharding: ``torch.chunk(t, N, dim=0)[r]`` is rank r's shard, itself an instance of the
+  subclass (FSDP2 shards it the same way); a weight that does not split so into N equal
+  shards is divided by bytes instead (Note [uneven packed parameters]);
+- ``shard.fsdp_pre_all_gather(mesh)`` (or the five-argument form ``(mesh, outer_size,
+  outer_stride, module, mp_policy)``) returns the tensors to all-gather and metadata;
+- ``shard.fsdp_post_all_gather(outputs, metadata, param_dtype, out=None)``, given each
+  input all-gathered across the shard group (rank after rank, viewed ``(-1, *size[1:])``),
+  returns the full tensor and the inner tensors it allocated; called again with
+  ``out=`` the full tensor after a release, it refills that tensor in place.
+
+shardwise calls these exactly as FSDP2 does (``torch/distributed/fsdp/_fully_shard/
+_fsdp_param.py``), so one subclass works under both. What it adds:
+
+- Bytes move as bytes. Every all-gather input is viewed as ``uint8`` and packed into one
+  byte buffer per group, so packed codes never pass through a floating-point cast, a NaN
+  canonicalisation or a reduction; one all-gather per group and gather.
+- Each rank's shard lives in the group's own byte buffer: the chunk's inner tensors
+  (``__tensor_flatten__``) are copied there and the chunk rebuilt around views of it
+  (``__tensor_unflatten__``), so no rank keeps the full original alive, and initial values
+  come from ``src_rank`` as for every parameter (a scatter of bytes).
+- Release frees the full buffer's storage and the inner tensors ``fsdp_post_all_gather``
+  allocated; the next gather refills them in place, so tensors autograd saved in forward
+  (``LinearNF4`` saves its weight) see the values again in backward, as with
+  Note [freeing full parameters] in engine/iteration/unit.py.
+
+Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
+subclass, float8 training, would need its gradients reduced through the protocol), its
+inner tensors must be plain, and ``sharded_init`` and, on a GPU, ``Offload(params=...)``
+do not take it (Note [packed bytes offloaded]). Any other tensor subclass, and any
+``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
+beside packed bytes that a row split would tear apart), is refused: shardwise never
+shards a tensor whose bytes it cannot move exactly.
+"""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ..._registry import PACKED, attach_to, attached, copy_all_attributes, copy_user_attributes
+from ...comm.mesh import Topology
+from ...errors import ShardwiseError
+from .copies import copy_out
+from .layout import ShardLayout, build_layout, contiguous_stride
+
+
+def uses_protocol(t: torch.Tensor) -> bool:
+    """Whether ``t`` implements FSDP2's all-gather extension protocol."""
+    return hasattr(t, "fsdp_pre_all_gather") and hasattr(t, "fsdp_post_all_gather")
+
+
+def refusal(name: str, p: torch.Tensor) -> str | None:
+    """Why parameter ``name`` cannot be sharded, or ``None`` when it can (plain, or a
+    frozen subclass with the protocol: Note [packed parameters])."""
+    kind = f"{type(p).__module__}.{type(p).__qualname__}"
+    if type(p) is nn.Parameter and type(p.data) is torch.Tensor:
+        return None
+    has_pre, has_post = hasattr(p, "fsdp_pre_all_gather"), hasattr(p, "fsdp_post_all_gather")
+    if has_pre != has_post:
+        return (f"{name} ({kind}) defines only one of fsdp_pre_all_gather and "
+                f"fsdp_post_all_gather; the extension protocol needs both")
+    if not has_pre:
+        # nn.Parameter(subclass_tensor) keeps the subclass as its type; an nn.Parameter
+        # subclass (bitsandbytes' Params4bit) holds plain data.
+        plain_data = type(p.data) is torch.Tensor
+        what = f"an nn.Parameter subclass, {kind}" if plain_data else f"a tensor subclass, {kind}"
+        return (f"{name} is {what}, which shardwise cannot shard exactly: its bytes may "
+                f"carry meaning (packed 4-bit codes, a quantization state) that splitting "
+                f"its rows would lose, and it does not implement FSDP2's extension "
+                f"protocol (fsdp_pre_all_gather / fsdp_post_all_gather) that says how to "
+                f"gather it. Use a subclass that does (torchao's NF4Tensor: "
+                f"docs/qlora.md), or a plain nn.Parameter")
+    if p.requires_grad:
+        return (f"{name} ({kind}) requires grad: shardwise gathers tensor subclasses "
+                f"through the extension protocol for frozen weights only (QLoRA bases); "
+                f"freeze it with requires_grad_(False), or train it as a plain parameter")
+    if not hasattr(p, "__tensor_flatten__") or not hasattr(type(p), "__tensor_unflatten__"):
+        return (f"{name} ({kind}) implements the extension protocol but not "
+                f"__tensor_flatten__ / __tensor_unflatten__, by which shardwise moves its "
+                f"shard's inner tensors between ranks")
+    return None
+
+
+# Note [uneven packed parameters]
+# A subclass's own split (``torch.chunk`` on dim 0) gives N equal shards only when its
+# rows and blocks divide by N: NF4 needs each shard to hold whole blocks of scales, so a
+# 64-row projection has no 3-rank split, nor has a 4096-wide Llama's at 3 or 6 ranks. Such
+# a weight is divided instead by elements of its *full* inner tensors
+# (``__tensor_flatten__``): each inner tensor, viewed flat, is cut as a parameter's rows
+# are (Note [row sharding] in engine/groups/layout.py: ``ceil(numel / N)`` elements a rank, the
+# last ranks' slots padded with zeros), tiny ones (NF4's scalar mean, its table of 16
+# values) alike, one slot each in the group's byte buffer. A gather all-gathers those
+# slots with the group's other bytes (one all-gather) and rebuilds the full tensor with
+# ``__tensor_unflatten__(full inner tensors, the original's context, size, stride)``: the
+# original's bytes exactly, so the forward gives the bits of one rank and of an even split.
+#
+# Chosen over cutting rows at whole blocks and padding because it needs nothing of the
+# subclass beyond flattening: no padded instance (an NF4Tensor cannot hold padding rows),
+# no knowledge of which inner tensor holds which blocks; it costs at most one element per
+# inner tensor and rank, and the slot alignment. An even split keeps the subclass's own
+# chunks: it is what FSDP2 does, and the chunk is what the protocol's
+# ``fsdp_pre_all_gather`` runs on. What follows from there being no chunk of the subclass:
+#
+# - While sharded the module holds a :class:`ByteShard`: the weight's shape and dtype, no
+#   values. Any operation on it raises, naming the weight (``to_local`` and
+#   ``full_tensor`` too): there is no local tensor to give. Its values exist while its
+#   unit is gathered (forward, backward), and whole from ``sw.full_state_dict``.
+# - ``fsdp_post_all_gather`` is not called, and it alone takes MixedPrecision's
+#   ``param_dtype``: a ``param_dtype`` other than the weight's own dtype is refused for such
+#   a weight, by name (NF4 ignores it anyway: its gathered weight keeps the dtype it was
+#   quantized from, and dequantizes to its input's).
+# - A checkpoint records each rank's element range as its piece (Note [packed
+#   checkpoints]), so it reloads at any world size, split either way.
+# - Release frees the full byte buffer, whose views the rebuilt tensor holds; the next
+#   gather refills it in place, so the weight ``LinearNF4`` saved in forward sees values
+#   again in backward.
+@dataclass(frozen=True)
+class Cut:
+    """How one quantized parameter is divided among ``world`` ranks: into the subclass's
+    own equal chunks, or by elements of its full inner tensors (``by_bytes``: Note [uneven
+    packed parameters]). ``shapes`` are the stored inner tensors' shapes: a chunk's, or the
+    full tensor's."""
+
+    world: int
+    by_bytes: bool
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    def per_rank(self, i: int) -> int:
+        """Elements of inner tensor ``i`` in each rank's slot (padding included)."""
+        n = math.prod(self.shapes[i])
+        return -(-n // self.world) if self.by_bytes else n
+
+    def held(self, i: int, rank: int) -> int:
+        """Elements of inner tensor ``i`` that ``rank`` holds (``torch.chunk``'s rule)."""
+        if not self.by_bytes:
+            return self.per_rank(i)
+        c = self.per_rank(i)
+        return max(0, min(c, math.prod(self.shapes[i]) - rank * c))
+
+    def slot_bytes(self) -> list[int]:
+        """Bytes of each inner tensor's slot, the same on every rank."""
+        return [self.per_rank(i) * d.itemsize for i, d in enumerate(self.dtypes)]
+
+    def shares(self, name: str, full: torch.Tensor) -> list[list[torch.Tensor]]:
+        """What each rank stores of ``full`` (a tensor of the same structure): per rank,
+        each inner tensor's bytes (a padded slot's valid part).
+
+        Raises:
+            ShardwiseError: ``full`` is not divided into inner tensors of this shape.
+        """
+        if self.by_bytes:
+            _plain_inner(full, name)
+            inner = [getattr(full, n).detach() for n in self.names]
+            if [(tuple(t.shape), t.dtype) for t in inner] != list(zip(self.shapes,
+                                                                       self.dtypes)):
+                raise ShardwiseError(f"{name}: its inner tensors are not shaped as the "
+                                     f"model's")
+            flat = [t.reshape(-1) for t in inner]
+            return [[_as_bytes(f[min(r * self.per_rank(i), f.numel()):][:self.held(i, r)])
+                     for i, f in enumerate(flat)] for r in range(self.world)]
+        chunks = list(torch.chunk(full.detach(), self.world, dim=0))
+        out = []
+        for c in chunks:
+            parts = [getattr(c, n) for n in self.names]
+            if [(tuple(t.shape), t.dtype) for t in parts] != list(zip(self.shapes,
+                                                                       self.dtypes)):
+                raise ShardwiseError(f"{name}: its shards have inner tensors of other "
+                                     f"shapes than the model's")
+            out.append([_as_bytes(t) for t in parts])
+        if len(out) != self.world:
+            raise ShardwiseError(f"{name}: it splits into {len(out)} shards, not "
+                                 f"{self.world}")
+        return out
+
+
+def cut(name: str, p: torch.Tensor, n: int, compute_dtype: torch.dtype | None = None) -> Cut:
+    """How ``p`` is divided among ``n`` ranks (Note [uneven packed parameters]): into the
+    subclass's own chunks (``torch.chunk`` on dim 0, as FSDP2) when they are ``n`` of one
+    shape, else by elements of its full inner tensors. ``sw.shard`` calls it before
+    changing anything.
+
+    Raises:
+        ShardwiseError: an inner tensor is not a plain tensor; or, for a weight divided by
+            bytes, ``__tensor_unflatten__`` does not rebuild it from its inner tensors, or
+            ``compute_dtype`` (MixedPrecision's ``param_dtype``) is not its dtype.
+    """
+    try:
+        chunks = list(torch.chunk(p.detach(), n, dim=0))
+    except Exception:  # noqa: BLE001 - the subclass's split refused (NF4 asserts): by bytes
+        chunks = []
+    if len(chunks) == n and len({tuple(c.shape) for c in chunks}) == 1:
+        names, _ = _plain_inner(chunks[0], name)
+        layouts = {tuple((tuple(getattr(c, k).shape), getattr(c, k).dtype) for k in names)
+                   for c in chunks}
+        if len(layouts) == 1:
+            (layout,) = layouts
+            return Cut(n, False, tuple(names), tuple(s for s, _ in layout),
+                       tuple(d for _, d in layout))
+    names, ctx = _plain_inner(p, name)
+    kind = f"{type(p).__qualname__}, shape {tuple(p.shape)}"
+    try:
+        rebuilt = type(p).__tensor_unflatten__(  # type: ignore[attr-defined]
+            {k: getattr(p, k) for k in names}, ctx, p.size(), p.stride())
+    except Exception as err:
+        raise ShardwiseError(f"{name} ({kind}) does not split into {n} equal shards on "
+                             f"dim 0, and {type(p).__qualname__}.__tensor_unflatten__ "
+                             f"failed to rebuild it from its own inner tensors ({err}), "
+                             f"so it cannot be divided by bytes either "
+                             f"(Note [uneven packed parameters] in engine/groups/packed.py)"
+                             ) from err
+    if type(rebuilt) is not type(p) or (rebuilt.shape, rebuilt.dtype) != (p.shape, p.dtype):
+        raise ShardwiseError(f"{name} ({kind}): __tensor_unflatten__ rebuilt a "
+                             f"{type(rebuilt).__qualname__} {tuple(rebuilt.shape)} "
+                             f"{rebuilt.dtype} from its inner tensors, not the weight")
+    if compute_dtype is not None and compute_dtype != p.dtype:
+        raise ShardwiseError(
+            f"{name} ({kind}, {p.dtype}) does not split into {n} equal shards, so it is "
+            f"divided by bytes and rebuilt whole, as it was quantized "
+            f"(Note [uneven packed parameters] in engine/groups/packed.py); "
+            f"MixedPrecision(param_dtype={compute_dtype}) cannot apply to it. Build the "
+            f"model in {compute_dtype} before quantizing, or shard without param_dtype, or "
+            f"choose a world size over which its rows and blocks divide")
+    inner = [getattr(p, k) for k in names]
+    return Cut(n, True, tuple(names), tuple(tuple(t.shape) for t in inner),
+               tuple(t.dtype for t in inner))
+
+
+def _plain_inner(t: torch.Tensor, name: str = "") -> tuple[list[str], Any]:
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    for n in names:
+        inner = getattr(t, n)
+        if type(inner) is not torch.Tensor:
+            raise ShardwiseError(f"{name + ': ' if name else ''}{type(t).__qualname__}.{n} "
+                                 f"is a {type(inner).__qualname__}: shardwise moves the "
+                                 f"inner tensors of a quantized weight as bytes, so they "
+                                 f"must be plain tensors")
+    return list(names), ctx
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat (a view when it can be one).
+
+    ``contiguous()`` is not enough: a tensor of at most one element counts as contiguous
+    whatever its stride, and keeps it, and ``view(torch.uint8)`` wants the last stride to
+    be 1 as written. NF4 makes such a tensor: with one block of scales (a weight of
+    ``block_size * scaler_block_size`` elements, 16384 with the default blocks) its
+    ``quantization_factor`` is the one-element view ``factors[:, 0]`` of stride
+    ``scaler_block_size``, and a piece of an inner tensor divided by bytes may hold one
+    element or none (Note [uneven packed parameters]). Those are copied, at most one
+    element."""
+    flat = t.detach().contiguous().view(-1)
+    if flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
+# Note [packed checkpoints]
+# A checkpoint must reload at any world size, and the subclass's own metadata (block
+# sizes, shapes, what its __tensor_flatten__ context holds) is not JSON. So a checkpoint
+# holds the *values* of the full tensor's inner tensors, in pieces, and a load writes them
+# into the pieces the model already holds, whose structure comes from quantizing the same
+# architecture with the same settings (checked: the type, every inner tensor's full
+# shape and dtype). Each rank's piece of an inner tensor is a contiguous element range:
+# for a weight divided by bytes (Note [uneven packed parameters]) its slot's valid part;
+# for an even split, the chunk's inner tensor when it is either the whole of the full
+# tensor's (NF4's scaler mean and lookup table: saved once, by rank 0) or its r-th of N
+# contiguous parts (NF4's codes and scales), which ``shard`` checks on the bytes
+# (``_inner_split``). A load at N' ranks reads its own range, whichever way either side
+# was split. A subclass whose even chunks are made otherwise trains, and its checkpoints
+# are refused, with the reason.
+def _inner_split(name: str, full: torch.Tensor, chunk: torch.Tensor, rank: int,
+                 world: int) -> tuple[dict[str, tuple[int, ...]], str | None]:
+    """Each inner tensor's full shape, and why a checkpoint could not hold the parameter
+    (Note [packed checkpoints]), or None."""
+    full_names, _ = full.__tensor_flatten__()  # type: ignore[attr-defined]
+    names, _ = chunk.__tensor_flatten__()  # type: ignore[attr-defined]
+    shapes = {n: tuple(getattr(full, n).shape) for n in full_names}
+    if list(full_names) != list(names):
+        return shapes, f"{name}: its shards have other inner tensors than the full tensor"
+    for n in names:
+        whole, part = _as_bytes(getattr(full, n)), _as_bytes(getattr(chunk, n))
+        k = part.numel()
+        if whole.numel() == k and torch.equal(whole, part):
+            continue
+        if whole.numel() == world * k and torch.equal(whole[rank * k:(rank + 1) * k], part):
+            continue
+        return shapes, (f"{name}: its shard's inner tensor {n} is neither the full "
+                        f"tensor's {n} nor one of its {world} contiguous parts, so a "
+                        f"checkpoint could not reload it at another world size")
+    return shapes, None
+
+
+aten = torch.ops.aten
+
+
+class ByteShard(torch.Tensor):
+    """What the module holds, while sharded, for a quantized weight divided by bytes
+    (Note [uneven packed parameters]): its shape and dtype, no values. Every operation
+    but ``detach`` (which ``nn.Parameter`` needs) and a copy into itself (what
+    ``load_state_dict`` does once the values are loaded) raises, naming the weight."""
+
+    _shardwise_about: str
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                about: str) -> ByteShard:
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
+                                                requires_grad=False)
+        t._shardwise_about = about
+        return t
+
+    # Everything reaches __torch_dispatch__, which refuses it.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"ByteShard(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def refusal(self, what: str) -> ShardwiseError:
+        return ShardwiseError(
+            f"{self._shardwise_about}; this rank holds part of its packed bytes, not a "
+            f"tensor, so {what} cannot run on it. Its values exist while its unit is "
+            f"gathered (in forward and backward), and whole from sw.full_state_dict(model)")
+
+    def to_local(self) -> torch.Tensor:
+        raise self.refusal("to_local()")
+
+    def full_tensor(self) -> torch.Tensor:
+        raise self.refusal("full_tensor()")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self.refusal("pickling")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        # The weight may be any argument (``x @ w``, ``torch.cat([w])``): name the first.
+        t = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ByteShard))
+        if func is aten.detach.default:
+            return cls(t.shape, t.dtype, t.device, t._shardwise_about)
+        if func is aten.copy_.default and args[0] is t and args[1] is t:
+            # load_state_dict copies what the module holds into itself once its values
+            # are loaded (_load_packed in engine/entry_points/state_dict.py): nothing to do.
+            return t
+        raise t.refusal(str(func))
+
+
+@dataclass
+class PackedParam:
+    """One frozen subclass parameter: where it is registered, its shard, its full form."""
+
+    fqns: list[str]
+    slots: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    dtype: torch.dtype
+    kind: type                     # the subclass
+    cut: Cut                       # how it is divided among the ranks
+    # This rank's chunk, the subclass over the group's bytes; None when divided by bytes
+    # (Note [uneven packed parameters]): there is no chunk of the subclass then.
+    local: torch.Tensor | None
+    shard: nn.Parameter            # what the module holds while sharded: DTensor(local), or
+    #                                a ByteShard
+    inner: list[str]               # names of the inner tensors
+    # This rank's piece of each inner tensor, a view of the group's bytes: the chunk's
+    # inner tensor, or the valid part of the slot (flat) when divided by bytes.
+    pieces: dict[str, torch.Tensor]
+    # Each inner tensor's slot in the group's bytes, padding included: what a load writes.
+    stored: list[torch.Tensor]
+    # Each inner tensor's shape in the full tensor: a checkpoint records the full inner
+    # tensors in pieces (Note [packed checkpoints]).
+    full_inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Why a checkpoint cannot hold this parameter, or None (Note [packed checkpoints]).
+    unsaveable: str | None = None
+    group: PackedGroup | None = None
+    # Divided by bytes: the original's __tensor_flatten__ context, size and stride, which
+    # rebuild the full tensor (Note [uneven packed parameters]).
+    ctx: Any = None
+    stride: tuple[int, ...] = ()
+    full: nn.Parameter | None = None      # the full subclass, built at the first gather
+    # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
+    # with the full buffer.
+    allocated: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    metadata: Any = None           # fsdp_pre_all_gather's, until fsdp_post_all_gather
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def inner_piece(self, inner: str) -> tuple[int, int]:
+        """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
+        elements (Note [packed checkpoints]): its part, or all of it."""
+        assert self.group is not None
+        rank = self.group.comm.rank
+        full = math.prod(self.full_inner[inner])
+        if self.cut.by_bytes:
+            i = self.inner.index(inner)
+            return min(rank * self.cut.per_rank(i), full), self.cut.held(i, rank)
+        k = self.pieces[inner].numel()
+        return (0, k) if k == full else (rank * k, k)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # Reached only by a copy of part of a model: a whole model's copy maps each
+        # shard to its twin's (Note [deep copy] in engine/clone.py).
+        raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
+                             f"only the whole model can be deep-copied "
+                             f"(copy.deepcopy(model))")
+
+    # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
+    def full_problem(self, value: object) -> str | None:
+        """Why ``value`` cannot be this parameter's full value, or None: it must be the
+        same subclass, of the same shape, with inner tensors of the full tensor's shapes
+        and dtypes (quantized with the same settings)."""
+        name = self.fqns[0]
+        if self.unsaveable:
+            return self.unsaveable
+        kind = self.kind
+        if isinstance(value, ByteShard):
+            return (f"{name}: the value is this rank's share of a weight divided by bytes "
+                    f"(what model.state_dict() holds for it), which has no values; load "
+                    f"its full value (sw.full_state_dict)")
+        if type(value) is not kind or not isinstance(value, torch.Tensor):
+            what = (f"a {value.dtype} {type(value).__qualname__}"
+                    if isinstance(value, torch.Tensor) else type(value).__qualname__)
+            return (f"{name} is a quantized {kind.__qualname__} and the value is {what}: "
+                    f"shardwise writes quantized values only (a {kind.__qualname__} "
+                    f"quantized with the model's settings); to quantize full-precision "
+                    f"weights as they load, use sw.load_pretrained (docs/qlora.md)")
+        if tuple(value.shape) != tuple(self.shape):
+            return (f"{name}: the value has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(self.shape)}")
+        names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+        if sorted(names) != sorted(self.inner):
+            return f"{name}: the value has inner tensors {sorted(names)}, not {sorted(self.inner)}"
+        for n in self.inner:
+            t, mine = getattr(value, n), self.pieces[n]
+            if (tuple(t.shape), t.dtype) != (self.full_inner[n], mine.dtype):
+                return (f"{name}: the value's {n} is {t.dtype} {list(t.shape)}, the model's "
+                        f"{mine.dtype} {list(self.full_inner[n])} (quantized with other "
+                        f"settings?)")
+        return None
+
+    def take_full(self, value: torch.Tensor) -> None:
+        """Write this rank's share of the full value ``value`` (checked by
+        :meth:`full_problem`) into its shard: each inner tensor's part, or the whole, as
+        :meth:`inner_piece` says; for a weight divided by bytes, its slot's valid part
+        (Note [uneven packed parameters])."""
+        with torch.no_grad():
+            for n in self.inner:
+                off, k = self.inner_piece(n)
+                piece = getattr(value, n).detach().reshape(-1)[off:off + k]
+                mine = self.pieces[n]  # the group's bytes, which the chunk's inner views
+                if mine.data_ptr() != piece.data_ptr():
+                    mine.view(-1).copy_(piece)
+
+
+def packed_param(t: torch.Tensor) -> PackedParam | None:
+    """The packed parameter behind a shard or full tensor, or ``None``."""
+    return attached(t, PACKED)
+
+
+class PackedGroup:
+    """A unit's frozen subclass parameters, gathered through the protocol with one
+    all-gather of bytes (Note [packed parameters]).
+
+    ``local`` is this rank's byte buffer holding its piece of every parameter's inner
+    tensors (a chunk's, or a slot of the full tensor's: Note [uneven packed parameters]);
+    ``full`` is the byte buffer of the all-gather outputs, parameter after parameter, whose
+    storage is empty while the group is sharded.
+    """
+
+    def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
+                 originals: list[torch.Tensor], topology: Topology, device: torch.device,
+                 compute_dtype: torch.dtype | None, src_rank: int) -> None:
+        self.topology = topology
+        self.comm = comm = topology.shard
+        self.device = device
+        self.compute_dtype = compute_dtype  # MixedPrecision.param_dtype, or None
+        self.mesh = shard_mesh(topology)
+        self.unit_name = "?"
+        world, rank = comm.world_size, comm.rank
+        cuts = [cut(n[0], p, world, compute_dtype) for n, p in zip(names, originals)]
+        self.store_layout = build_layout([(b,) for c in cuts for b in c.slot_bytes()], 1)
+        self._agree([n[0] for n in names], originals, cuts)
+        self.local = torch.zeros(self.store_layout.shard_numel, dtype=torch.uint8,
+                                 device=device)
+        self._fill(list(zip([n[0] for n in names], originals, cuts))
+                   if topology.world.rank == src_rank else None, src_rank)
+        self.params: list[PackedParam] = []
+        k = 0
+        for fqns, where, orig, c in zip(names, slots, originals, cuts):
+            store, pieces = [], {}
+            for i, (n, nbytes, dtype) in enumerate(zip(c.names, c.slot_bytes(), c.dtypes)):
+                s = self.store_layout.slots[k]
+                k += 1
+                store.append(self.local[s.offset:s.offset + nbytes])
+                piece = store[-1][:c.held(i, rank) * dtype.itemsize].view(dtype)
+                pieces[n] = piece if c.by_bytes else piece.view(c.shapes[i])
+            self.params.append(self._param(fqns, where, orig, c, store, pieces))
+        self.full = torch.empty(0, dtype=torch.uint8, device=device)
+        self.gather_layout: ShardLayout | None = None
+        self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
+        self._gathered: torch.Tensor | None = None
+        self._sending: torch.Tensor | None = None
+        self._gather_work: Any = None
+
+    # -- construction ------------------------------------------------------------------
+    def _param(self, fqns: list[str], where: list[tuple[nn.Module, str]],
+               orig: torch.Tensor, c: Cut, store: list[torch.Tensor],
+               pieces: dict[str, torch.Tensor]) -> PackedParam:
+        """The packed parameter over this rank's ``pieces`` of ``orig``, and its shard."""
+        rank, world = self.comm.rank, self.comm.world_size
+        names, ctx = orig.__tensor_flatten__()  # type: ignore[attr-defined]
+        if c.by_bytes:
+            # A fresh instance, whose own attributes (inner tensors, settings) are not the
+            # user's: the original's would keep the full weight alive.
+            fresh = type(orig).__tensor_unflatten__(  # type: ignore[attr-defined]
+                {n: getattr(orig, n) for n in names}, ctx, orig.size(), orig.stride())
+            about = (f"{fqns[0]} is a quantized weight ({type(orig).__qualname__} "
+                     f"{tuple(orig.shape)}) divided among {world} ranks by bytes, its rows "
+                     f"and blocks not splitting into {world} equal shards "
+                     f"(Note [uneven packed parameters] in engine/groups/packed.py)")
+            shard = nn.Parameter(ByteShard(orig.shape, orig.dtype, self.device, about),
+                                 requires_grad=False)
+            copy_user_attributes(orig, shard, besides=fresh)
+            del fresh
+            full_inner = dict(zip(c.names, c.shapes))
+            return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, None,
+                               shard, list(c.names), pieces, store, full_inner, None, self,
+                               ctx, tuple(orig.stride()))
+        mine = torch.chunk(orig.detach(), world, dim=0)[rank]
+        _, chunk_ctx = mine.__tensor_flatten__()  # type: ignore[attr-defined]
+        local = type(mine).__tensor_unflatten__(  # type: ignore[attr-defined]
+            pieces, chunk_ctx, mine.size(), mine.stride())
+        with torch.no_grad():
+            dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
+                                    run_check=False, shape=orig.shape, stride=orig.stride())
+        shard = nn.Parameter(dt, requires_grad=False)
+        # Not the original's inner tensors: they would keep the full weight alive.
+        copy_user_attributes(orig, shard, besides=mine)
+        full_inner, unsaveable = _inner_split(fqns[0], orig, mine, rank, world)
+        return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, local, shard,
+                           list(c.names), pieces, store, full_inner, unsaveable, self)
+
+    def _agree(self, names: list[str], originals: list[torch.Tensor],
+               cuts: list[Cut]) -> None:
+        """Every rank must hold the same kinds of pieces, or the byte scatter would
+        misplace them: compare once, and fail on every rank alike."""
+        sig = [(n, type(p).__qualname__, "bytes" if c.by_bytes else "chunks",
+                [(s, str(d)) for s, d in zip(c.shapes, c.dtypes)])
+               for n, p, c in zip(names, originals, cuts)]
+        everyone = self.comm.all_gather_object(sig, what="the quantized parameters' layout")
+        for r, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                bad = next((a, b) for a, b in zip(everyone[0], theirs) if a != b)
+                raise ShardwiseError(f"ranks hold different quantized parameters: rank 0 "
+                                     f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
+                                     f"same weights with the same settings on every rank")
+
+    def _fill(self, params: list[tuple[str, torch.Tensor, Cut]] | None,
+              src_rank: int) -> None:
+        """Every rank's bytes from ``src_rank``'s parameters (as ``FlatGroup.fill_local``),
+        each divided as its :class:`Cut` says, one parameter at a time (a placeholder's
+        bytes are made only as they are copied: Note [quantize while loading] in
+        engine/groups/quantize.py)."""
+        replica, shard_src = self.topology.source(src_rank)
+        n = self.comm.world_size
+        if self.topology.replica_index == replica:
+            send = None
+            if params is not None:
+                buf = torch.zeros(n, self.store_layout.shard_numel, dtype=torch.uint8,
+                                  device=self.device)
+                slots = iter(self.store_layout.slots)
+                for name, p, c in params:
+                    mine = [next(slots) for _ in c.names]
+                    for r, parts in enumerate(c.shares(name, p)):
+                        for s, b in zip(mine, parts):
+                            buf[r, s.offset:s.offset + b.numel()].copy_(b)
+                send = list(buf.unbind(0))
+            self.comm.scatter(self.local, send, shard_src,
+                              what="the scatter of quantized shards")
+        if self.topology.replicate is not None:
+            self.topology.replicate.broadcast(
+                self.local, replica, what="the broadcast of quantized shards to replicas")
+
+    def install(self) -> None:
+        """Register each shard in place of its parameter on every module holding it."""
+        for pp in self.params:
+            attach_to(pp.shard, PACKED, pp)
+            for m, attr in pp.slots:
+                m._parameters[attr] = pp.shard
+
+    # -- as a group (Note [one interface for a group] in engine/groups/interface.py) --------------
+    requires_grad = False  # frozen: never reduced
+    unit: Any = None  # the engine's Unit holding the group, set by the Unit
+
+    def expose(self, full: bool) -> None:
+        """Register the full tensors (``full``) or the shards on their modules (Note
+        [what the module sees] in engine/iteration/unit.py)."""
+        for pp in self.params:
+            tensor = pp.full if full else pp.shard
+            assert tensor is not None, "a packed group's full tensors exist once gathered"
+            for module, attr in pp.slots:
+                module._parameters[attr] = tensor
+
+    def free(self, keep_grads: bool = False) -> None:
+        """Free the gathered form (its tensors have no gradients)."""
+        self._free_full()
+
+    def drop_kept(self) -> None:
+        pass
+
+    def read_ahead(self) -> None:
+        if self._disk is not None:
+            self._disk.prefetch()
+
+    def start_reduce(self, sync: bool) -> None:
+        pass
+
+    def is_stale(self) -> bool:
+        return False  # frozen: no optimizer step changes its shard
+
+    def page_release(self) -> Callable[[], None] | None:
+        return self._disk.release if self._disk is not None else None
+
+    def release_pages(self) -> None:
+        if self._disk is not None:
+            self._disk.release()
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0
+
+    @property
+    def moved_bytes(self) -> int:
+        return 0
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {} if self._tier == "device" else {self._tier: self.local.numel()}
+
+    def offload_description(self) -> str | None:
+        return None if self._tier == "device" else f"quantized bytes on {self._tier}"
+
+    def describe(self) -> dict[str, Any]:
+        """Plain values for ``sw.inspect``'s ``PackedView``."""
+        return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
+                "types": tuple(p.kind.__name__ for p in self.params),
+                "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
+                "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
+
+    # -- gather ------------------------------------------------------------------------
+    def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:
+        """What ``pp`` sends to the all-gather: its slots when divided by bytes (Note
+        [uneven packed parameters]), else what the protocol says."""
+        if pp.local is None:
+            return pp.stored
+        fn = pp.local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if len(pyinspect.signature(fn).parameters) == 1:
+            inputs, pp.metadata = fn(self.mesh)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            module = pp.slots[0][0]
+            inputs, pp.metadata = fn(self.mesh, pp.shape, contiguous_stride(pp.shape),
+                                     module, MixedPrecisionPolicy(
+                                         param_dtype=self.compute_dtype))
+        return list(inputs)
+
+    def _send_buffer(self) -> torch.Tensor:
+        per_param = [self._pre_all_gather(pp) for pp in self.params]
+        sizes = [[(t.size(), t.dtype) for t in ts] for ts in per_param]
+        if self.gather_layout is None:
+            self._sizes = sizes
+            self.gather_layout = build_layout(
+                [(self.comm.world_size * _as_bytes(t).numel(),) for ts in per_param
+                 for t in ts], self.comm.world_size)
+        elif sizes != self._sizes:
+            changed = next(pp.fqns[0] for pp, a, b in zip(self.params, sizes, self._sizes)
+                           if a != b)
+            raise ShardwiseError(f"{changed}: fsdp_pre_all_gather returned tensors of other "
+                                 f"sizes or dtypes than at its first gather")
+        layout = self.gather_layout
+        send = torch.zeros(layout.shard_numel, dtype=torch.uint8, device=self.device)
+        for s, t in zip(layout.slots, (t for ts in per_param for t in ts)):
+            send[s.offset:s.offset + s.chunk_rows].copy_(_as_bytes(t))
+        return send
+
+    def start_gather(self) -> None:
+        send = self._send_buffer()
+        self.release_pages()  # Note [packed bytes offloaded]: read, so dropped
+        if self.comm.world_size == 1:
+            self._gathered = send
+            return
+        assert self.gather_layout is not None
+        self._gathered = torch.empty(self.gather_layout.gathered_numel, dtype=torch.uint8,
+                                     device=self.device)
+        self._sending = send
+        self._gather_work = self.comm.all_gather(
+            self._gathered, send, async_op=True,
+            what=f"the all-gather of unit {self.unit_name!r}'s quantized parameters")
+
+    def wait_gather(self, fill: bool = True, keep: bool = False) -> None:
+        """Wait for the all-gather and, if ``fill``, rebuild (or refill) every full
+        tensor through ``fsdp_post_all_gather``."""
+        if self._gather_work is not None:
+            self._gather_work.settle(use=fill)
+            self._gather_work = None
+        self._sending = None
+        if self._gathered is None:
+            return
+        if fill:
+            layout = self.gather_layout
+            assert layout is not None
+            version = self.full._version
+            if self.full.numel() == 0:
+                self.full = torch.empty(layout.full_numel, dtype=torch.uint8,
+                                        device=self.device)
+            self._alloc_full()
+            copy_out(self._gathered, layout, self.full)
+            # Note [freeing full parameters] in engine/iteration/unit.py: autograd may hold views.
+            torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+            self._post_all_gather()
+        self._gathered = None
+
+    def _post_all_gather(self) -> None:
+        for pp, outputs in zip(self.params, self._outputs(self.full)):
+            if pp.local is None:  # refilled in place: its inner tensors view self.full
+                if pp.full is None:
+                    pp.full = nn.Parameter(self._rebuild(pp, outputs), requires_grad=False)
+                    copy_user_attributes(pp.shard, pp.full, besides=pp.full)
+                    attach_to(pp.full, PACKED, pp)
+                continue
+            fn = pp.local.fsdp_post_all_gather  # type: ignore[attr-defined]
+            dtype = self.compute_dtype or pp.dtype
+            if pp.full is None:
+                full, allocated = fn(outputs, pp.metadata, dtype)
+                if tuple(full.shape) != tuple(pp.shape):
+                    raise ShardwiseError(
+                        f"{pp.fqns[0]}: fsdp_post_all_gather built a tensor of shape "
+                        f"{tuple(full.shape)}, not the parameter's {tuple(pp.shape)}")
+                pp.full = nn.Parameter(full, requires_grad=False)
+                copy_user_attributes(pp.shard, pp.full, besides=pp.local)
+                attach_to(pp.full, PACKED, pp)
+                pp.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
+                                if not _shares(t, self.full)]
+            else:
+                fn(outputs, pp.metadata, dtype, out=pp.full)
+            pp.metadata = None
+
+    def gather_full(self) -> list[torch.Tensor]:
+        """Every parameter's full tensor, freshly gathered into memory of its own (a
+        collective over the shard group); the unit's own gathered form is untouched."""
+        send = self._send_buffer()
+        layout = self.gather_layout
+        assert layout is not None
+        gathered = send
+        if self.comm.world_size > 1:
+            gathered = torch.empty(layout.gathered_numel, dtype=torch.uint8,
+                                   device=self.device)
+            self.comm.all_gather(gathered, send,
+                                 what="the all-gather of quantized parameters' values")
+        full = torch.empty(layout.full_numel, dtype=torch.uint8, device=self.device)
+        copy_out(gathered, layout, full)
+        out = []
+        for pp, outputs in zip(self.params, self._outputs(full)):
+            if pp.local is None:
+                out.append(self._rebuild(pp, outputs))
+                continue
+            value, _ = pp.local.fsdp_post_all_gather(  # type: ignore[attr-defined]
+                outputs, pp.metadata, self.compute_dtype or pp.dtype)
+            pp.metadata = None
+            out.append(value)
+        return out
+
+    def _outputs(self, full: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Each parameter's all-gather outputs, as views of the byte buffer ``full``: the
+        full inner tensors of one divided by bytes (its slots, rank after rank, less the
+        padding at the end)."""
+        assert self.gather_layout is not None
+        slots = iter(self.gather_layout.slots)
+        out = []
+        for pp, sizes in zip(self.params, self._sizes):
+            views = []
+            for i, (size, dtype) in enumerate(sizes):
+                s = next(slots)
+                gathered = full[s.full_offset:s.full_offset + s.numel]
+                if pp.local is None:
+                    c = pp.cut
+                    n = math.prod(c.shapes[i]) * c.dtypes[i].itemsize
+                    views.append(gathered[:n].view(c.dtypes[i]).view(c.shapes[i]))
+                else:
+                    views.append(gathered.view(dtype).view(-1, *size[1:]))
+            out.append(tuple(views))
+        return out
+
+    @staticmethod
+    def _rebuild(pp: PackedParam, inner: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The full tensor of ``pp`` (divided by bytes) around its full ``inner`` tensors,
+        as the original was (Note [uneven packed parameters])."""
+        return pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+            dict(zip(pp.inner, inner)), pp.ctx, pp.shape, pp.stride)
+
+    # -- storage -----------------------------------------------------------------------
+    def _storages(self) -> list[tuple[torch.Tensor, int]]:
+        return [(self.full, self.full.numel())] + [a for pp in self.params
+                                                    for a in pp.allocated]
+
+    def _alloc_full(self) -> None:
+        for t, nbytes in self._storages():
+            if t.untyped_storage().size() != nbytes:
+                t.untyped_storage().resize_(nbytes)
+
+    def _free_full(self) -> None:
+        for t, _ in self._storages():
+            t.untyped_storage().resize_(0)
+
+    # Note [packed bytes offloaded]
+    # Offload(params="disk") keeps this rank's packed bytes in a file of the rank's folder
+    # (engine/groups/offload/disk.py), mapped: every tensor viewing the bytes (a chunk's inner
+    # tensors; the pieces a load writes; a byte-divided weight's slots, Note [uneven
+    # packed parameters]) is re-pointed at the mapping with ``set_``, so the chunks and
+    # the shards the modules hold stay the same objects. A gather reads them (through
+    # ``fsdp_pre_all_gather``, or the slots) as before, then drops
+    # their pages, so memory holds the bytes of the units being gathered only (the page
+    # cache keeps them; a later read maps them back). Frozen, they are written only by a
+    # checkpoint load or ``gathered(modifier_rank=)``, through the mapping. With
+    # ``params="cpu"`` on a CPU device they stay where they are, host memory. On a GPU the
+    # protocol's inputs and metadata (NF4's scaler mean, lookup table) would be host
+    # tensors: refused at ``sw.shard`` until they are staged on the device.
+    _tier = "device"
+    _disk: Any = None  # the DiskBuffer holding ``local``, on the disk tier
+
+    def place(self, placement: Any) -> None:
+        """Move this rank's bytes to ``placement``'s parameter tier (an
+        ``engine.groups.offload.Placement``; Note [packed bytes offloaded]); call before
+        ``install``."""
+        tier = placement.params
+        if tier == "device" or self.device.type != "cpu":
+            return
+        self._tier = tier
+        if tier != "disk":
+            return
+        self._disk = placement.folder.buffer(self.local.numel(), torch.uint8, "quantized")
+        mapped = self._disk.tensor
+        mapped.copy_(self.local)
+        # The same tensor objects, re-pointed (set_) at the mapping: the shards the
+        # modules hold, the pieces a load writes, the slots a byte-divided weight sends.
+        with torch.no_grad():
+            for t in self._views():
+                t.set_(*_moved(t, self.local, mapped))
+        self.local = mapped
+        self.release_pages()
+
+    def _views(self) -> list[torch.Tensor]:
+        """Every tensor viewing this rank's bytes ``local``, once each: the chunks' inner
+        tensors, each parameter's pieces and slots."""
+        seen: dict[int, torch.Tensor] = {}
+        for pp in self.params:
+            inner = [getattr(pp.local, n) for n in pp.inner] if pp.local is not None else []
+            for t in [*inner, *pp.pieces.values(), *pp.stored]:
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    def leave_full(self) -> None:
+        """Leave the gathered bytes and full tensors to whatever still references them,
+        and gather next into new ones (Note [full parameters held after gathered()] in
+        gather.py): a full weight kept past a ``gathered()`` block keeps its values."""
+        self.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for pp in self.params:
+            pp.full, pp.allocated = None, []
+
+    def twin(self) -> PackedGroup:
+        """An independent copy of the group (``copy.deepcopy`` of the model, Note [deep
+        copy] in engine/clone.py): its own copy of this rank's bytes, with new shards
+        viewing it at the same offsets, the same slots until the caller remaps them, and
+        nothing gathered. No communication."""
+        new = object.__new__(PackedGroup)
+        copy_all_attributes(self, new)
+        new.local = self.local.clone()
+
+        def same_place(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                *_moved(t, self.local, new.local))
+        new._tier, new._disk = "device", None  # a copy's bytes live in memory
+        new.full = torch.empty(0, dtype=torch.uint8, device=self.device)
+        new._gathered = new._sending = new._gather_work = None
+        new.params = []
+        for pp in self.params:
+            pieces = {n: same_place(t) for n, t in pp.pieces.items()}
+            stored = [same_place(t) for t in pp.stored]
+            local = None
+            if pp.local is None:  # divided by bytes: a ByteShard, no values
+                shard = nn.Parameter(pp.shard.detach(), requires_grad=False)
+                copy_user_attributes(pp.shard, shard)
+            else:
+                ctx = pp.local.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+                local = pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+                    pieces, ctx, pp.local.size(), pp.local.stride())
+                with torch.no_grad():
+                    dt = DTensor.from_local(local, self.topology.mesh,
+                                            self.topology.placements, run_check=False,
+                                            shape=pp.shard.shape, stride=pp.shard.stride())
+                shard = nn.Parameter(dt, requires_grad=False)
+                copy_user_attributes(pp.shard, shard, besides=pp.local)
+            new.params.append(replace(pp, slots=list(pp.slots), local=local, shard=shard,
+                                      pieces=pieces, stored=stored, group=new, full=None,
+                                      allocated=[], metadata=None))
+        return new
+
+    def full_is_allocated(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes this rank keeps for the group (its chunks' inner tensors)."""
+        return self.local.numel()
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the gathered form while the group is gathered (0 before the first
+        gather): the all-gather outputs, plus what the subclass allocated."""
+        extra = sum(n for pp in self.params for _, n in pp.allocated)
+        return (self.gather_layout.full_numel if self.gather_layout else 0) + extra
+
+
+def _moved(t: torch.Tensor, old: torch.Tensor, new: torch.Tensor
+           ) -> tuple[torch.UntypedStorage, int, torch.Size, tuple[int, ...]]:
+    """``set_``'s arguments that make ``t``, a view of the byte buffer ``old``, view the
+    same bytes of ``new`` (a byte buffer of the same size)."""
+    assert _shares(t, old), "a quantized parameter's tensor outside the group's bytes"
+    at = t.storage_offset() * t.element_size() - old.storage_offset() + new.storage_offset()
+    assert at % t.element_size() == 0, \
+        "slots are aligned (Note [alignment] in engine/groups/layout.py)"
+    return new.untyped_storage(), at // t.element_size(), t.size(), t.stride()
+
+
+def _shares(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+
+def shard_mesh(topology: Topology) -> DeviceMesh:
+    """The 1-D mesh of the shard group, which ``fsdp_pre_all_gather`` is given (FSDP2
+    passes its shard mesh)."""
+    mesh = topology.mesh
+    if mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ShardwiseError("quantized parameters on a 2-D mesh need named mesh dims "
+                             "(init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))): "
+                             "fsdp_pre_all_gather is given the shard dim's mesh")
+    return mesh[names[-1]]

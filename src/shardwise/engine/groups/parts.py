@@ -1,0 +1,221 @@
+"""What a flat group is given: its precision, where its shard lives, its secondary shard.
+
+A :class:`~shardwise.engine.groups.flat.FlatGroup` branches on no mode (Note [one interface for
+a group] in engine/groups/interface.py). Mixed precision is a :class:`Precision`; the shard's home
+is a :class:`ShardStorage`: :class:`DeviceStorage` here, or an offloaded group's
+:class:`~shardwise.engine.groups.offload.storage.GroupStorage`, which answers the same calls;
+``reshard_after_forward=k`` is a :class:`SecondaryShard` over the group of k ranks, which
+without one keeps nothing; the reduction is the class the group is given
+(engine/groups/reduce.py's, or the reproducible mode's in engine/groups/exact_reduction.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ...comm.collectives import Comm
+
+
+@dataclass
+class Precision:
+    """The dtypes a group gathers in and reduces in (``MixedPrecision``'s
+    ``param_dtype`` and ``reduce_dtype``, or the parameters' own)."""
+
+    compute: torch.dtype
+    reduce: torch.dtype
+
+
+class ShardStorage(Protocol):
+    """Where a flat group's shard (and its gradients) live, and how a gather reads it."""
+
+    master: torch.Tensor  # the shard buffer the DTensor parameters view
+    device: torch.device  # where gathers and reductions run
+    moved: int            # Note [bytes moved]; 0 on the device
+
+    @property
+    def on_disk(self) -> bool:
+        """The group has pages to drop (Note [the disk tier])."""
+
+    @property
+    def streams_state(self) -> bool:
+        """The optimizer's state of its parameters lives in the group's files."""
+
+    def gather_source(self, version: int) -> torch.Tensor: ...
+
+    def readable(self) -> torch.Tensor: ...
+
+    def receiving(self) -> torch.Tensor: ...
+
+    def received(self, into: torch.Tensor) -> None: ...
+
+    def park(self, out: torch.Tensor) -> torch.Tensor: ...
+
+    def publish(self, p: Any, rows: torch.Tensor) -> None: ...
+
+    def release(self) -> None: ...
+
+    def prefetch(self, gather: bool = False) -> None: ...
+
+    def full_freed(self, nbytes: int) -> None: ...
+
+    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str: ...
+
+    def cast_refusal(self, unit_name: str) -> str | None: ...
+
+    def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor: ...
+
+    @property
+    def steps_in_place(self) -> bool: ...
+
+    def bytes_by_tier(self) -> dict[str, int]: ...
+
+    def tiers(self) -> tuple[str, str]: ...
+
+    def describe(self) -> str | None: ...
+
+    def like(self) -> ShardStorage: ...
+
+    def recast(self, dtype: torch.dtype, compute: torch.dtype) -> None: ...
+
+
+class DeviceStorage:
+    """A shard that lives on the device, with a copy in the compute dtype for gathers when
+    mixed precision asks for one."""
+
+    moved = 0
+    on_disk = False
+    streams_state = False
+
+    def __init__(self, numel: int, dtype: torch.dtype, compute: torch.dtype,
+                 device: torch.device) -> None:
+        self.numel = numel
+        self.device = device
+        self.master = torch.zeros(numel, dtype=dtype, device=device)
+        self._gather_in: torch.Tensor | None = None
+        self.recast(dtype, compute)
+
+    def recast(self, dtype: torch.dtype, compute: torch.dtype) -> None:
+        """Hold the shard in ``dtype`` (Note [casting after shard] in
+        engine/entry_points/casts.py)."""
+        self.master = self.master.to(dtype)  # padding included: still zeros
+        self._gather_in = (None if compute == dtype else
+                           torch.empty(self.numel, dtype=compute, device=self.device))
+
+    def gather_source(self, version: int) -> torch.Tensor:
+        """This rank's shard in the compute dtype, for an all-gather."""
+        if self._gather_in is None:
+            return self.master
+        with torch.no_grad():
+            self._gather_in.copy_(self.master)
+        return self._gather_in
+
+    def readable(self) -> torch.Tensor:
+        return self.master
+
+    def receiving(self) -> torch.Tensor:
+        """Where initial shards are received: the shard itself."""
+        return self.master
+
+    def received(self, into: torch.Tensor) -> None:
+        pass
+
+    def park(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def publish(self, p: Any, rows: torch.Tensor) -> None:
+        """Hand ``p`` its reduced rows as its shard's ``.grad``, or add them to it."""
+        if p.shard.grad is None:
+            p.shard.grad = p.as_dtensor(rows)
+        else:
+            with torch.no_grad():
+                cast(DTensor, p.shard.grad).to_local().add_(rows)
+
+    def release(self) -> None:
+        pass
+
+    def prefetch(self, gather: bool = False) -> None:
+        pass
+
+    def full_freed(self, nbytes: int) -> None:
+        pass
+
+    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
+        return ""
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return None
+
+    @property
+    def steps_in_place(self) -> bool:
+        """Whether an optimizer may step the shard's local tensors where they are (Note
+        [plain step] in engine/entry_points/plain_step.py)."""
+        return True
+
+    def adopt_state(self, p: Any, key: str, value: DTensor) -> DTensor:
+        return value
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {}
+
+    def tiers(self) -> tuple[str, str]:
+        return "device", "device"
+
+    def describe(self) -> str | None:
+        return None
+
+    def like(self) -> DeviceStorage:
+        return DeviceStorage(self.numel, self.master.dtype,
+                             self.master.dtype if self._gather_in is None
+                             else self._gather_in.dtype, self.device)
+
+
+class SecondaryShard:
+    """Note [secondary shards] in comm/mesh.py: under ``reshard_after_forward=k`` a
+    non-root unit's backward all-gathers within a group of k ranks, from this rank's part
+    of the gathered buffer kept since forward. ``SecondaryShard(None)`` keeps nothing."""
+
+    def __init__(self, comm: Comm | None) -> None:
+        self.comm = comm
+        self._kept: torch.Tensor | None = None
+        self._version = -1
+        self._sending: torch.Tensor | None = None  # read by the exchange until waited for
+
+    def like(self) -> SecondaryShard:
+        return SecondaryShard(self.comm)
+
+    def start_gather(self, version: int, numel: int, dtype: torch.dtype,
+                     unit_name: str) -> tuple[torch.Tensor, Any] | None:
+        """The all-gather from the kept part, issued, as (output, work); ``None`` when
+        nothing is kept or the shard changed since (an optimizer step ran)."""
+        kept, self._kept = self._kept, None
+        if kept is None or version != self._version:
+            return None
+        assert self.comm is not None
+        out = torch.empty(numel, dtype=dtype, device=kept.device)
+        self._sending = kept
+        work = self.comm.all_gather(
+            out, kept, async_op=True,
+            what=f"the all-gather of unit {unit_name!r} within its group of "
+                 f"{self.comm.world_size} ranks (reshard_after_forward)")
+        return out, work
+
+    def settled(self) -> None:
+        self._sending = None
+
+    def keep(self, gathered: torch.Tensor, version: int) -> None:
+        """Keep this rank's part of a forward's ``gathered`` buffer for its backward."""
+        if self.comm is None:
+            return
+        self._kept = gathered.chunk(self.comm.world_size)[self.comm.rank].clone()
+        self._version = version
+
+    def drop(self) -> None:
+        self._kept = None
+
+    @property
+    def kept_bytes(self) -> int:
+        return 0 if self._kept is None else self._kept.numel() * self._kept.element_size()

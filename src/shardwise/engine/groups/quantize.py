@@ -1,0 +1,285 @@
+"""Quantizing while building and loading: the ``quantize=`` rule, NF4 stand-ins, shares.
+
+Note [quantize while loading]
+QLoRA exists for bases whose full-precision weights do not fit, so under
+``sw.sharded_init(quantize=RULE)`` no rank ever holds them, whole or partitioned:
+
+- Building: when an ``nn.Linear`` is registered on its parent, its weight is *deferred*: a
+  meta stand-in with the full shape and dtype and no values (init code writing to it runs
+  on meta, for nothing: its values come from the source). Adapters (a module path with a
+  ``lora_`` part) are never deferred, nor, under the default rule, a head named
+  ``lm_head``. The rule itself needs qualified names, known only once the model is
+  complete: at the end of the block each deferred weight the rule picks becomes an NF4
+  *placeholder*, an ``NF4Tensor`` of the full shape whose inner tensors are zero-stride
+  views of one zero (no memory); one the rule leaves out becomes an ordinary partitioned
+  parameter holding zeros. Both are marked *awaiting load*.
+- ``sw.shard`` shards a placeholder like any NF4 weight (torch.chunk on dim 0, or by bytes
+  when that is uneven: Note [uneven packed parameters] in engine/groups/packed.py; one byte
+  buffer per unit), so each rank's NF4 share is allocated once, at its final size.
+- ``sw.load_pretrained`` fills the shares weight by weight, in rounds of N: in a round,
+  rank r reads the r-th weight whole, quantizes it as ``quantize_nf4`` would and scatters
+  each rank its share's bytes. So a rank holds one weight in full precision at a time, the
+  quantization work is split N ways, and each byte equals what quantizing the whole model
+  then sharding gives (the same ``to_nf4`` on the same values, then the same share).
+
+Note [the base awaits loading]
+A model built under ``sharded_init(quantize=)`` is a pretrained base whose values come
+from ``load_pretrained``: at the end of the block *every* parameter it has is marked
+awaiting load, not only the deferred linear weights. The others (embeddings, norms, a
+head the rule keeps) hold ``src_rank``'s random init, which would train as silently as
+zeros. PEFT adapters (a module path with a ``lora_`` part) are not marked, nor is
+anything added after the block (adapters from ``get_peft_model``): those are what the
+source does not hold. So:
+
+- ``load_pretrained`` refuses, before changing anything, a load that leaves a base
+  parameter unloaded, even under ``strict=False`` (which forgives only the rest): the
+  usual cause is a ``rename=`` that misses some names, and the error names them and the
+  source keys nothing took. One source must hold the whole base.
+- A model with parameters awaiting load refuses to run forward, naming them (it was
+  never loaded, or a load failed part-way).
+- ``load_pretrained`` marks the quantized weights it loads awaiting load from its first
+  round of quantizing, each until its round is written, in any sharded model (one made
+  with ``quantize_nf4`` too), and what it wrote before as loaded: a load that stops
+  part-way, on a file that fails to read or a weight holding NaN or inf (Note
+  [non-finite values refused] in checkpoint/pretrained.py), leaves a model that
+  refuses to run naming the weights not loaded, not one mixing old and new weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as torch_module
+
+from ..._registry import is_sharded_root
+from ...errors import ShardwiseError
+
+Rule = Callable[[str, nn.Module], bool]
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    # torchao logs each CUDA library it fails to load, and torch's pytree logs a
+    # deprecation for an enum torchao registers: neither concerns the user.
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    skip = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
+    forced = skip not in os.environ and not torch.cuda.is_available()
+    if forced:
+        os.environ[skip] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if forced:
+            del os.environ[skip]
+
+
+def nf4_module() -> Any:
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), imported without its CUDA noise.
+
+    Raises:
+        ShardwiseError: torchao is not installed.
+
+    Example:
+        >>> to_nf4 = nf4_module().to_nf4
+    """
+    try:
+        with _quiet_import():
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as err:
+        raise ShardwiseError("quantized bases need torchao: pip install 'shardwise[quant]' "
+                             "(after torch, as the README says)") from err
+    return nf4_tensor
+
+
+def is_adapter(path: str) -> bool:
+    """Whether a module path names a PEFT adapter (``...q_proj.lora_A.default``)."""
+    return any(part.startswith("lora_") for part in path.split("."))
+
+
+def default_choice(name: str, mod: nn.Module) -> bool:
+    """``quantize="nf4"``: every ``nn.Linear`` but adapters and heads named ``lm_head``."""
+    return (isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"
+            and not is_adapter(name))
+
+
+@dataclass(frozen=True)
+class NF4:
+    """Which linear layers to quantize to NF4, and how (``sw.sharded_init(quantize=)``).
+
+    Args:
+        where: ``(qualified_name, module) -> bool``; default: every ``nn.Linear`` except
+            PEFT adapters and heads named ``lm_head``. Names are relative to the outermost
+            module built in the block (``model.layers.0.self_attn.q_proj``).
+        block_size: elements per NF4 block (one scale each).
+        scaler_block_size: blocks per block of the double-quantized scales.
+
+    Example:
+        >>> with sw.sharded_init(quantize=NF4(block_size=32, scaler_block_size=8)):
+        ...     model = LlamaForCausalLM(config)
+    """
+
+    where: Rule | None = None
+    block_size: int = 64
+    scaler_block_size: int = 256
+
+    def chooses(self, name: str, mod: nn.Module) -> bool:
+        """Whether the weight of ``mod`` (qualified ``name`` in the block's module) is
+        quantized: the user's ``where`` rule, else :func:`default_choice`."""
+        return bool(self.where(name, mod)) if self.where is not None \
+            else default_choice(name, mod)
+
+    def defers(self, path: str, mod: nn.Module) -> bool:
+        """Whether a weight is left without values when its module is registered (the
+        rule is applied at the end of the block, with qualified names)."""
+        if not isinstance(mod, nn.Linear) or is_adapter(path):
+            return False
+        return self.where is not None or path.rsplit(".", 1)[-1] != "lm_head"
+
+    def check(self, name: str, shape: torch.Size) -> None:
+        """Refuse, naming the weight, a shape NF4 cannot hold in whole blocks."""
+        per = self.block_size * self.scaler_block_size
+        if len(shape) != 2 or shape.numel() % per:
+            raise ShardwiseError(
+                f"{name} ({list(shape)}, {shape.numel()} elements) cannot be quantized to "
+                f"NF4 with block_size={self.block_size} and scaler_block_size="
+                f"{self.scaler_block_size}: NF4 takes 2-D weights whose size is a multiple "
+                f"of block_size * scaler_block_size = {per}. Pass quantize=NF4(...) with "
+                f"smaller blocks, or a where= rule that leaves it out")
+
+    def placeholder(self, shape: torch.Size, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+        """An ``NF4Tensor`` of ``shape`` holding zeros, in no memory (zero-stride inner
+        tensors); ``sw.shard`` allocates each rank's share, ``load_pretrained`` fills it."""
+        mod = nf4_module()
+        n = shape.numel()
+        blocks = n // self.block_size
+
+        def zeros(count: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(1, dtype=dt, device=device).expand(count)
+
+        lut = mod.to_nf4(torch.zeros(self.block_size * self.scaler_block_size, dtype=dtype,
+                                     device=device),
+                         self.block_size, self.scaler_block_size).nf4
+        meta = mod.SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, dtype, device,
+                                      False)
+        return mod.NF4Tensor(meta, self.block_size, blocks, self.scaler_block_size,
+                             zeros(blocks, torch.int8),
+                             zeros(blocks // self.scaler_block_size, dtype),
+                             torch.zeros((), dtype=dtype, device=device),
+                             zeros(n // 2, torch.uint8), lut)
+
+    def quantize(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` as an ``NF4Tensor``, exactly as ``quantize_nf4`` makes it."""
+        return nf4_module().to_nf4(full, self.block_size, self.scaler_block_size)
+
+
+def resolve(quantize: object) -> NF4 | None:
+    """The rule ``sw.sharded_init(quantize=)`` was given, checked.
+
+    Raises:
+        ShardwiseError: anything but ``None``, ``"nf4"``, a callable or an :class:`NF4`.
+    """
+    if quantize is None:
+        return None
+    if isinstance(quantize, NF4):
+        rule = quantize
+    elif isinstance(quantize, str):
+        if quantize.lower() != "nf4":
+            raise ShardwiseError(f"sw.sharded_init(quantize={quantize!r}): unknown "
+                                 f"quantization; the one supported is 'nf4' (or a callable "
+                                 f"(name, module) -> bool choosing the layers, or NF4(...))")
+        rule = NF4()
+    elif callable(quantize):
+        rule = NF4(where=quantize)
+    else:
+        raise ShardwiseError(f"sw.sharded_init(quantize=...) takes 'nf4', a callable "
+                             f"(name, module) -> bool or NF4(...), not a "
+                             f"{type(quantize).__name__}")
+    for what, v in (("block_size", rule.block_size),
+                    ("scaler_block_size", rule.scaler_block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ShardwiseError(f"NF4({what}={v!r}): must be a positive int")
+    nf4_module()  # fail now, not at the end of the block, when torchao is missing
+    return rule
+
+
+# -- weights awaiting load (Note [quantize while loading]) ------------------------------
+_AWAITING: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def mark_awaiting(mod: nn.Module, attr: str) -> None:
+    """Record that ``mod.<attr>`` is a parameter of a quantized base still to be loaded
+    (a forward is refused, naming it, until :func:`mark_loaded`: Note [the base awaits
+    loading])."""
+    _AWAITING.setdefault(mod, set()).add(attr)
+
+
+def awaiting(root: nn.Module) -> list[str]:
+    """Qualified names of the parameters under ``root`` still awaiting
+    ``load_pretrained``."""
+    return [f"{name}.{attr}" if name else attr for name, mod in root.named_modules()
+            for attr in sorted(_AWAITING.get(mod, ()))]
+
+
+def mark_loaded(root: nn.Module, names: set[str]) -> None:
+    """The weights of ``root`` named ``names`` now hold loaded values."""
+    for name, mod in root.named_modules():
+        attrs = _AWAITING.get(mod)
+        if attrs:
+            attrs -= {a for a in attrs if (f"{name}.{a}" if name else a) in names}
+            if not attrs:
+                del _AWAITING[mod]
+
+
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_guard_handle: Any = None
+
+
+def guard_forward(root: nn.Module) -> None:
+    """Make ``root``, and any sharded model holding it, refuse to run forward while any
+    of its weights awaits loading.
+
+    A global forward pre-hook: those run before a module's own hooks, so the refusal
+    comes before shardwise's root hook starts gathering (an error inside a forward
+    would leave the units gathered). It removes itself once nothing awaits loading.
+    """
+    global _guard_handle
+    _GUARDED.add(root)
+    if _guard_handle is None:
+        _guard_handle = torch_module.register_module_forward_pre_hook(_refuse_unloaded)
+
+
+def _refuse_unloaded(module: nn.Module, args: Any) -> None:
+    global _guard_handle
+    if not _AWAITING:
+        if _guard_handle is not None:
+            _guard_handle.remove()
+            _guard_handle = None
+        return
+    if module not in _GUARDED and not is_sharded_root(module):
+        return
+    names = awaiting(module)
+    if names:
+        raise ShardwiseError(
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''} ({len(names)} "
+            f"parameters) were built under sw.sharded_init(quantize=...), or are "
+            f"quantized weights an sw.load_pretrained that failed left part-loaded, and "
+            f"have not been loaded: sw.load_pretrained(model, source), after sw.shard, "
+            f"gives them their values, and the model does not run until such a load has "
+            f"completed (docs/qlora.md)")

@@ -1,0 +1,900 @@
+"""Per-model runtime state: the units, their order, and one iteration's phase.
+
+Lives on the root module (``_registry.model_state``); nothing here is global, so any
+number of sharded models, on any groups, can live in one process. Every hook event is one
+``on_*`` method of :class:`ModelState`; ``engine/iteration/hooks.py`` only forwards to them.
+
+::
+
+    IDLE ──root forward──► FORWARD ──output needs grad──► AWAITING_BACKWARD
+      ▲                       │ (no grad: release all)         │ first gradient
+      └───────────────────────┴──◄── finish_backward ◄── BACKWARD ◄┘
+
+Note [collective order]
+Every rank must issue the same collectives in the same order. Gathers happen in the
+order units run (forward, then backward, which autograd executes deterministically), and
+prefetches follow the order recorded in the previous iteration, which is identical on
+every rank when every rank runs the same code (SPMD). Reductions left for the end of
+backward run in the fixed order of ``units``. Under gloo (or with ``SHARDWISE_CHECK=1``)
+ranks check that they run the same units, end the forward and start a backward together
+(``comm/order_check.py``; under gloo without a round trip, Note [checks ride the exchanges]),
+so a divergence (a rank skipping the first, a middle or the last unit, or running one
+twice) raises a clear error on every rank instead of hanging, aborting or mixing up
+shards. Units pinned by ``gathered()`` compute without communicating and are not
+checked: ranks may run them different numbers of times (``comm/order_check.py``).
+
+Note [a forward inside gathered]
+A forward that computes on pinned units alone (the model, or the unit called, whole inside
+``gathered()``) communicates nothing, so it may run on one rank (the documented one-rank
+evaluation), also between a training forward and its backward. It must then leave nothing
+behind that decides later collectives: it runs no order check and prefetches nothing, and
+calls of pinned units are never recorded in the order, which becomes the previous order
+that decides the next forward's prefetches and which unit stays gathered for its backward
+(``_runs_last``). Before, rank 0's evaluation before the first training step gave it an
+order its peers lacked: it prefetched where they gathered on demand and kept the last
+block gathered where they resharded it, so its next forward diverged (a hang with the
+order check off). An evaluation joining a forward whose backward was awaited appended its
+calls to that forward's order, with the same result one step later.
+
+Note [forward entries]
+A forward of the model starts at its *entry*, the module whose call starts it while no
+forward of the model runs, and ends when that call returns (or raises, Note [a forward
+that raised]). Every entry runs the same events as the root's call (order check, new
+iteration or joining one whose backward is awaited, phase), so every rank issues the
+same collectives whichever module it called. There are three kinds:
+
+- the root, the usual one;
+- a unit called on its own, outside the root's forward (``model[0](x)``, a chunked-loss
+  head called on slices of the root's output), as FSDP2 allows. Between its call and its
+  return the unit is gathered, prefetches and reshards as inside the root's forward,
+  its outputs are hooked and its inputs wrapped, so its backward gathers it again and
+  reduces its gradients with the rest. It may compute with a parameter owned by a unit
+  outside it: a head tied to the embedding (``assign_units`` gives a shared parameter to
+  the innermost unit holding every use, the root). Those owners (``_borrowed``) are
+  gathered before the entry and before its backward, and stay gathered until the
+  iteration ends, as the root does;
+- a module standing for the root of a wrapper: a root whose forward only hands its
+  inputs to one child (a PEFT ``PeftModel`` wrapping the ``LlamaForCausalLM`` it adapts,
+  through its ``LoraModel``) is not always entered through that forward:
+  ``PeftModel.generate`` calls the inner model's ``generate``, whose loop calls the inner
+  model itself. The root unit's parameters (the embedding, the final norm, the head)
+  were then used without the root's forward hook, as DTensor shards, and the first op
+  mixing them with the inputs failed ("got mixed torch.Tensor and DTensor"). So each
+  module of that chain (a module owning no parameter itself whose parameters all live in
+  one child, not a unit, descending from the root; ``engine/iteration/hooks.py``,
+  ``wrapped_models``) is an entry for the root unit: its call, outside a forward, is the
+  root's forward. Called inside one (``PeftModel.forward`` calls it), it does nothing.
+  ``generate`` on the inner model sees the markers of ``mark_collective_forward`` and
+  turns on ``synced_gpus``, so ranks whose sequences stop at different lengths run the
+  same number of forwards, as for a sharded model that is not wrapped.
+
+``_entry`` is the unit the running forward started as (the root for the first and the
+last kind) and ``_entry_module`` the module whose call started it: only that call's end
+ends the forward. Every rank must enter through the same modules in the same order; the
+order check covers these calls.
+
+Note [a forward that raised]
+A forward whose entry raised (its own code, a unit inside it, a hook: the order check
+finding ranks diverged) never reaches its end. Left so, the phase stayed FORWARD with
+the entry set, so the next call of a unit did not start a forward of its own, and
+DTensor's table kept our handler (Note [a unit's parameter used outside it] in
+engine/iteration/mixed.py) for every operation of the process. Every entry (a unit's module, or
+a wrapper's, Note [forward entries]) therefore has a forward hook that torch calls also
+when the call raises (``always_call``): ``on_forward_raised`` ends the forward that call
+started, releasing its units, or returning to the awaited backward when the forward
+joined one (unless ranks diverged meanwhile: that iteration is abandoned too, as every
+collective it left in flight is). The partial order it
+recorded is dropped, so that it decides no prefetch.
+
+Note [gathered across micro-batches]
+Under ``no_sync`` (or ``require_backward_grad_sync=False``) a micro-batch's backward
+sends nothing, and the next micro-batch computes with the same parameters. Resharding
+each unit after its backward and gathering it again for the next forward and backward
+was the whole of accumulation's cost over DDP (docs/performance.md, "Gradient
+accumulation"). So a trainable unit (within the limits below) stays gathered
+(``Unit.hold``, ``_keeps``): its forward does not reshard it, and neither the end of the
+backward nor the next forward's start releases it. Its gradients stay in the full
+parameters' ``.grad``, where autograd adds the next micro-batch's, as DDP's do
+(``Unit.defer``, ``_defers``): the same additions, in the same order and dtype, as the
+accumulator's (engine/groups/reduce.py), which the synced backward then scales and reduces, so
+the result is the same bits. Where autograd would sum differently (the reproducible
+mode, a reduce dtype other than the compute dtype) or the accumulator already holds part
+of the step, its reduction moves them into the accumulator instead; resharding a unit
+whose gradients wait in ``.grad`` moves them there first. The synced micro-batch's
+forward leaves it gathered too (it is held), and that backward's reduction reshards it
+as any step does, so after the optimizer step every unit is sharded again. The cost is
+memory: the full parameters beside the full gradients the accumulator holds anyway. So
+a unit is held only when its frozen parameters are no larger than its trainable ones
+(a LoRA base would hold its whole full weight for a small adapter's gradients) and none
+is quantized or offloaded, and ``sw.no_sync(model, keep_gathered=False)`` reshards as
+before. A held unit is let go, with no collective,
+where its full parameters would be wrong or in the way: a shard changed since it was
+gathered (an optimizer step inside ``no_sync``; ``release_all`` checks at the next
+forward), a forward without backward or one that raised, an aborted backward, a
+checkpoint read or written, ``load_state_dict`` and entering ``sw.gathered``
+(``release_held``), and the end of a synced backward (a held unit that no micro-batch
+gave a gradient to is still reduced, with zeros, on every rank that deferred it, so that
+ranks agree on who reduces). An aborted backward's gradients that autograd already added
+to a held unit's ``.grad`` stay in the step's sum, as they do in DDP's ``.grad``. Each of these
+happens on every rank alike, so every rank gathers the same units afterwards (Note
+[collective order]); ``model.state_dict()``, which one rank may call alone, changes
+nothing and hands out the shards of held units (engine/entry_points/state_dict.py).
+
+Note [held units on one rank]
+Whether a held unit stays gathered for the next micro-batch is decided by each rank
+alone, without a collective, and two things decided it differently on some ranks only.
+A forward that raised released every held unit, so a rank that caught an exception in a
+micro-batch's forward gathered them all again while its peers computed with theirs, and
+every rank failed with an order-check error blaming "a branch that chooses modules by
+rank"; under DDP the same loop goes on. So a forward that raised keeps the held units
+whose shards did not change (``on_forward_raised``): what it gathered itself is
+released, what was held before it stays, and the ranks stay in step wherever the
+raising forward gathered nothing (under gloo a rank whose raising forward did gather is
+told apart by the order check, as before). A unit whose shard changed since it was
+gathered (an edit of the shards, an optimizer step, on this rank inside ``no_sync``) is
+gathered again; where that happened on some ranks only, they diverge, and the order
+check's notes say so: the forward's first unit note names the units this rank gathers
+again and why (``_regathering``), and the error's advice leads with that cause.
+
+Note [a backward that accumulates nothing]
+``torch.autograd.grad(loss, x)`` runs a backward through the model that accumulates into
+no parameter (a saliency map, an adversarial example's input gradient, a gradient
+penalty). DDP's reducer, hooked on the parameters' accumulation, does not see it. Here
+it reached the units' hooks and counted as the iteration's backward: it reduced and
+published what ``no_sync`` had accumulated, then the loss's own backward reduced the
+rest, a sum in another order than DDP's (one ulp apart), refused outright by the
+reproducible mode as a second mean. So the first hook of a backward asks autograd
+whether it will accumulate into the model's trainable parameters (one full parameter's
+``AccumulateGrad`` node per trainable group, ``torch._C._will_engine_execute_node``). If
+not, the backward is set aside (``_set_aside``): units are gathered for it as for any
+backward, nothing is counted or reduced, the phase stays, and its end reshards what it
+gathered. A parameter's gradient arriving after all (``backward(inputs=...)`` naming a
+parameter the probe did not ask about, a reentrant checkpoint whose parameters only its
+inner backward reaches) makes it the iteration's backward on the spot; the units whose
+backward was skipped until then are reduced at its end, as units whose gradients came
+without a counted forward are. A backward set aside that records a graph (``create_graph
+=True``: a gradient penalty) keeps what it gathered, since that graph computes with the
+full parameters, and the backward through it reduces every unit at its end, once the
+penalty's gradients have come too.
+
+Note [a backward that records a graph]
+A backward with ``create_graph=True`` that accumulates into the parameters
+(``loss.backward(create_graph=True)``) gives gradients that carry a graph through the full
+parameters, which the engine frees after each unit's backward and whose reduced shards
+carry no graph: the second backward read freed storage (a bare ``setStorage`` error). It
+is refused at its first hook, before anything changes, on every rank running it. (DDP's
+own optimizer step then fails on such gradients: "a leaf Variable that requires grad is
+being used in an in-place operation".) A gradient penalty,
+``torch.autograd.grad(loss, x, create_graph=True)``, accumulates into no parameter and
+is supported (Note [a backward that accumulates nothing]).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn as nn
+
+from ..._registry import STATE, attach_to, attached, instance_attribute
+from ...comm.collectives import Comm
+from ...comm.mesh import Topology
+from ...comm.order_check import ModelChecks
+from ...comm.peers import ACTIVITY
+from ...errors import ShardwiseError
+from . import lent, mixed
+from .autograd import in_backward, output_tensors, prepare_inputs
+from .exact_checks import DropoutWarning, LossSeeds
+from .model_check import check_model
+from .running_stats import RunningStats
+from .step_log import StepLog
+from .unit import Unit, sharded_param
+
+
+class Phase(enum.Enum):
+    """Where one model is in its training iteration."""
+
+    IDLE = "idle"                            # every unit sharded, nothing in flight
+    FORWARD = "forward"                      # inside the root's forward
+    AWAITING_BACKWARD = "awaiting backward"  # a forward whose output needs grad is done
+    BACKWARD = "backward"                    # backward runs; the end callback is queued
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``shard`` was given that the engine runs by; a deep copy runs by the same."""
+
+    reshard_after_forward: bool | int
+    prefetch: int  # units gathered ahead of the one computing
+    reproducible: bool  # Note [reproducible reduction] in exact/reduce.py
+    cast_inputs: torch.dtype | None  # MixedPrecision.param_dtype
+    src_rank: int
+    offload: Any = None  # an engine/groups/offload Offload, or None: every state on the device
+
+
+class ModelState:
+    """One sharded model's phase and unit order, and its events. What the events also
+    drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
+    engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
+    step log (engine/iteration/step_log.py), the dropout warning
+    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py)."""
+
+    def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
+                 buffer_sync: Any, settings: Settings) -> None:
+        self.root = root
+        self.topology = topology
+        self.comm: Comm = topology.world  # every rank of the model (Note [hybrid sharding])
+        self.units = units  # root first, then in module order
+        self.buffers = buffer_sync
+        self.settings = settings
+        self.src_rank = settings.src_rank
+        self.in_no_sync = False  # inside sw.no_sync
+        # sw.no_sync(keep_gathered=): Note [gathered across micro-batches]
+        self.keep_gathered = True
+        self.prefetch = settings.prefetch
+        self.phase = Phase.IDLE
+        self._prev_order: list[Unit] = []
+        self._order: list[Unit] = []
+        self._joins_pending = False  # this forward started while a backward was awaited
+        self._entry: Unit | None = None  # what the running forward started as
+        self._entry_module: nn.Module | None = None  # whose call started it
+        self._pinned = False  # the running forward computes on pinned units alone
+        self._borrowed_cache: dict[int, list[Unit]] = {}
+        self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
+        # Note [flags of a forward without gradients] in engine/iteration/unit.py
+        self._frozen_for_backward: list[Any] = []
+        # Note [a backward that accumulates nothing]: the units sharded when such a
+        # backward began (it runs when not None), and whether the next backward reduces
+        # only at its end.
+        self._aside: list[Unit] | None = None
+        self._reduce_at_end = False
+        # A no_sync backward ran since the last synced one (holds_grads looks further).
+        self._accumulated = False
+        # Held units this rank released as stale, for the next unit note (Note [held
+        # units on one rank]).
+        self._regathering: list[str] = []
+        self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
+        # reproducible=True: Note [reproducible running statistics]
+        self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
+        channel = self.comm.channel
+        self.number = channel.models  # among the models on its group, in creation order
+        channel.models += 1
+        self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
+        self.log = StepLog(topology, units)
+        self.dropout = DropoutWarning(root) if settings.reproducible else None
+        # Note [a divided loss] in engine/iteration/exact_checks.py
+        self.loss_seeds = LossSeeds(units) if settings.reproducible else None
+        for i, u in enumerate(units):
+            u.model = self
+            u.index = i
+
+    # Note [DDP's sync attribute]
+    # DDP's own switch for gradient accumulation is an attribute, and nanoGPT sets it
+    # before each micro-step's forward: `model.require_backward_grad_sync = (micro_step
+    # == steps - 1)`. On a sharded root it is a plain attribute that nothing read, so
+    # every micro-step reduced its gradients: the same sums, but a reduce-scatter per
+    # micro-step where DDP sends none, and no error. It is read wherever sw.no_sync's flag
+    # is, so False there means exactly what sw.no_sync means.
+    @property
+    def requires_grad_sync(self) -> bool:
+        """Whether a backward reduces its gradients: not inside ``sw.no_sync``, nor while
+        the root's ``require_backward_grad_sync`` is set to False (Note [DDP's sync
+        attribute])."""
+        return not self.in_no_sync and bool(
+            instance_attribute(self.root, "require_backward_grad_sync", True))
+
+    @property
+    def awaiting_backward(self) -> bool:
+        """Whether a forward's backward has not finished (full parameters may be saved)."""
+        return self.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD)
+
+    def release_all(self, keep_held: bool = False) -> None:
+        """Reshard every unit and forget the iteration's bookkeeping. ``keep_held``: a
+        unit held across micro-batches stays gathered, unless its shard changed since
+        (Note [gathered across micro-batches])."""
+        for u in self.units:
+            keep = keep_held and u.held and self.keep_gathered
+            if keep and u.is_stale():  # Note [held units on one rank]
+                self._regathering.append(u.name)
+            if not (keep and not u.is_stale()):
+                u.reshard()
+            u.reset_iteration()
+
+    def release_held(self) -> None:
+        """Reshard the units held across micro-batches (no communication), before
+        something reads or writes the shards: a checkpoint, ``load_state_dict``. Every
+        rank must call it at the same point (Note [gathered across micro-batches])."""
+        if self.phase is Phase.IDLE:
+            for u in self.units:
+                if u.held:
+                    u.reshard()
+
+    def _may_hold(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered across the micro-batches of a ``no_sync``
+        accumulation (Note [gathered across micro-batches]): its groups are on the device
+        (not offloaded), none is quantized, and its frozen parameters are no larger than
+        its trainable ones, whose accumulated gradients are held anyway."""
+        if not (self.keep_gathered and unit.groups and not unit.packed):
+            return False
+        trainable = sum(g.full_bytes for g in unit.groups if g.requires_grad)
+        frozen = sum(g.full_bytes for g in unit.groups if not g.requires_grad)
+        return (frozen <= trainable
+                and all(g.offload_description() is None for g in unit.groups))
+
+    def _defers(self, unit: Unit) -> bool:
+        """Whether a held unit's gradients may wait in ``.grad`` (Note [gathered across
+        micro-batches]): autograd's sums there are the accumulator's only where the
+        accumulator would add in the same dtype, one micro-batch after the other, from
+        empty. Not in the reproducible mode (its sums are exact), under mixed precision
+        with another reduce dtype, nor once the accumulator holds part of the step."""
+        return all(not g.reduction.exact and not g.reduction.has_accumulated()
+                   and g.reduce_dtype == g.compute_dtype for g in unit.trainable_groups)
+
+    def _keeps(self, unit: Unit) -> bool:
+        """Whether ``unit`` stays gathered after its forward or its backward's reduction
+        because gradients accumulate (Note [gathered across micro-batches])."""
+        return (unit.held or not self.requires_grad_sync) and self._may_hold(unit)
+
+    def recover(self) -> None:
+        """Start clean if the last iteration cannot complete.
+
+        Autograd drops the end-of-backward callback when backward raises (an OOM skipped
+        by the user, an interrupt), and a forward with gradients whose backward never came
+        leaves units gathered with values an optimizer step has since changed. Either way
+        the unfinished iteration is abandoned: no gradient of it reaches the shards.
+        """
+        aborted = self.phase is Phase.BACKWARD
+        stale = self.phase is Phase.AWAITING_BACKWARD and any(
+            g.is_stale() for u in self.units for g in u.groups)
+        if not (aborted or stale):
+            return
+        self.phase = Phase.IDLE
+        self._reducing = None
+        self._aside, self._reduce_at_end = None, False
+        self._thaw_after_backward()
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.reduction.drop()
+        self.release_all()
+
+    # -- forward events ----------------------------------------------------------------
+    def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict,
+                       module: nn.Module | None = None) -> tuple | None:
+        """A unit's forward starts: gather it, prefetch the next, wrap its inputs.
+        ``module``: the module called, when it stands for the root unit (Note [forward
+        entries]); it counts only outside a forward."""
+        if in_backward():  # Note [recompute] in engine/iteration/autograd.py
+            unit.finish_gather()
+            return None
+        if module is not None and self.phase is Phase.FORWARD:
+            return None
+        if unit.is_root or self.phase is not Phase.FORWARD:
+            self._start_forward(unit, module or unit.module)  # Note [forward entries]
+        if self._order_checked(unit):
+            # Note [held units on one rank]: the forward's first note says it.
+            again, self._regathering = self._regathering, []
+            self.checks.unit(unit.index, unit.name if not again else
+                             f"{unit.name} (gathered again: {', '.join(again[:3])}, whose "
+                             f"shards changed on this rank since the previous micro-batch "
+                             f"under sw.no_sync)")
+        if unit is self._entry and not unit.is_root:
+            for owner in self._borrowed(unit):
+                owner.finish_gather()
+        unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
+        self._record_call(unit)
+        return prepare_inputs(unit, args, kwargs)
+
+    def _all_pinned(self, entry: Unit) -> bool:
+        """Whether every unit a forward entered at ``entry`` may gather is pinned by
+        ``gathered()``: it then runs whole on each rank, without collectives. For the
+        root that is every unit holding parameters; for a unit called on its own, the
+        units inside it and those it borrows from (Note [forward entries])."""
+        scope = self.units if entry.is_root else self._nested(entry) + self._borrowed(entry)
+        return all(u.pins for u in scope if u.holds_params)
+
+    def _nested(self, unit: Unit) -> list[Unit]:
+        """``unit`` and the units inside its module."""
+        inside = {id(m) for m in unit.module.modules()}
+        return [u for u in self.units if id(u.module) in inside]
+
+    def _borrowed(self, unit: Unit) -> list[Unit]:
+        """The units outside ``unit`` owning a parameter registered inside it: a weight
+        tied to one elsewhere belongs to the innermost unit holding both
+        (``assign_units``), so an output head tied to the embedding computes with a
+        parameter of the root. Cached: the model's structure is fixed at ``shard``."""
+        if unit.index not in self._borrowed_cache:
+            nested = {id(u) for u in self._nested(unit)}
+            owners: list[Unit] = []
+            for m in unit.module.modules():
+                for p in m._parameters.values():
+                    sp = sharded_param(p) if p is not None else None
+                    if (sp is not None and sp.unit is not None and id(sp.unit) not in nested
+                            and all(sp.unit is not o for o in owners)):
+                        owners.append(sp.unit)
+            self._borrowed_cache[unit.index] = sorted(owners, key=lambda u: u.index)
+        return self._borrowed_cache[unit.index]
+
+    def _order_checked(self, unit: Unit) -> bool:
+        """Whether the order check covers this call of ``unit``. A unit pinned by
+        ``gathered()`` runs without communicating, so ranks may run it a different number
+        of times (``generate`` stopping at different lengths): it is not checked. A unit
+        without parameters is, for it prefetches the next one, unless the forward runs
+        pinned whole (then no check runs at all: one joining a forward whose backward is
+        awaited must not feed that forward's check, which only this rank would)."""
+        return not unit.pins and not self._pinned
+
+    def on_post_forward(self, unit: Unit, output: Any,
+                        module: nn.Module | None = None) -> Any:
+        """A unit's forward ended: hook its outputs for backward, reshard what may go.
+        Returns what replaces the output, or ``None`` (Note [returned parameters] in
+        engine/iteration/lent.py). ``module``: as for :meth:`on_pre_forward`."""
+        if in_backward():  # Note [recompute]
+            return None
+        if module is not None and module is not self._entry_module:
+            return None  # an entry called inside the running forward
+        hooked = False
+        tensors, unsearched = output_tensors(output)
+        opaque = unsearched and torch.is_grad_enabled()  # without a gradient no backward
+        if torch.is_grad_enabled():
+            index = unit.call_index
+            for t in tensors:
+                if t.requires_grad:
+                    hooked = True
+                    # A leaf is a parameter returned as it is (Note [returned
+                    # parameters]): a hook on it would stay for every later backward.
+                    if not t.is_leaf:
+                        t.register_hook(lambda grad, i=index: self.on_pre_backward(unit, i))
+        if unit.is_root:
+            if self.loss_seeds is not None:
+                self.loss_seeds.watch(output)  # Note [a divided loss]
+            return self._end_forward(unit, hooked, opaque, output)
+        if lent.lends(unit, output, tensors, unsearched):
+            # Stays gathered: Note [returned parameters] in engine/iteration/lent.py.
+            unit.drop_kept()
+        elif not torch.is_grad_enabled():
+            unit.reshard()
+        elif self._keeps(unit):
+            unit.drop_kept()  # Note [gathered across micro-batches]
+        elif unit.reshard_after_forward:
+            # A unit that stays gathered is not gathered again for its backward: the part
+            # kept for that (Note [secondary shards]) would only take memory.
+            if hooked:
+                if not self._runs_last(unit):  # else its backward comes next: keep it
+                    unit.reshard()
+                else:
+                    unit.drop_kept()
+            # Without a hooked output nothing would gather the unit again before its
+            # backward: a frozen one may go, a trainable one stays until backward ends.
+            elif not any(p.requires_grad for p in unit.params):
+                unit.reshard()
+            else:
+                unit.drop_kept()
+        if unit is self._entry:
+            return self._end_forward(unit, hooked, opaque, output)
+        return None
+
+    def _start_forward(self, entry: Unit, module: nn.Module) -> None:
+        """A forward of the model starts at ``entry``: the root, or a unit called on its
+        own (Note [forward entries])."""
+        # Note [a backward that accumulates nothing]: one that raised never reached its
+        # end callback; no backward runs while a forward starts.
+        self._aside = None
+        # Note [flags of a forward without gradients] in engine/iteration/unit.py
+        recording = torch.is_grad_enabled()
+        check_model(self.root, self.units, follow_flags=recording)
+        if recording:  # Note [tensor hooks on shards] in engine/groups/flat.py
+            for u in self.units:
+                for g in u.trainable_groups:
+                    g.follow_tensor_hooks()
+        pinned = self._all_pinned(entry)
+        self.buffers.forward_started(self.number, communicates=not pinned)
+        if self.dropout is not None:
+            self.dropout.forward_started()
+        # Note [gathered across micro-batches]: held units stay only after an iteration
+        # that ended as it should on every rank; else ranks may hold different ones.
+        keep_held = self.phase is Phase.IDLE
+        if self.checks.diverged():
+            # Ranks diverged since the last forward: the orders they recorded may differ,
+            # and prefetches follow them. Every rank forgets its order, so the next
+            # forward prefetches nothing on every rank.
+            self._prev_order, self._order = [], []
+            keep_held = False
+        self.recover()
+        self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
+        # Note [a forward inside gathered]: no collective, so nothing to check; joining
+        # an awaited backward, the check of that backward's forward stays.
+        self.checks.start_forward(communicates=not pinned, joins=self._joins_pending)
+        if not self._joins_pending:
+            # A new iteration. Units left gathered by an exception are released first.
+            if self._order:  # Note [a forward inside gathered]: none recorded there
+                self._prev_order = self._order
+            self._order = []
+            self.release_all(keep_held)
+        self._entry, self._entry_module = entry, module
+        self._pinned = pinned
+        self.phase = Phase.FORWARD
+        if not pinned:  # last: whatever raised before left the table as it was
+            mixed.forward_started(self)  # Note [a unit's parameter used outside it]
+        ACTIVITY.enter("model", f"the forward of step {self.steps + 1}")
+
+    def _record_call(self, unit: Unit) -> None:
+        """Note the call and prefetch the ``prefetch`` units that ran next last time. The
+        order holds only calls that communicate: not a pinned unit's, nor any call of a
+        forward inside ``gathered()`` (Note [a forward inside gathered])."""
+        pos = len(self._order)
+        unit.record_call(pos)
+        if self._pinned or unit.pins:
+            return
+        self._order.append(unit)
+        prev = self._prev_order
+        if pos < len(prev) and prev[pos] is unit and not self._pinned:
+            for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
+                nxt.start_gather()
+            if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
+                prev[pos + 1 + self.prefetch].read_ahead()
+
+    def _runs_last(self, unit: Unit) -> bool:
+        """Whether ``unit`` ran last in the previous forward and this forward has followed
+        that order so far. Its backward then comes first, right after the loss: resharding
+        it would only gather it again at once, an all-gather and a copy-out per step with
+        nothing to overlap them (torchtitan keeps its last block gathered by hand for
+        this reason). If the order changes, the unit just stays gathered until its
+        backward, as with ``reshard_after_forward=False``."""
+        prev = self._prev_order
+        return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
+
+    def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
+        """The forward's entry unit (Note [forward entries]) returned; what
+        replaces its output, or ``None``."""
+        self._entry = self._entry_module = None
+        mixed.forward_ended(self)
+        if not self._pinned:  # a pinned forward runs on this rank alone: nothing to check
+            self.checks.end_forward(len(self._order))
+        # Note [buffer sync point] in engine/iteration/buffers.py
+        self.buffers.forward_ended(self.root.training, communicates=not self._pinned)
+        if hooked or opaque or self._joins_pending:
+            # An output we cannot search may still lead to a backward: keep what it may
+            # need gathered rather than free parameters autograd saved.
+            self.phase = Phase.AWAITING_BACKWARD
+            ACTIVITY.enter("model", f"the forward of step {self.steps + 1}, awaiting its "
+                                    f"backward")
+            if self._pinned:
+                return None
+            # Note [returned parameters] in engine/iteration/lent.py: the backward's end frees them
+            try:
+                return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                                      None)
+            except ShardwiseError:
+                if not self._joins_pending:  # the caller gets no output to run backward on
+                    self._abandon(f"a forward refused (after step {self.steps})")
+                raise
+        ACTIVITY.leave(f"a forward without backward (after step {self.steps})")
+        self.phase = Phase.IDLE  # no backward will come: release everything now
+        try:
+            if self._pinned:
+                self.release_all()
+                return None
+            # Note [returned parameters] in engine/iteration/lent.py; refuses after releasing
+            return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                                  self.release_all)
+        finally:
+            self.buffers.step_ended()
+
+    def on_forward_raised(self, module: nn.Module) -> None:
+        """A call of ``module`` (a unit's, or an entry's, Note [forward entries]) raised,
+        in its forward or a hook before it; the exception goes on. If that call started
+        the running forward (Note [a forward that raised]), end it here."""
+        if module is not self._entry_module or self.phase is not Phase.FORWARD:
+            return
+        self._entry = self._entry_module = None
+        mixed.forward_ended(self)
+        if self._joins_pending and not self.checks.diverging():
+            ACTIVITY.leave(f"a forward that raised (after step {self.steps})")
+            self.phase = Phase.AWAITING_BACKWARD  # the awaited backward may still come
+            return
+        # Note [held units on one rank]: what was held before this forward stays.
+        self._abandon(f"a forward that raised (after step {self.steps})",
+                      keep_held=not self.checks.diverging())
+
+    def _abandon(self, why: str, keep_held: bool = False) -> None:
+        """No backward can follow the forward that just ended: release everything (but,
+        with ``keep_held``, the units held across micro-batches)."""
+        ACTIVITY.leave(why)
+        self.checks.abandon()
+        self.phase = Phase.IDLE
+        self._order = []  # a partial order must not decide the next prefetches
+        self.release_all(keep_held)
+
+    # -- backward events ---------------------------------------------------------------
+    def ensure_backward_callback(self, accumulating: bool = False) -> None:
+        """Queue :meth:`finish_backward` once per backward (the first gradient's hook).
+        ``accumulating``: called as a gradient reached a parameter. A backward that
+        reaches no parameter is not the iteration's (Note [a backward that accumulates
+        nothing])."""
+        if self.phase is not Phase.BACKWARD:
+            if self._aside is not None:
+                if not accumulating:
+                    return
+                self._aside = None  # a parameter's gradient came after all: a real one
+            elif not accumulating and not self._accumulates():
+                self._set_aside()
+                return
+            if torch.is_grad_enabled():
+                # Note [a backward that records a graph]
+                raise ShardwiseError(
+                    "a backward with create_graph=True that accumulates into the "
+                    "parameters (loss.backward(create_graph=True), a double backward "
+                    "through the weights) reached a sharded model: the graph it records "
+                    "computes with the full parameters that the engine frees after each "
+                    "unit's backward. This is not supported yet; nothing was changed. "
+                    "torch.autograd.grad(loss, inputs, create_graph=True) (a gradient "
+                    "penalty) is supported")
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self.phase = Phase.BACKWARD
+            self._freeze_for_backward()
+            ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
+            self.checks.backward(self.requires_grad_sync)
+
+    def _accumulates(self) -> bool:
+        """Whether the running backward will accumulate into a trainable parameter of
+        the model: one full parameter per trainable group asked (Note [a backward that
+        accumulates nothing])."""
+        for u in self.units:
+            for g in u.trainable_groups:
+                p = next((p for p in g.params if p.requires_grad and p.full.requires_grad),
+                         None)
+                if p is None:
+                    continue
+                if p.accumulator is None:
+                    with torch.enable_grad():  # a backward runs with gradients off
+                        node = p.full.view_as(p.full).grad_fn
+                    assert node is not None, "a view of a leaf that requires grad"
+                    p.accumulator = node.next_functions[0][0]
+                if torch._C._will_engine_execute_node(p.accumulator):
+                    return True
+        return False
+
+    def _set_aside(self) -> None:
+        """Note [a backward that accumulates nothing]: the running backward gathers what
+        it needs and reduces nothing; its end puts the units back as the forward left
+        them, unless it records a graph a later backward runs through."""
+        self._aside = [u for u in self.units if u.is_sharded()]
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_aside)
+
+    def _end_aside(self) -> None:
+        if self._aside is None:  # became the iteration's backward (a parameter's gradient)
+            return
+        gathered_for_it, self._aside = self._aside, None
+        if torch.is_grad_enabled():
+            # It recorded a graph through the full parameters (a gradient penalty's
+            # torch.autograd.grad(..., create_graph=True)): they stay gathered, and the
+            # backward through it reduces at its end, when every gradient has come.
+            self._reduce_at_end = True
+            return
+        for u in gathered_for_it:
+            u.reshard()
+
+    def _freeze_for_backward(self) -> None:
+        """Note [flags of a forward without gradients] in engine/iteration/unit.py: a parameter
+        frozen on its shard between its forward and this backward gets no gradient, as
+        autograd gives none to a leaf frozen after its forward: its full parameter, which
+        autograd accumulates into, is frozen for the backward."""
+        for u in self.units:
+            for g in u.trainable_groups:
+                for p in g.params:
+                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
+                        p.full.requires_grad_(False)
+                        self._frozen_for_backward.append(p)
+
+    def _thaw_after_backward(self) -> None:
+        """Undo :meth:`_freeze_for_backward`: the shard's flag is taken up at the next
+        forward that records a graph (Note [freezing after shard])."""
+        for p in self._frozen_for_backward:
+            p.full.requires_grad_(p.requires_grad)
+        self._frozen_for_backward = []
+
+    def holds_grads(self) -> bool:
+        """Whether gradients of ``no_sync`` micro-batches wait in the engine: in a held
+        unit's full parameters or in a reduction (Note [zero_grad reaches held
+        gradients] in engine/entry_points/zero_grad.py)."""
+        return self._accumulated and any(
+            u.deferred or any(g.reduction.has_accumulated() for g in u.trainable_groups)
+            for u in self.units)
+
+    def clear_grads(self, tensors: list[torch.Tensor]) -> None:
+        """``zero_grad`` reached ``tensors`` (shards or full parameters): drop what the
+        engine holds of their gradients, before anything reduces it (Note [zero_grad
+        reaches held gradients] in engine/entry_points/zero_grad.py). Raises, with nothing changed,
+        where a mode cannot drop part of what it holds."""
+        if not self.holds_grads():
+            return
+        wanted = {id(sp) for t in tensors if (sp := sharded_param(t)) is not None}
+        plan = []
+        for u in self.units:
+            for g in u.trainable_groups:
+                which = [i for i, p in enumerate(g.params) if id(p) in wanted]
+                if which:
+                    plan.append((g, which))
+        for g, which in plan:
+            refusal = g.reduction.clear_refusal(which)
+            if refusal:
+                raise ShardwiseError(refusal)
+        for g, which in plan:
+            for i in which:
+                g.params[i].full.grad = None  # a held unit's, deferred there
+            g.reduction.clear(which)
+
+    def on_pre_backward(self, unit: Unit, call_index: int) -> None:
+        """Gradients reach a unit's output: gather it, prefetch the one before it."""
+        self.ensure_backward_callback()
+        if not unit.is_root:  # Note [forward entries]
+            for owner in self._borrowed(unit):
+                owner.finish_gather()
+        unit.finish_gather()
+        # Prefetch by this forward's order only. A backward of a forward whose iteration
+        # an earlier backward ended (FSDP2's chunked loss: a backward per slice through
+        # the head called on its own, then the root's) finds a later forward's order.
+        if not (call_index < len(self._order) and self._order[call_index] is unit):
+            return
+        for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
+            if prev.owes_backward():
+                prev.start_gather()
+        if call_index - self.prefetch - 1 >= 0:  # offloaded shards: read one further
+            self._order[call_index - self.prefetch - 1].read_ahead()
+
+    def on_post_backward(self, unit: Unit) -> None:
+        """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
+        if self._aside is not None:  # Note [a backward that accumulates nothing]
+            return
+        if unit.record_backward() and not self._reduce_at_end:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        # The order check's headers so far (the backward's own, Note [checks ride the
+        # exchanges]) are compared before any gradient is taken: a backward that ranks
+        # did not run together then aborts before it adds to what no_sync accumulated.
+        channel = self.comm.channel
+        if channel.pending():
+            channel.settle()
+        if not self.requires_grad_sync:
+            self._accumulated = True
+        if not self.requires_grad_sync and self._keeps(unit) and unit.is_gathered():
+            # Note [gathered across micro-batches]: the next micro-batch computes with
+            # these very parameters, and adds to these very gradients where it can.
+            if self._defers(unit):
+                unit.defer()
+            else:
+                unit.start_reduce(False)
+            unit.hold()
+            return
+        # Free the full parameters before the gradients are copied into the reduction
+        # buffer, not after: at the root's reduction, at the end of the backward, that
+        # is the difference between holding the root's parameters, gradients and buffer
+        # at once or only the last two (BENCHMARKS.md, live tensor bytes).
+        unit.reshard(keep_grads=True)
+        unit.start_reduce(self.requires_grad_sync)
+        unit.reshard()
+        # At most two reductions in flight: each holds a unit-sized gradient buffer, and
+        # letting them pile up until the end of backward would hold a whole model's. (A
+        # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
+        if self._reducing is not None:
+            for g in self._reducing.trainable_groups:
+                g.reduction.advance()
+        self._reducing = unit
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: reduce what is left, then publish shard gradients."""
+        for u in reversed(self.units):
+            if not u.reduced and self._needs_reduction(u):
+                self._reduce(u)
+        self._reducing = None
+        self._reduce_at_end = False
+        self._thaw_after_backward()
+        if self.requires_grad_sync:
+            self._publish_gradients([u for u in self.units if u.reduced])
+        for u in self.units:
+            late = [p.fqns[0] for p in u.params
+                    if p.full.grad is not None and u.reduced and not u.deferred]
+            if late:
+                raise ShardwiseError(
+                    f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
+                    f"was reduced; please report this with your model")
+        # Note [gathered across micro-batches]: after a synced backward nothing stays held
+        # (a held unit no micro-batch gave a gradient to would otherwise outlive the step).
+        self.release_all(keep_held=not self.requires_grad_sync)
+        if self.requires_grad_sync:
+            self._accumulated = False
+        self.phase = Phase.IDLE
+        self.steps += 1
+        if self.running_stats is not None and self.requires_grad_sync:
+            self.running_stats.replay()
+        ACTIVITY.leave(f"the backward of step {self.steps}")
+        self.buffers.step_ended()  # Note [buffer sync point] in engine/iteration/buffers.py
+        self.log.step_ended()
+
+    def mid_step(self) -> bool:
+        """Reproducible mode: whether a step's micro-batches are half summed (exact
+        accumulators or BatchNorm records waiting for the reducing backward), so that a
+        copy or a checkpoint now would miss them."""
+        if self.running_stats is not None and self.running_stats.pending():
+            return True
+        return any(g.reduction.holds_partial_step()
+                   for u in self.units for g in u.trainable_groups)
+
+    def _needs_reduction(self, u: Unit) -> bool:
+        if any(g.reduction.reduces_every_backward for g in u.trainable_groups):
+            return True  # every backward is a micro-batch of every unit's mean (a zero term)
+        # A unit whose backward never ran here may have run on another rank, so it joins
+        # the reduction with zero gradients (Note [collective order]). So do units whose
+        # gradients came without a counted forward (reentrant checkpointing recomputes in
+        # backward; a second backward through a retained graph), and units holding
+        # gradients accumulated under no_sync.
+        # A held unit's gradients deferred in .grad count as accumulated on every rank
+        # that deferred them, whether or not this rank's .grad is None (Note [gathered
+        # across micro-batches]): ranks must agree on who reduces without a collective.
+        return (u.forward_calls > 0 or any(p.full.grad is not None for p in u.params)
+                or (self.requires_grad_sync
+                    and (u.deferred
+                         or any(g.reduction.has_accumulated() for g in u.trainable_groups))))
+
+    def _publish_gradients(self, reduced: list[Unit]) -> None:
+        """Wait for the reductions and hand each parameter its gradient shard."""
+        groups = [g for u in reduced for g in u.trainable_groups]
+        if not groups:
+            return
+        # One small all-reduce says which parameters got a gradient anywhere; for each
+        # unit, whether an in-place edit of its held full parameters was kept on some rank
+        # and not on another (Note [edits of held parameters] in engine/iteration/unit.py); and, in
+        # the reproducible mode, whether a rank's loss was divided (Note [a divided loss]).
+        edited = [u.edited for u in self.units]
+        for u in self.units:
+            u.edited = False
+        flags = [int(x) for g in groups for x in g.reduction.used]
+        n, k = len(flags), len(edited)
+        flags += [int(e) for e in edited] + [int(not e) for e in edited]
+        if self.loss_seeds is not None:
+            flags.append(self.loss_seeds.answer(groups))
+        used = torch.tensor(flags, dtype=torch.int32, device=groups[0].device)
+        self.comm.all_reduce(used, op=torch.distributed.ReduceOp.MAX,
+                             what="the exchange of used-parameter flags ending the backward")
+        values = used.tolist()
+        if self.loss_seeds is not None:
+            self.loss_seeds.settle(values.pop(), groups)
+        split = [u.name for i, u in enumerate(self.units)
+                 if values[n + i] and values[n + k + i]]
+        if split:
+            raise ShardwiseError(
+                f"the full parameters of unit(s) {split[:3]} were changed in place between "
+                f"micro-batches under sw.no_sync on some ranks and not on others, so no "
+                f"rank computed with the model the step would update. Make the same edit "
+                f"on every rank, or edit after the step (Note [edits of held parameters])")
+        used_list = [bool(v) for v in values[:n]]
+        offset = 0
+        for g in groups:
+            g.reduction.finish(used_list[offset:offset + len(g.params)])
+            offset += len(g.params)
+
+
+def model_state(module: nn.Module) -> ModelState | None:
+    """The state of a sharded root, or ``None``."""
+    return attached(module, STATE)
+
+
+def owning_state(module: nn.Module) -> ModelState | None:
+    """The state of the sharded model ``module`` is the root of, or a part of (found
+    through the first of its parameters that is a shard: a Lightning user's ``self.net``
+    inside the sharded LightningModule), or ``None``."""
+    state = model_state(module)
+    if state is not None:
+        return state
+    for p in module.parameters():
+        sp = sharded_param(p)
+        if sp is not None and sp.unit is not None:
+            return cast(ModelState, sp.unit.model)
+    return None
+
+
+def set_model_state(module: nn.Module, state: ModelState) -> None:
+    attach_to(module, STATE, state)
