@@ -176,6 +176,51 @@ def _holds(value: object, ours: list[object], depth: int = 0) -> bool:
     return False
 
 
+_MODULE_HOOKS = ["register_forward_pre_hook", "register_forward_hook",
+                 "register_full_backward_pre_hook", "register_full_backward_hook",
+                 "register_state_dict_pre_hook", "register_state_dict_post_hook",
+                 "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"]
+_TENSOR_HOOKS = ["register_hook", "register_post_accumulate_grad_hook"]
+_OPTIMIZER_HOOKS = ["register_step_pre_hook", "register_step_post_hook",
+                    "register_state_dict_pre_hook", "register_state_dict_post_hook",
+                    "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"]
+_GLOBAL_HOOKS = ["register_optimizer_step_pre_hook", "register_optimizer_step_post_hook"]
+
+
+def _watch_registrations(pkg: str, phase: list[str], log: list[tuple[str, str, bool]]) -> None:
+    """Wrap torch's hook registrations so that each call made from the package is logged:
+    (phase, the calling file, whether ``engine.build`` is on the stack)."""
+    import torch
+    import torch.nn as nn
+    import torch.optim.optimizer as optim_mod
+
+    def wrap(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+
+        def registering(*args: object, **kwargs: object) -> object:
+            frame = sys._getframe(1)
+            caller = frame.f_code.co_filename
+            if caller.startswith(pkg):
+                stack, f = [], frame
+                while f is not None:
+                    stack.append(f.f_code.co_filename)
+                    f = f.f_back
+                in_build = any(s.endswith(os.path.join("engine", "build.py")) for s in stack)
+                log.append((phase[0], os.path.relpath(caller, pkg), in_build))
+            return original(*args, **kwargs)
+
+        setattr(owner, name, registering)
+
+    for n in _MODULE_HOOKS:
+        wrap(nn.Module, n)
+    for n in _TENSOR_HOOKS:
+        wrap(torch.Tensor, n)
+    for n in _OPTIMIZER_HOOKS:
+        wrap(torch.optim.Optimizer, n)
+    for n in _GLOBAL_HOOKS:
+        wrap(optim_mod, n)
+
+
 def _trace_rank(rank: int, world: int, init: str, system: str, out: str, pkg: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     sys.path.insert(0, str(pathlib.Path(pkg).parent))
@@ -196,6 +241,10 @@ def _trace_rank(rank: int, world: int, init: str, system: str, out: str, pkg: st
                           / "_fully_shard")}
     root = roots[system]
     seen: dict[str, int] = {}
+    phase = ["shard"]
+    registered: list[tuple[str, str, bool]] = []
+    if system == "shardwise":
+        _watch_registrations(pkg, phase, registered)
 
     def profile(frame, event, arg):  # type: ignore[no-untyped-def]
         if event != "call":
@@ -243,6 +292,7 @@ def _trace_rank(rank: int, world: int, init: str, system: str, out: str, pkg: st
     shard()
     sys.setprofile(None)
     learn()
+    phase[0] = "iteration"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sys.setprofile(profile)
     loss = model(x, x)
@@ -250,19 +300,26 @@ def _trace_rank(rank: int, world: int, init: str, system: str, out: str, pkg: st
     opt.step()
     sys.setprofile(None)
     if rank == 0:
-        pathlib.Path(out).write_text("\n".join(f"{n} {f}" for f, n in sorted(seen.items())))
+        lines = [f"{n} {f}" for f, n in sorted(seen.items())]
+        lines += [f"hook {ph} {f} {int(b)}" for ph, f, b in registered]
+        pathlib.Path(out).write_text("\n".join(lines))
     dist.destroy_process_group()
 
 
-def trace(system: str) -> list[tuple[str, int]]:
+def trace(system: str) -> tuple[list[tuple[str, int]], list[tuple[str, str, bool]]]:
+    """The files ``TRACKED``'s main line crosses (with the calls handed it), and the hook
+    registrations made by the package (phase, calling file, made under ``engine.build``)."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "seen.txt")
         init = "file://" + os.path.join(tmp, "rendezvous")
         mp.start_processes(_trace_rank, args=(2, init, system, out, str(PKG)), nprocs=2,
                            start_method="spawn")
-        rows = [line.split(" ", 1) for line in pathlib.Path(out).read_text().splitlines()]
-    return [(f, int(n)) for n, f in rows]
+        lines = pathlib.Path(out).read_text().splitlines()
+    files = [(f, int(n)) for n, f in (x.split(" ", 1) for x in lines if not x.startswith("hook "))]
+    hooks = [(ph, f, b == "1") for _, ph, f, b in (x.split(" ") for x in lines
+                                                   if x.startswith("hook "))]
+    return files, hooks
 
 
 def main() -> None:
@@ -278,11 +335,24 @@ def main() -> None:
     static_report()
     if args.trace:
         for system in ("shardwise", "fsdp2"):
-            files = trace(system)
+            files, hooks = trace(system)
             print(f"{system}: {TRACKED}'s main line crosses {len(files)} files "
                   f"(calls handed it, by file):")
             for f, n in files:
                 print(f"  {n:5d}  {f}")
+            for ph in ("shard", "iteration"):
+                made = [(f, b) for p, f, b in hooks if p == ph]
+                if system != "shardwise" or not made:
+                    continue
+                by_file: dict[str, int] = {}
+                for f, _ in made:
+                    by_file[f] = by_file.get(f, 0) + 1
+                outside = sum(1 for _, b in made if not b)
+                print(f"hooks registered with torch during {ph}: {len(made)}, from "
+                      f"{len(by_file)} files; {len(made) - outside} under engine.build, "
+                      f"{outside} not:")
+                for f, n in sorted(by_file.items()):
+                    print(f"  {n:5d}  {f}")
 
 
 if __name__ == "__main__":

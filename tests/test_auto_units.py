@@ -89,6 +89,13 @@ def _choices(rank, world):
         sw.shard(GPT(CFG), memory_budget=2**30)
     with pytest.raises(sw.ShardwiseError, match="or 'auto'"):
         sw.shard(GPT(CFG), units="automatic")
+    # A 0-dim parameter is refused by name under "auto" as with units given (it reached
+    # the layout first, as a bare ValueError).
+    scaled = GPT(CFG)
+    scaled.scale = torch.nn.Parameter(torch.tensor(2.0))
+    for units in ("auto", None):
+        with pytest.raises(sw.ShardwiseError, match=r"0-dim parameters .*'scale'"):
+            sw.shard(scaled, units=units)
 
 
 def test_auto_picks_the_fewest_units_that_fit():

@@ -264,6 +264,9 @@ def _budget(module: nn.Module, topo: Topology, device: torch.device, units: Unit
     _check_budget(units, memory_budget)
     if units != AUTO:
         return None
+    # "auto" lays out groups to measure its choices, before the records' checks: a 0-dim
+    # parameter would reach the layout as a bare ValueError.
+    _refuse_scalars([n for n, p in module.named_parameters() if p.dim() == 0])
     if memory_budget is not None:
         return memory_budget
     return _default_budget(module, topo, device, mp)
@@ -513,13 +516,17 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
                              f"Offload(optimizer={offload.optimizer!r}) (params on the "
                              f"device); the quantized bytes are already a quarter of their "
                              f"full-precision size or less")
-    scalars = [r.fqns[0] for r in records if r.param.dim() == 0]
-    if scalars:
-        raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {scalars[:5]}. "
-                             f"Make them 1-element parameters (shape (1,)) before sw.shard")
+    _refuse_scalars([r.fqns[0] for r in records if r.param.dim() == 0])
     if rank == src_rank:
         meta = [r.fqns[0] for r in records if r.param.is_meta and init_piece(r.param) is None]
         if meta:
             raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
                                  f"{meta[:5]}: materialise them first, or build the model "
                                  f"under sw.sharded_init()")
+
+
+def _refuse_scalars(names: list[str]) -> None:
+    """Refuse 0-dim parameters, by name: rows are what shardwise divides."""
+    if names:
+        raise ShardwiseError(f"0-dim parameters cannot be sharded on dim 0: {names[:5]}. "
+                             f"Make them 1-element parameters (shape (1,)) before sw.shard")
