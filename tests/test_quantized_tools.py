@@ -195,6 +195,19 @@ def _loads(rank, world):
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(rank))
     src = sw.shard(_linears(1))
     sd = sw.full_state_dict(src, rank0_only=False)
+    # The unsharded model's full state dict holds the same values, copied (its NF4
+    # weights raised in NF4's .to(copy=True)).
+    plain = _linears(1)
+    unsharded = sw.full_state_dict(plain, rank0_only=False)
+    assert sd.keys() == unsharded.keys()
+    nf4 = nf4_module().NF4Tensor
+    for k, v in plain.state_dict(keep_vars=True).items():
+        names = v.__tensor_flatten__()[0] if isinstance(v, nf4) else [None]
+        for n in names:
+            inner = [getattr(t, n) if n else t for t in (v, unsharded[k], sd[k])]
+            assert torch.equal(inner[1], inner[0]) and torch.equal(inner[2], inner[0]), k
+            assert inner[1].untyped_storage().data_ptr() != \
+                inner[0].untyped_storage().data_ptr(), f"{k}/{n} is not a copy"
     model = sw.shard(_linears(0))
     model.load_state_dict(sd)
     assert _nf4_bytes(model) == _nf4_bytes(_linears(1))

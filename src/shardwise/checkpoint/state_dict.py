@@ -102,7 +102,7 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
             out[key] = full[id(sp)].clone() if id(sp) in given else full[id(sp)]
             given.add(id(sp))
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().to("cpu", copy=True)
+            out[key] = _cpu_copy(value)
         else:
             out[key] = value
         if isinstance(value, torch.Tensor):
@@ -291,9 +291,24 @@ def _gather_rows(sp: ShardedParam, value: DTensor, key: str) -> torch.Tensor:
 def _to_cpu(value: Any) -> Any:
     """``value`` with every tensor copied to CPU (an unsharded optimizer's state dict)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return _cpu_copy(value)
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     return copy.deepcopy(value)
+
+
+def _cpu_copy(value: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``value``. A wrapper subclass (torchao's ``NF4Tensor``, on a model
+    quantized with ``quantize_nf4`` and not sharded) is copied through its inner tensors:
+    NF4 refuses ``.to(copy=True)``, its ``.to`` shares them, and its ``clone`` quantizes
+    its dequantized values again with the default block sizes."""
+    value = value.detach()
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if type(value) is torch.Tensor or flatten is None:
+        return value.to("cpu", copy=True)
+    names, context = flatten()
+    inner = {n: _cpu_copy(getattr(value, n)) for n in names}
+    return type(value).__tensor_unflatten__(  # type: ignore[attr-defined]
+        inner, context, value.size(), value.stride())
