@@ -4,6 +4,7 @@ build -> shard -> load_pretrained(save_pretrained folder) -> train -> save_check
 `shardwise consolidate` -> AutoModel*.from_pretrained on one process: same outputs.
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -239,6 +240,19 @@ def _one_call_loader(rank, world, folder):
     assert sw.is_sharded(model)
     # Units from _no_split_modules: each LlamaDecoderLayer.
     assert set(gathered_unit_bytes(model)) == {"<root>", "model.layers.0", "model.layers.1"}
+    # A folder saved in float16 trains in float32 masters unless asked (Hugging Face's
+    # from_config builds in the config's dtype: float16 masters, silently, before).
+    half = os.path.join(folder, "half")
+    fp16 = {k: v.float() for k, v in sw.full_state_dict(
+        sw.from_pretrained(AutoModelForCausalLM, half, dtype="auto"), rank0_only=False).items()}
+    assert {p.dtype for p in sw.from_pretrained(AutoModelForCausalLM, half,
+                                                dtype="auto").parameters()} == {torch.float16}
+    masters = sw.from_pretrained(AutoModelForCausalLM, half)
+    assert {p.dtype for p in masters.parameters()} == {torch.float32}
+    got = sw.full_state_dict(masters, rank0_only=False)
+    assert all(torch.equal(got[k], v) for k, v in fp16.items())  # fp16 values, widened
+    with pytest.raises(sw.ShardwiseError, match=r"dtype=torch\.int8: expected a floating"):
+        sw.from_pretrained(AutoModelForCausalLM, half, dtype=torch.int8)
     return sw.full_state_dict(model)
 
 
@@ -246,6 +260,7 @@ def test_sw_from_pretrained_builds_partitioned_and_loads(tmp_path):
     torch.manual_seed(0)
     ref = LlamaForCausalLM(llama_config())
     ref.save_pretrained(tmp_path)
+    copy.deepcopy(ref).half().save_pretrained(tmp_path / "half")  # config dtype float16
     got = run_ranks(_one_call_loader, 3, str(tmp_path), timeout=120)[0]
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k

@@ -210,7 +210,8 @@ def _is_reproducible(model: nn.Module) -> bool:
 
 
 def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
-                    allow_nonfinite: bool = False, **shard_kwargs: Any) -> nn.Module:
+                    dtype: torch.dtype | str = torch.float32, allow_nonfinite: bool = False,
+                    **shard_kwargs: Any) -> nn.Module:
     """Build a Hugging Face model partitioned from the start and load its weights.
 
     The model is built from its config under :func:`shardwise.sharded_init` (no rank
@@ -223,6 +224,11 @@ def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
             (``LlamaForCausalLM``).
         folder: a local folder written by ``save_pretrained`` (config and safetensors).
         config: a config to use instead of the folder's ``config.json``.
+        dtype: the dtype of the parameters the model trains (its master weights):
+            float32 by default, whatever the config says, since a folder saved in
+            float16 or bfloat16 would otherwise train in it (Hugging Face's
+            ``from_config`` builds in the config's dtype); ``"auto"`` for the config's.
+            Compute in low precision with ``mixed_precision=sw.MixedPrecision(...)``.
         allow_nonfinite: load weights holding NaN or inf as they are (refused by
             default, as by ``load_pretrained``).
         **shard_kwargs: passed to :func:`shardwise.shard` (``mixed_precision``, ...).
@@ -237,13 +243,25 @@ def from_pretrained(model_class: Any, folder: str, *, config: Any = None,
     """
     from transformers import AutoConfig
 
+    if not (dtype == "auto" or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)):
+        raise ShardwiseError(f"sw.from_pretrained: dtype={dtype!r}: expected a floating "
+                             f"torch.dtype (torch.float32, torch.bfloat16) or 'auto' (the "
+                             f"config's)")
     init_distributed()
     config = config if config is not None else AutoConfig.from_pretrained(folder)
-    with sharded_init():
-        if hasattr(model_class, "from_config"):   # the Auto* classes
-            model = model_class.from_config(config)
-        else:
-            model = model_class(config)
+    wanted = (getattr(config, "dtype", None) or torch.float32) if dtype == "auto" else dtype
+    if isinstance(wanted, str):  # a config read from JSON may hold the dtype's name
+        wanted = getattr(torch, wanted)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(wanted)  # built in it: a cast of sharded_init's pieces would copy
+    try:
+        with sharded_init():
+            if hasattr(model_class, "from_config"):   # the Auto* classes
+                model = model_class.from_config(config, dtype=wanted)
+            else:
+                model = model_class(config)
+    finally:
+        torch.set_default_dtype(default)
     shard_kwargs.setdefault("units", no_split_units(model))
     shard(model, **shard_kwargs)
     load_pretrained(model, folder, allow_nonfinite=allow_nonfinite)
