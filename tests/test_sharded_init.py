@@ -192,6 +192,7 @@ class TouchyInit(nn.Module):
         with torch.no_grad():
             self.lin2.weight[:, 0].zero_()  # write through a view
         self.wide = nn.Sequential(nn.Linear(D, D))
+        self.lin.to(torch.float32)  # a cast that changes nothing (it raised on src_rank)
         self.wide.to(torch.float64)  # Module.to(dtype) assigns param.data
 
     def forward(self, ids):

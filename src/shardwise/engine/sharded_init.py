@@ -352,6 +352,10 @@ class _ShardedInit:
         """``p.data = value`` for a partitioned ``p``: partition ``value`` (src_rank's)."""
         old = init_piece(p)
         assert old is not None, "only partitioned parameters are repartitioned"
+        if value is p or init_piece(value) is old:
+            # A cast that changes nothing (``.to(torch.float32)`` of a float32 module)
+            # gives the parameter itself back: there is nothing to repartition.
+            return
         value = value.detach()
         layout = build_layout([(value.numel(),)], self.comm.world_size, align=1)
         piece = torch.empty(layout.shard_numel, dtype=value.dtype, device=old.piece.device)
