@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
-from ._args import require_group, require_module, require_rank
+from ._args import require_group, require_module, require_rank, some_names
 from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
@@ -494,6 +495,17 @@ def _agree_structure(comm: Comm, units: list[UnitPlan], settings: dict[str, obje
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
                   offload: Offload | None, shards: int,
                   compute_dtype: torch.dtype | None, device: torch.device) -> None:
+    placed = [r.fqns[0] for r in records
+              if isinstance(r.param, DTensor) and sharded_param(r.param) is None]
+    if placed:
+        # Tensor parallelism (issue 53) is not built yet: a DTensor parameter would be
+        # refused below as a tensor subclass, which says nothing of what to do instead.
+        raise ShardwiseError(
+            f"{len(placed)} parameter(s) ({some_names(placed)}) are DTensors already: "
+            f"placed by torch's parallelize_module (tensor parallelism), "
+            f"distribute_tensor or FSDP2's fully_shard. sw.shard does not compose with "
+            f"tensor parallelism yet (docs/status.md): shard a model whose parameters are "
+            f"plain tensors, or use FSDP2 for 2-D (data x tensor) parallelism")
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
