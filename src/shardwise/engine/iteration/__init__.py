@@ -2,7 +2,7 @@
 phases (``state``: forward, backward, prefetch, the end of backward), the module and
 autograd hooks that drive them (``hooks``, ``autograd``), replicated buffers
 (``buffers``, ``running_stats``), and the checks riding on each forward (``model_check``,
-``mixed``, ``lent``, ``exact_checks``, ``step_log``).
+``mixed``, ``lent``, ``exact_checks``).
 
 Above ``engine.groups``; below ``engine.entry_points``.
 """

@@ -183,13 +183,13 @@ from ...comm.collectives import Comm
 from ...comm.mesh import Topology
 from ...comm.order_check import ModelChecks
 from ...comm.peers import ACTIVITY
+from ...comm.step_log import StepLog
 from ...errors import ShardwiseError
 from . import lent, mixed
 from .autograd import in_backward, output_tensors, prepare_inputs
 from .exact_checks import DropoutWarning, LossSeeds
 from .model_check import check_model
 from .running_stats import RunningStats
-from .step_log import StepLog
 from .unit import Unit, sharded_param
 
 
@@ -218,7 +218,7 @@ class ModelState:
     """One sharded model's phase and unit order, and its events. What the events also
     drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
     engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
-    step log (engine/iteration/step_log.py), the dropout warning
+    step log (comm/step_log.py), the dropout warning
     (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
@@ -262,7 +262,8 @@ class ModelState:
         self.number = channel.models  # among the models on its group, in creation order
         channel.models += 1
         self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
-        self.log = StepLog(topology, units)
+        self.log = StepLog(topology, next(  # Note [secondary shards]
+            (g.regather for u in units for g in u.groups if g.regather is not None), None))
         self.dropout = DropoutWarning(root) if settings.reproducible else None
         # Note [a divided loss] in engine/iteration/exact_checks.py
         self.loss_seeds = LossSeeds(units) if settings.reproducible else None
