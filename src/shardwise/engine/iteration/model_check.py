@@ -1,6 +1,7 @@
 """What each root forward checks of the model: shards cast, moved or moved out, and
 parameters added after ``shard``, refused; ``requires_grad`` changes taken up (Note
-[freezing after shard]).
+[freezing after shard]), and those made between a forward and its backward followed for
+that backward.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch.nn as nn
 from ..._args import some_names
 from ...errors import ShardwiseError
 from ..groups.packed import packed_param
-from .unit import Unit, sharded_param
+from .unit import ShardedParam, Unit, sharded_param
 
 # Shared with the refusal of casts (engine/entry_points/casts.py): what to do instead.
 CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "
@@ -82,3 +83,29 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
             f"the full parameters they gather). Nothing keeps such a parameter identical "
             f"across ranks. Add every module before sw.shard(model); for another set of "
             f"weights, load them (load_state_dict, sw.load_pretrained) or use a copy")
+
+
+class FrozenForBackward:
+    """Note [flags of a forward without gradients] in engine/iteration/unit.py: a parameter
+    frozen on its shard between its forward and its backward gets no gradient, as autograd
+    gives none to a leaf frozen after its forward: its full parameter, which autograd
+    accumulates into, is frozen for that backward."""
+
+    def __init__(self) -> None:
+        self.params: list[ShardedParam] = []
+
+    def freeze(self, units: list[Unit]) -> None:
+        """A backward starts: freeze the full parameters of shards frozen since."""
+        for u in units:
+            for g in u.trainable_groups:
+                for p in g.params:
+                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
+                        p.full.requires_grad_(False)
+                        self.params.append(p)
+
+    def thaw(self) -> None:
+        """The backward ended: the shard's flag is taken up at the next forward that
+        records a graph (Note [freezing after shard])."""
+        for p in self.params:
+            p.full.requires_grad_(p.requires_grad)
+        self.params = []

@@ -136,27 +136,6 @@ gathered again; where that happened on some ranks only, they diverge, and the or
 check's notes say so: the forward's first unit note names the units this rank gathers
 again and why (``_regathering``), and the error's advice leads with that cause.
 
-Note [a backward that accumulates nothing]
-``torch.autograd.grad(loss, x)`` runs a backward through the model that accumulates into
-no parameter (a saliency map, an adversarial example's input gradient, a gradient
-penalty). DDP's reducer, hooked on the parameters' accumulation, does not see it. Here
-it reached the units' hooks and counted as the iteration's backward: it reduced and
-published what ``no_sync`` had accumulated, then the loss's own backward reduced the
-rest, a sum in another order than DDP's (one ulp apart), refused outright by the
-reproducible mode as a second mean. So the first hook of a backward asks autograd
-whether it will accumulate into the model's trainable parameters (one full parameter's
-``AccumulateGrad`` node per trainable group, ``torch._C._will_engine_execute_node``). If
-not, the backward is set aside (``_set_aside``): units are gathered for it as for any
-backward, nothing is counted or reduced, the phase stays, and its end reshards what it
-gathered. A parameter's gradient arriving after all (``backward(inputs=...)`` naming a
-parameter the probe did not ask about, a reentrant checkpoint whose parameters only its
-inner backward reaches) makes it the iteration's backward on the spot; the units whose
-backward was skipped until then are reduced at its end, as units whose gradients came
-without a counted forward are. A backward set aside that records a graph (``create_graph
-=True``: a gradient penalty) keeps what it gathered, since that graph computes with the
-full parameters, and the backward through it reduces every unit at its end, once the
-penalty's gradients have come too.
-
 Note [a backward that records a graph]
 A backward with ``create_graph=True`` that accumulates into the parameters
 (``loss.backward(create_graph=True)``) gives gradients that carry a graph through the full
@@ -186,9 +165,9 @@ from ...comm.peers import ACTIVITY
 from ...comm.step_log import StepLog
 from ...errors import ShardwiseError
 from . import lent, mixed
-from .autograd import in_backward, output_tensors, prepare_inputs
+from .autograd import AsideBackward, in_backward, output_tensors, prepare_inputs
 from .exact_checks import DropoutWarning, LossSeeds
-from .model_check import check_model
+from .model_check import FrozenForBackward, check_model
 from .running_stats import RunningStats
 from .unit import Unit, sharded_param
 
@@ -219,7 +198,8 @@ class ModelState:
     drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
     engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
     step log (comm/step_log.py), the dropout warning
-    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py)."""
+    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py),
+    a backward set aside (``AsideBackward``, engine/iteration/autograd.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
                  buffer_sync: Any, settings: Settings) -> None:
@@ -244,12 +224,9 @@ class ModelState:
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/iteration/unit.py
-        self._frozen_for_backward: list[Any] = []
-        # Note [a backward that accumulates nothing]: the units sharded when such a
-        # backward began (it runs when not None), and whether the next backward reduces
-        # only at its end.
-        self._aside: list[Unit] | None = None
-        self._reduce_at_end = False
+        self.frozen = FrozenForBackward()
+        # Note [a backward that accumulates nothing] in engine/iteration/autograd.py
+        self.aside = AsideBackward(units)
         # A no_sync backward ran since the last synced one (holds_grads looks further).
         self._accumulated = False
         # Held units this rank released as stale, for the next unit note (Note [held
@@ -353,8 +330,8 @@ class ModelState:
             return
         self.phase = Phase.IDLE
         self._reducing = None
-        self._aside, self._reduce_at_end = None, False
-        self._thaw_after_backward()
+        self.aside.abandon()
+        self.frozen.thaw()
         for u in self.units:
             for g in u.trainable_groups:
                 g.reduction.drop()
@@ -479,9 +456,10 @@ class ModelState:
     def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
         own (Note [forward entries])."""
-        # Note [a backward that accumulates nothing]: one that raised never reached its
-        # end callback; no backward runs while a forward starts.
-        self._aside = None
+        # Note [a backward that accumulates nothing] in engine/iteration/autograd.py: one
+        # that raised never reached its end callback; no backward runs while a forward
+        # starts.
+        self.aside.forget()
         # Note [flags of a forward without gradients] in engine/iteration/unit.py
         recording = torch.is_grad_enabled()
         check_model(self.root, self.units, follow_flags=recording)
@@ -615,12 +593,12 @@ class ModelState:
         reaches no parameter is not the iteration's (Note [a backward that accumulates
         nothing])."""
         if self.phase is not Phase.BACKWARD:
-            if self._aside is not None:
+            if self.aside.running:
                 if not accumulating:
                     return
-                self._aside = None  # a parameter's gradient came after all: a real one
-            elif not accumulating and not self._accumulates():
-                self._set_aside()
+                self.aside.forget()  # a parameter's gradient came after all: a real one
+            elif not accumulating and not self.aside.accumulates():
+                self.aside.start()
                 return
             if torch.is_grad_enabled():
                 # Note [a backward that records a graph]
@@ -634,67 +612,9 @@ class ModelState:
                     "penalty) is supported")
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
-            self._freeze_for_backward()
+            self.frozen.freeze(self.units)
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             self.checks.backward(self.requires_grad_sync)
-
-    def _accumulates(self) -> bool:
-        """Whether the running backward will accumulate into a trainable parameter of
-        the model: one full parameter per trainable group asked (Note [a backward that
-        accumulates nothing])."""
-        for u in self.units:
-            for g in u.trainable_groups:
-                p = next((p for p in g.params if p.requires_grad and p.full.requires_grad),
-                         None)
-                if p is None:
-                    continue
-                if p.accumulator is None:
-                    with torch.enable_grad():  # a backward runs with gradients off
-                        node = p.full.view_as(p.full).grad_fn
-                    assert node is not None, "a view of a leaf that requires grad"
-                    p.accumulator = node.next_functions[0][0]
-                if torch._C._will_engine_execute_node(p.accumulator):
-                    return True
-        return False
-
-    def _set_aside(self) -> None:
-        """Note [a backward that accumulates nothing]: the running backward gathers what
-        it needs and reduces nothing; its end puts the units back as the forward left
-        them, unless it records a graph a later backward runs through."""
-        self._aside = [u for u in self.units if u.is_sharded()]
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_aside)
-
-    def _end_aside(self) -> None:
-        if self._aside is None:  # became the iteration's backward (a parameter's gradient)
-            return
-        gathered_for_it, self._aside = self._aside, None
-        if torch.is_grad_enabled():
-            # It recorded a graph through the full parameters (a gradient penalty's
-            # torch.autograd.grad(..., create_graph=True)): they stay gathered, and the
-            # backward through it reduces at its end, when every gradient has come.
-            self._reduce_at_end = True
-            return
-        for u in gathered_for_it:
-            u.reshard()
-
-    def _freeze_for_backward(self) -> None:
-        """Note [flags of a forward without gradients] in engine/iteration/unit.py: a parameter
-        frozen on its shard between its forward and this backward gets no gradient, as
-        autograd gives none to a leaf frozen after its forward: its full parameter, which
-        autograd accumulates into, is frozen for the backward."""
-        for u in self.units:
-            for g in u.trainable_groups:
-                for p in g.params:
-                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
-                        p.full.requires_grad_(False)
-                        self._frozen_for_backward.append(p)
-
-    def _thaw_after_backward(self) -> None:
-        """Undo :meth:`_freeze_for_backward`: the shard's flag is taken up at the next
-        forward that records a graph (Note [freezing after shard])."""
-        for p in self._frozen_for_backward:
-            p.full.requires_grad_(p.requires_grad)
-        self._frozen_for_backward = []
 
     def holds_grads(self) -> bool:
         """Whether gradients of ``no_sync`` micro-batches wait in the engine: in a held
@@ -747,9 +667,9 @@ class ModelState:
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
-        if self._aside is not None:  # Note [a backward that accumulates nothing]
+        if self.aside.running:  # Note [a backward that accumulates nothing]
             return
-        if unit.record_backward() and not self._reduce_at_end:
+        if unit.record_backward() and not self.aside.reduce_at_end:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
@@ -791,8 +711,8 @@ class ModelState:
             if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
         self._reducing = None
-        self._reduce_at_end = False
-        self._thaw_after_backward()
+        self.aside.reduce_at_end = False
+        self.frozen.thaw()
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:

@@ -69,7 +69,7 @@ parameters recomputed by activation checkpointing no longer required grad (a dif
 number of saved tensors). Changes are therefore taken up only by a forward that records
 a graph, at its start, as before. Between a forward and its backward autograd decides
 by the flag at accumulation: a leaf frozen after its forward gets no gradient. The
-engine does the same for a shard frozen then (``ModelState._freeze_for_backward``: its
+engine does the same for a shard frozen then (``FrozenForBackward`` in model_check.py: its
 full parameter is frozen for that backward only, and the change is taken up at the next
 recording forward); a parameter unfrozen then gets none either, having no place in the
 graph.
