@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .residency import release
+
 if TYPE_CHECKING:
     from .unit import Unit
 
@@ -173,4 +175,4 @@ class AsideBackward:
             self.reduce_at_end = True
             return
         for u in gathered_for:
-            u.reshard()
+            release(u)

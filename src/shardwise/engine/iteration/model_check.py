@@ -11,6 +11,7 @@ import torch.nn as nn
 from ..._args import some_names
 from ...errors import ShardwiseError
 from ..groups.packed import packed_param
+from .residency import Residencies
 from .unit import ShardedParam, Unit, sharded_param
 
 # Shared with the refusal of casts (engine/entry_points/casts.py): what to do instead.
@@ -19,7 +20,8 @@ CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weig
                "sw.MixedPrecision(param_dtype=torch.bfloat16))")
 
 
-def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -> None:
+def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
+                follow_flags: bool = True) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
@@ -27,8 +29,10 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
     a parameter added later would be neither sharded nor kept identical across ranks.
     Each would train silently wrong. ``requires_grad`` changes are taken up here when
     ``follow_flags`` (a forward that records a graph, Note [flags of a forward without
-    gradients] in engine/unit.py), except while ``no_sync`` gradients wait and, in part,
-    for offloaded units (Note [freezing after shard]).
+    gradients] in engine/iteration/unit.py), except while ``no_sync`` gradients wait and,
+    in part, for offloaded units (Note [freezing after shard]); what keeps units gathered
+    is then settled again (``residency``, Note [residency] in
+    engine/iteration/residency.py).
     """
     moved = [n for u in units for g in u.groups for n in g.detached()]
     # Note [freezing after shard]: every change is checked before any is taken up.
@@ -61,6 +65,7 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
     for g, ch, _ in changes:
         if ch:
             g.follow_freezing(ch)
+            residency.unsettle()
     # A shard moved out of its slot: nn.utils.parametrize registered after shard moves
     # the weight into module.parametrizations, whose property then computes with the
     # shard itself, a DTensor among the unit's plain tensors.
