@@ -598,7 +598,7 @@ class ModelState:
         # at once or only the last two (BENCHMARKS.md, live tensor bytes).
         release(unit, keep_grads=True)
         unit.start_reduce(sync)
-        unit.reshard()
+        release(unit)
         # At most two reductions in flight: each holds a unit-sized gradient buffer, and
         # letting them pile up until the end of backward would hold a whole model's. (A
         # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)

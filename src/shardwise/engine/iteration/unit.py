@@ -87,15 +87,14 @@ unit that stops being held (``release``, or a settling that finds it may no long
 held: Note [residency] in engine/iteration/residency.py) and whose shard did not change
 meanwhile first copies into the shard this rank's rows of the full parameters wherever
 they differ from it (``FlatGroup.keep_edits``; one comparison of this rank's rows, no
-collective). Every rank making the same edit keeps
-its own rows of it: DDP's result. An edit on some ranks only would leave a model that no
-rank computed with; an in-place operation moves the full buffer's version counter
-whichever rows it touches, so each rank notes whether one wrote there, and the ranks
-compare the notes in the exchange of used-parameter flags that ends the next synced
-backward (``ModelState._publish_gradients``, through ``Residencies.take_edits``): a
-difference raises on every rank, naming
-the units. Not seen by that comparison: an edit through ``p.data`` (it moves no version
-counter) on some ranks only; it is still kept on the ranks that made it.
+collective). Every rank making the same edit keeps its own rows of it: DDP's result. An
+edit on some ranks only would leave a model that no rank computed with; an in-place
+operation moves the full buffer's version counter whichever rows it touches, so each
+rank notes whether one wrote there, and the ranks compare the notes in the exchange of
+used-parameter flags that ends the next synced backward (``ModelState._publish_gradients``,
+through ``Residencies.take_edits``): a difference raises on every rank, naming the units.
+Not seen by that comparison: an edit through ``p.data`` (it moves no version counter) on
+some ranks only; it is still kept on the ranks that made it.
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
