@@ -153,3 +153,143 @@ def test_gradient_reduction_moves_only_along_its_states():
     """GradReduction's states (shardwise.engine.groups.reduce.Reduction) and their checked moves,
     in a world of one (this tests the module itself, so it reaches into it)."""
     run_ranks(_reduction_states, 1)
+
+
+class _Lending(nn.Module):
+    """Returns its own bias for the parent to use (DeepSpeed's test_ext_param_return)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x), self.lin.bias
+
+
+class _Lender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Lending() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            out, bias = b(x)
+            x = out + bias
+        return x.sum()
+
+
+def _residency(rank, world):
+    """Note [residency] in engine/iteration/residency.py: each unit's residency is settled
+    once per iteration (not at each unit's forward), and each entry point changes it as
+    the Note and docs/parameters.md's table say (this tests the engine itself, so it
+    reaches into it)."""
+    from shardwise.engine.iteration.state import model_state
+    from shardwise.engine.iteration.unit import Residency as R
+
+    torch.manual_seed(0)
+    model = sw.shard(GPT(CFG))
+    state = model_state(model)
+    units, res = state.units, state.residency
+    assert [u.name for u in units] == ["<root>", "blocks.0", "blocks.1"]
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def values():
+        return [u.residency for u in units]
+
+    def settled(step):  # runs ``step`` and counts the settlings it made
+        before = res.settles
+        step()
+        return res.settles - before
+
+    # A plain step: settled once, at its forward. With no previous order nothing ran last.
+    assert settled(lambda: model(x, x).backward()) == 1
+    assert values() == [R.KEPT, R.RESHARDED, R.RESHARDED]
+    loss = model(x, x)  # now blocks.1 ran last: kept for its backward, which comes first
+    assert values() == [R.KEPT, R.RESHARDED, R.LAST]
+    assert [u.is_gathered() for u in units] == [True, False, True]
+    assert settled(loss.backward) == 0
+    assert all(u.is_sharded() for u in units)
+    opt.step()
+
+    # no_sync micro-batches: HOLDING until their reduction, then HELD across micro-batches.
+    with sw.no_sync(model):
+        loss = model(x, x)
+        assert values() == [R.HOLDING] * 3 and all(u.is_gathered() for u in units)
+        assert settled(loss.backward) == 0
+    assert values() == [R.HELD] * 3 and all(u.is_gathered() for u in units)
+    assert all(u.deferred for u in units)  # gradients wait in .grad (Unit.deferred)
+    # A forward that raises keeps what was held before it (Note [held units on one rank]).
+    with pytest.raises(IndexError):
+        model(x + CFG.vocab_size, x)
+    assert values() == [R.HELD] * 3 and all(u.is_gathered() for u in units)
+    # DDP's attribute, nanoGPT's way: one settling per micro-batch, never one per unit.
+    for i in range(3):
+        model.require_backward_grad_sync = i == 2
+        loss = model(x, x)
+        assert values() == [R.HELD] * 3  # the synced one too: it was held before
+        assert settled(loss.backward) == 0
+    del model.require_backward_grad_sync
+    assert not any(u.residency is R.HELD for u in units)
+    assert all(u.is_sharded() for u in units)
+    opt.step()
+
+    # zero_grad drops the held gradients; the units stay HELD, their parameters unchanged.
+    with sw.no_sync(model):
+        model(x, x).backward()
+    model.zero_grad()
+    assert values() == [R.HELD] * 3
+    assert all(p.full.grad is None for u in units for p in u.params)
+    # An in-place edit of a held unit's full parameters is kept in its shard when a
+    # release ends the hold (here a checkpoint's, release_held).
+    with torch.no_grad():
+        model.blocks[0].fc.bias.add_(1.0)
+    edited = model.blocks[0].fc.bias.detach().clone()
+    state.release_held()
+    assert all(u.is_sharded() and u.residency is u.settled for u in units)
+    assert units[1].edited
+    torch.testing.assert_close(model.blocks[0].fc.bias.to_local(), edited, rtol=0, atol=0)
+    # gathered() releases held units first; a pin changes no value.
+    with sw.no_sync(model):
+        model(x, x).backward()
+    with sw.gathered(model):
+        assert not any(u.residency is R.HELD for u in units)
+    # A forward under no_grad releases what it ran.
+    with torch.no_grad():
+        model(x)
+    assert all(u.is_sharded() for u in units)
+    model(x, x).backward()  # the synced step
+    opt.zero_grad()
+
+    # no_sync entered between a forward and its backward: the backward's reduction
+    # settles again (the sync flag changed) and holds; left the other way, it reduces.
+    loss = model(x, x)
+    with sw.no_sync(model):
+        assert settled(loss.backward) == 1
+    assert values() == [R.HELD] * 3
+    with sw.no_sync(model):
+        loss = model(x, x)
+    assert settled(loss.backward) == 1 and all(u.is_sharded() for u in units)
+    opt.zero_grad()
+
+    # requires_grad: a unit frozen between steps is not held; its forward settles once.
+    model.blocks[1].requires_grad_(False)
+    with sw.no_sync(model):
+        assert settled(lambda: model(x, x).backward()) == 1
+    assert values() == [R.HELD, R.HELD, R.LAST] and units[2].is_sharded()
+    model(x, x).backward()
+    model.blocks[1].requires_grad_(True)
+
+    # A forward returning a unit's parameter lends it (LENT) until its reduction.
+    lender = sw.shard(_Lender())
+    lstate = model_state(lender)
+    loss = lender(torch.ones(2, 4))
+    assert [u.residency for u in lstate.units[1:]] == [R.LENT, R.LENT]
+    assert all(u.is_gathered() for u in lstate.units)
+    loss.backward()
+    assert [u.residency for u in lstate.units[1:]] == [R.RESHARDED, R.RESHARDED]
+    assert all(u.is_sharded() for u in lstate.units)
+
+
+def test_residency_is_settled_once_per_iteration_and_changed_by_entry_points():
+    run_ranks(_residency, 1)

@@ -32,6 +32,7 @@ from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
 from .engine.groups.packed import PackedParam, packed_param
 from .engine.iteration.buffers import named_buffers
+from .engine.iteration.residency import release
 from .engine.iteration.unit import ShardedParam, Unit, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
 
@@ -319,7 +320,7 @@ class _GatherSession:
                         _left_behind(old, sp)
                 for pg in u.packed:
                     pg.leave_full()
-            u.reshard()
+            release(u)  # Note [residency] in engine/iteration/residency.py
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""

@@ -161,12 +161,13 @@ def plan(model: nn.Module, world_size: int, optimizer: str = "adamw",
                 rows = sum(s.local_rows(0) * s.row_numel for s in layout.slots)
                 opt += per_elem * rows * size + per_param * len(layout.slots)
             # Gathered once a step: the root (for the whole step) and the unit running
-            # last (kept for the backward that follows it; engine/iteration/state.py's _runs_last),
+            # last (kept for the backward that follows it: LAST, Note [residency] in
+            # engine/iteration/residency.py),
             # assumed to be the last in module order; every other unit twice.
             traffic.add(layout, size, _itemsize(spec.compute_dtype), p.requires_grad,
                         gathers=1 if i in (0, len(per_unit) - 1) else 2)
         unit_bytes.append(full)
-        # The engine's rule (ModelState._may_hold): frozen no larger than trainable.
+        # The engine's rule (residency.may_be_held): frozen no larger than trainable.
         if offload is None and full > frozen and frozen <= full - frozen:
             held += full
     ranked = sorted(unit_bytes, reverse=True) + [0, 0]

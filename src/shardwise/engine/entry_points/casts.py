@@ -17,6 +17,7 @@ from ..._registry import set_instance_method
 from ...errors import ShardwiseError
 from ..groups.packed import packed_param
 from ..iteration.model_check import CAST_ADVICE
+from ..iteration.residency import release
 from ..iteration.unit import sharded_param
 
 
@@ -170,6 +171,6 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
     out = []
     for g, dtype, _ in by_group.values():
         unit = g.params[0].unit
-        unit.reshard()  # a unit left gathered by a forward without backward (no comms)
+        release(unit)  # a unit left gathered by a forward without backward (no comms)
         out.append((g, dtype))
     return out

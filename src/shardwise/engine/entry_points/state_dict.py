@@ -56,7 +56,7 @@ from ...errors import ShardwiseError
 from ..groups.packed import PackedParam, packed_param
 from ..iteration.buffers import BufferPolicy
 from ..iteration.state import model_state, owning_state
-from ..iteration.unit import ShardedParam, sharded_param
+from ..iteration.unit import Residency, ShardedParam, sharded_param
 from .zero_grad import guard_optimizer_zero_grad
 
 ROWS = "_shardwise_rows"
@@ -103,8 +103,8 @@ def _saveable_values(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     held across micro-batches gives its shards (Note [gathered across micro-batches])."""
     for name, t, sp in _sharded(module):
         value = state_dict.get(prefix + name)
-        if (t is sp.full and value is not None and sp.unit is not None and sp.unit.held
-                and not sp.unit.pins):
+        if (t is sp.full and value is not None and sp.unit is not None
+                and sp.unit.residency is Residency.HELD and not sp.unit.pins):
             if value is t:  # keep_vars=True: the parameter itself, the shard
                 state_dict[prefix + name] = sp.shard
                 continue

@@ -20,7 +20,8 @@ micro-batch loop abandoned half way (an exception, a skipped batch), then ``zero
 and a fresh step, carried the abandoned gradient into that step, silently. So every
 optimizer holding shards and every module of a sharded model has its ``zero_grad``
 shadowed on the instance (the class is left alone): torch's own runs, then the held
-gradients of the parameters it covers are dropped (``ModelState.clear_grads``), on this
+gradients of the parameters it covers are dropped (``Residencies.clear_grads``, Note
+[residency] in engine/iteration/residency.py), on this
 rank, as DDP's are. ``set_to_none`` True and False clear alike (False leaves zeros where
 DDP's leaves zeros; the shard's ``.grad`` is torch's to zero). Clearing a parameter's
 gradient by hand (``p.grad = None``) is not seen: use ``zero_grad``.
@@ -66,15 +67,16 @@ def _optimizer_zero_grad(original: Callable[..., None], optimizer: torch.optim.O
         known = _optimizer_models[optimizer] = (count, states)
     for ref in known[1]:
         state = ref()
-        if state is not None and state.holds_grads():
-            state.clear_grads([p for g in optimizer.param_groups for p in g["params"]])
+        if state is not None and state.residency.holds_grads():
+            state.residency.clear_grads(
+                [p for g in optimizer.param_groups for p in g["params"]])
 
 
 def _module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
     type(module).zero_grad(module, set_to_none)
     state = owning_state(module)
-    if state is not None and state.holds_grads():
-        state.clear_grads(list(module.parameters()))
+    if state is not None and state.residency.holds_grads():
+        state.residency.clear_grads(list(module.parameters()))
 
 
 def guard_optimizer_zero_grad(optimizer: torch.optim.Optimizer) -> None:

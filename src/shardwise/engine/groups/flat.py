@@ -626,6 +626,21 @@ class FlatGroup:
     def offload_description(self) -> str | None:
         return self.storage.describe()
 
+    def may_be_held(self) -> bool:
+        """Whether its full parameters may stay gathered across ``no_sync``
+        micro-batches (Note [residency] in engine/iteration/residency.py): not offloaded."""
+        return self.offload_description() is None
+
+    def grads_may_wait(self) -> bool:
+        """Whether its gradients accumulated under ``no_sync`` may wait in the full
+        parameters' ``.grad`` (Note [gathered across micro-batches] in
+        engine/iteration/state.py): autograd's sums there are its reduction's only where
+        that adds in the same dtype, one micro-batch after the other, from empty. Not the
+        reproducible mode's exact sums, nor another reduce dtype, nor once the reduction
+        holds part of the step."""
+        return (not self.reduction.exact and not self.reduction.has_accumulated()
+                and self.reduce_dtype == self.compute_dtype)
+
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``GroupView`` (its parameters are read
         there, one by one)."""

@@ -11,6 +11,11 @@ shardwise may ask of either:
 - the unit's transitions: ``start_gather`` / ``wait_gather``, ``expose`` (which form the
   modules hold: Note [what the module sees] in engine/iteration/unit.py), ``free``, ``drop_kept``,
   ``read_ahead`` and ``start_reduce`` (nothing for a frozen group);
+- what a unit's residency asks (Note [residency] in engine/iteration/residency.py):
+  ``may_be_held`` (its full parameters may stay gathered across ``no_sync``
+  micro-batches: not offloaded, not quantized) and ``grads_may_wait`` (its accumulated
+  gradients may wait in the full parameters' ``.grad``, where autograd sums them as its
+  reduction would);
 - a checkpoint's needs: ``page_release``, the callback that drops the group's pages from
   memory once a checkpoint has read or written them (``None`` when it keeps none: only a
   disk tier does, Note [the disk tier]); a flat group also answers ``streams_state`` /
@@ -63,6 +68,11 @@ class ParamGroup(Protocol):
     def full_is_allocated(self) -> bool: ...
 
     def is_stale(self) -> bool: ...
+
+    # -- residency (Note [residency] in engine/iteration/residency.py) -----------------
+    def may_be_held(self) -> bool: ...
+
+    def grads_may_wait(self) -> bool: ...
 
     # -- checkpoints -------------------------------------------------------------------
     def page_release(self) -> Callable[[], None] | None: ...

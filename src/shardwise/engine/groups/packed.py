@@ -659,6 +659,12 @@ class PackedGroup:
     def offload_description(self) -> str | None:
         return None if self._tier == "device" else f"quantized bytes on {self._tier}"
 
+    def may_be_held(self) -> bool:
+        return False  # a quantized base would stay gathered for an adapter's gradients
+
+    def grads_may_wait(self) -> bool:
+        return True  # frozen: no gradient of it waits anywhere
+
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
         return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),

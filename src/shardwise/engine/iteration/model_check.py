@@ -1,6 +1,7 @@
 """What each root forward checks of the model: shards cast, moved or moved out, and
 parameters added after ``shard``, refused; ``requires_grad`` changes taken up (Note
-[freezing after shard]).
+[freezing after shard]), and those made between a forward and its backward followed for
+that backward.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch.nn as nn
 from ..._args import some_names
 from ...errors import ShardwiseError
 from ..groups.packed import packed_param
-from .unit import Unit, sharded_param
+from .residency import Residencies
+from .unit import ShardedParam, Unit, sharded_param
 
 # Shared with the refusal of casts (engine/entry_points/casts.py): what to do instead.
 CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "
@@ -18,7 +20,8 @@ CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weig
                "sw.MixedPrecision(param_dtype=torch.bfloat16))")
 
 
-def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -> None:
+def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
+                follow_flags: bool = True) -> None:
     """Raise if the model changed under shardwise since ``shard`` (at each root forward).
 
     Replacing a shard's data (``p.data = ...``, or a cast of the parameter itself; casts
@@ -26,8 +29,10 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
     a parameter added later would be neither sharded nor kept identical across ranks.
     Each would train silently wrong. ``requires_grad`` changes are taken up here when
     ``follow_flags`` (a forward that records a graph, Note [flags of a forward without
-    gradients] in engine/unit.py), except while ``no_sync`` gradients wait and, in part,
-    for offloaded units (Note [freezing after shard]).
+    gradients] in engine/iteration/unit.py), except while ``no_sync`` gradients wait and,
+    in part, for offloaded units (Note [freezing after shard]); what keeps units gathered
+    is then settled again (``residency``, Note [residency] in
+    engine/iteration/residency.py).
     """
     moved = [n for u in units for g in u.groups for n in g.detached()]
     # Note [freezing after shard]: every change is checked before any is taken up.
@@ -60,6 +65,7 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
     for g, ch, _ in changes:
         if ch:
             g.follow_freezing(ch)
+            residency.unsettle()
     # A shard moved out of its slot: nn.utils.parametrize registered after shard moves
     # the weight into module.parametrizations, whose property then computes with the
     # shard itself, a DTensor among the unit's plain tensors.
@@ -82,3 +88,29 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
             f"the full parameters they gather). Nothing keeps such a parameter identical "
             f"across ranks. Add every module before sw.shard(model); for another set of "
             f"weights, load them (load_state_dict, sw.load_pretrained) or use a copy")
+
+
+class FrozenForBackward:
+    """Note [flags of a forward without gradients] in engine/iteration/unit.py: a parameter
+    frozen on its shard between its forward and its backward gets no gradient, as autograd
+    gives none to a leaf frozen after its forward: its full parameter, which autograd
+    accumulates into, is frozen for that backward."""
+
+    def __init__(self) -> None:
+        self.params: list[ShardedParam] = []
+
+    def freeze(self, units: list[Unit]) -> None:
+        """A backward starts: freeze the full parameters of shards frozen since."""
+        for u in units:
+            for g in u.trainable_groups:
+                for p in g.params:
+                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
+                        p.full.requires_grad_(False)
+                        self.params.append(p)
+
+    def thaw(self) -> None:
+        """The backward ended: the shard's flag is taken up at the next forward that
+        records a graph (Note [freezing after shard])."""
+        for p in self.params:
+            p.full.requires_grad_(p.requires_grad)
+        self.params = []

@@ -30,11 +30,12 @@ evaluation), also between a training forward and its backward. It must then leav
 behind that decides later collectives: it runs no order check and prefetches nothing, and
 calls of pinned units are never recorded in the order, which becomes the previous order
 that decides the next forward's prefetches and which unit stays gathered for its backward
-(``_runs_last``). Before, rank 0's evaluation before the first training step gave it an
-order its peers lacked: it prefetched where they gathered on demand and kept the last
-block gathered where they resharded it, so its next forward diverged (a hang with the
-order check off). An evaluation joining a forward whose backward was awaited appended its
-calls to that forward's order, with the same result one step later.
+(LAST, Note [residency] in engine/iteration/residency.py). Before, rank 0's evaluation
+before the first training step gave it an order its peers lacked: it prefetched where
+they gathered on demand and kept the last block gathered where they resharded it, so its
+next forward diverged (a hang with the order check off). An evaluation joining a forward
+whose backward was awaited appended its calls to that forward's order, with the same
+result one step later.
 
 Note [forward entries]
 A forward of the model starts at its *entry*, the module whose call starts it while no
@@ -91,15 +92,16 @@ Under ``no_sync`` (or ``require_backward_grad_sync=False``) a micro-batch's back
 sends nothing, and the next micro-batch computes with the same parameters. Resharding
 each unit after its backward and gathering it again for the next forward and backward
 was the whole of accumulation's cost over DDP (docs/performance.md, "Gradient
-accumulation"). So a trainable unit (within the limits below) stays gathered
-(``Unit.hold``, ``_keeps``): its forward does not reshard it, and neither the end of the
-backward nor the next forward's start releases it. Its gradients stay in the full
-parameters' ``.grad``, where autograd adds the next micro-batch's, as DDP's do
-(``Unit.defer``, ``_defers``): the same additions, in the same order and dtype, as the
+accumulation"). So a trainable unit (within the limits below) stays gathered (its
+residency is HOLDING, then HELD: Note [residency] in engine/iteration/residency.py): its
+forward does not reshard it, and neither the end of the backward nor the next forward's
+start releases it. Its gradients stay in the full parameters' ``.grad``, where autograd
+adds the next micro-batch's, as DDP's do (``Unit.deferred``, where every group answers
+``grads_may_wait``): the same additions, in the same order and dtype, as the
 accumulator's (engine/groups/reduce.py), which the synced backward then scales and reduces, so
 the result is the same bits. Where autograd would sum differently (the reproducible
 mode, a reduce dtype other than the compute dtype) or the accumulator already holds part
-of the step, its reduction moves them into the accumulator instead; resharding a unit
+of the step, its reduction moves them into the accumulator instead; releasing a unit
 whose gradients wait in ``.grad`` moves them there first. The synced micro-batch's
 forward leaves it gathered too (it is held), and that backward's reduction reshards it
 as any step does, so after the optimizer step every unit is sharded again. The cost is
@@ -109,12 +111,12 @@ a unit is held only when its frozen parameters are no larger than its trainable 
 is quantized or offloaded, and ``sw.no_sync(model, keep_gathered=False)`` reshards as
 before. A held unit is let go, with no collective,
 where its full parameters would be wrong or in the way: a shard changed since it was
-gathered (an optimizer step inside ``no_sync``; ``release_all`` checks at the next
-forward), a forward without backward or one that raised, an aborted backward, a
+gathered (an optimizer step inside ``no_sync``; ``Residencies.release_all`` checks at
+the next forward), a forward without backward or one that raised, an aborted backward, a
 checkpoint read or written, ``load_state_dict`` and entering ``sw.gathered``
-(``release_held``), and the end of a synced backward (a held unit that no micro-batch
-gave a gradient to is still reduced, with zeros, on every rank that deferred it, so that
-ranks agree on who reduces). An aborted backward's gradients that autograd already added
+(``Residencies.release_held``), and the end of a synced backward (a held unit that no
+micro-batch gave a gradient to is still reduced, with zeros, on every rank that deferred
+it, so that ranks agree on who reduces). An aborted backward's gradients that autograd already added
 to a held unit's ``.grad`` stay in the step's sum, as they do in DDP's ``.grad``. Each of these
 happens on every rank alike, so every rank gathers the same units afterwards (Note
 [collective order]); ``model.state_dict()``, which one rank may call alone, changes
@@ -134,28 +136,7 @@ told apart by the order check, as before). A unit whose shard changed since it w
 gathered (an edit of the shards, an optimizer step, on this rank inside ``no_sync``) is
 gathered again; where that happened on some ranks only, they diverge, and the order
 check's notes say so: the forward's first unit note names the units this rank gathers
-again and why (``_regathering``), and the error's advice leads with that cause.
-
-Note [a backward that accumulates nothing]
-``torch.autograd.grad(loss, x)`` runs a backward through the model that accumulates into
-no parameter (a saliency map, an adversarial example's input gradient, a gradient
-penalty). DDP's reducer, hooked on the parameters' accumulation, does not see it. Here
-it reached the units' hooks and counted as the iteration's backward: it reduced and
-published what ``no_sync`` had accumulated, then the loss's own backward reduced the
-rest, a sum in another order than DDP's (one ulp apart), refused outright by the
-reproducible mode as a second mean. So the first hook of a backward asks autograd
-whether it will accumulate into the model's trainable parameters (one full parameter's
-``AccumulateGrad`` node per trainable group, ``torch._C._will_engine_execute_node``). If
-not, the backward is set aside (``_set_aside``): units are gathered for it as for any
-backward, nothing is counted or reduced, the phase stays, and its end reshards what it
-gathered. A parameter's gradient arriving after all (``backward(inputs=...)`` naming a
-parameter the probe did not ask about, a reentrant checkpoint whose parameters only its
-inner backward reaches) makes it the iteration's backward on the spot; the units whose
-backward was skipped until then are reduced at its end, as units whose gradients came
-without a counted forward are. A backward set aside that records a graph (``create_graph
-=True``: a gradient penalty) keeps what it gathered, since that graph computes with the
-full parameters, and the backward through it reduces every unit at its end, once the
-penalty's gradients have come too.
+again and why (``Residencies.regathering``), and the error's advice leads with that cause.
 
 Note [a backward that records a graph]
 A backward with ``create_graph=True`` that accumulates into the parameters
@@ -183,13 +164,14 @@ from ...comm.collectives import Comm
 from ...comm.mesh import Topology
 from ...comm.order_check import ModelChecks
 from ...comm.peers import ACTIVITY
+from ...comm.step_log import StepLog
 from ...errors import ShardwiseError
 from . import lent, mixed
-from .autograd import in_backward, output_tensors, prepare_inputs
+from .autograd import AsideBackward, in_backward, output_tensors, prepare_inputs
 from .exact_checks import DropoutWarning, LossSeeds
-from .model_check import check_model
+from .model_check import FrozenForBackward, check_model
+from .residency import Residencies, release
 from .running_stats import RunningStats
-from .step_log import StepLog
 from .unit import Unit, sharded_param
 
 
@@ -218,8 +200,10 @@ class ModelState:
     """One sharded model's phase and unit order, and its events. What the events also
     drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
     engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
-    step log (engine/iteration/step_log.py), the dropout warning
-    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py)."""
+    step log (comm/step_log.py), the dropout warning
+    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py),
+    what keeps units gathered (``Residencies``, engine/iteration/residency.py), a backward
+    set aside (``AsideBackward``, engine/iteration/autograd.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
                  buffer_sync: Any, settings: Settings) -> None:
@@ -244,17 +228,10 @@ class ModelState:
         self._borrowed_cache: dict[int, list[Unit]] = {}
         self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/iteration/unit.py
-        self._frozen_for_backward: list[Any] = []
-        # Note [a backward that accumulates nothing]: the units sharded when such a
-        # backward began (it runs when not None), and whether the next backward reduces
-        # only at its end.
-        self._aside: list[Unit] | None = None
-        self._reduce_at_end = False
-        # A no_sync backward ran since the last synced one (holds_grads looks further).
-        self._accumulated = False
-        # Held units this rank released as stale, for the next unit note (Note [held
-        # units on one rank]).
-        self._regathering: list[str] = []
+        self.frozen = FrozenForBackward()
+        # Note [a backward that accumulates nothing] in engine/iteration/autograd.py
+        self.aside = AsideBackward(units)
+        self.residency = Residencies(units, self)  # Note [residency]
         self.steps = 0  # backwards finished: the step count in Note [peer watch]'s notes
         # reproducible=True: Note [reproducible running statistics]
         self.running_stats = RunningStats(root, self.comm) if settings.reproducible else None
@@ -262,7 +239,8 @@ class ModelState:
         self.number = channel.models  # among the models on its group, in creation order
         channel.models += 1
         self.checks = ModelChecks(self.comm, self.number)  # Note [collective order]
-        self.log = StepLog(topology, units)
+        self.log = StepLog(topology, next(  # Note [secondary shards]
+            (g.regather for u in units for g in u.groups if g.regather is not None), None))
         self.dropout = DropoutWarning(root) if settings.reproducible else None
         # Note [a divided loss] in engine/iteration/exact_checks.py
         self.loss_seeds = LossSeeds(units) if settings.reproducible else None
@@ -286,56 +264,22 @@ class ModelState:
             instance_attribute(self.root, "require_backward_grad_sync", True))
 
     @property
+    def previous_order(self) -> list[Unit]:
+        """The units the previous forward ran, in order (Note [collective order])."""
+        return self._prev_order
+
+    @property
     def awaiting_backward(self) -> bool:
         """Whether a forward's backward has not finished (full parameters may be saved)."""
         return self.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD)
 
-    def release_all(self, keep_held: bool = False) -> None:
-        """Reshard every unit and forget the iteration's bookkeeping. ``keep_held``: a
-        unit held across micro-batches stays gathered, unless its shard changed since
-        (Note [gathered across micro-batches])."""
-        for u in self.units:
-            keep = keep_held and u.held and self.keep_gathered
-            if keep and u.is_stale():  # Note [held units on one rank]
-                self._regathering.append(u.name)
-            if not (keep and not u.is_stale()):
-                u.reshard()
-            u.reset_iteration()
-
     def release_held(self) -> None:
-        """Reshard the units held across micro-batches (no communication), before
-        something reads or writes the shards: a checkpoint, ``load_state_dict``. Every
-        rank must call it at the same point (Note [gathered across micro-batches])."""
+        """Release the units held across micro-batches (no communication), before
+        something reads or writes the shards: a checkpoint, ``load_state_dict``,
+        ``gathered()``. Every rank must call it at the same point (Note [gathered across
+        micro-batches])."""
         if self.phase is Phase.IDLE:
-            for u in self.units:
-                if u.held:
-                    u.reshard()
-
-    def _may_hold(self, unit: Unit) -> bool:
-        """Whether ``unit`` stays gathered across the micro-batches of a ``no_sync``
-        accumulation (Note [gathered across micro-batches]): its groups are on the device
-        (not offloaded), none is quantized, and its frozen parameters are no larger than
-        its trainable ones, whose accumulated gradients are held anyway."""
-        if not (self.keep_gathered and unit.groups and not unit.packed):
-            return False
-        trainable = sum(g.full_bytes for g in unit.groups if g.requires_grad)
-        frozen = sum(g.full_bytes for g in unit.groups if not g.requires_grad)
-        return (frozen <= trainable
-                and all(g.offload_description() is None for g in unit.groups))
-
-    def _defers(self, unit: Unit) -> bool:
-        """Whether a held unit's gradients may wait in ``.grad`` (Note [gathered across
-        micro-batches]): autograd's sums there are the accumulator's only where the
-        accumulator would add in the same dtype, one micro-batch after the other, from
-        empty. Not in the reproducible mode (its sums are exact), under mixed precision
-        with another reduce dtype, nor once the accumulator holds part of the step."""
-        return all(not g.reduction.exact and not g.reduction.has_accumulated()
-                   and g.reduce_dtype == g.compute_dtype for g in unit.trainable_groups)
-
-    def _keeps(self, unit: Unit) -> bool:
-        """Whether ``unit`` stays gathered after its forward or its backward's reduction
-        because gradients accumulate (Note [gathered across micro-batches])."""
-        return (unit.held or not self.requires_grad_sync) and self._may_hold(unit)
+            self.residency.release_held()
 
     def recover(self) -> None:
         """Start clean if the last iteration cannot complete.
@@ -352,12 +296,12 @@ class ModelState:
             return
         self.phase = Phase.IDLE
         self._reducing = None
-        self._aside, self._reduce_at_end = None, False
-        self._thaw_after_backward()
+        self.aside.abandon()
+        self.frozen.thaw()
         for u in self.units:
             for g in u.trainable_groups:
                 g.reduction.drop()
-        self.release_all()
+        self.residency.release_all()
 
     # -- forward events ----------------------------------------------------------------
     def on_pre_forward(self, unit: Unit, args: tuple, kwargs: dict,
@@ -374,7 +318,7 @@ class ModelState:
             self._start_forward(unit, module or unit.module)  # Note [forward entries]
         if self._order_checked(unit):
             # Note [held units on one rank]: the forward's first note says it.
-            again, self._regathering = self._regathering, []
+            again, self.residency.regathering = self.residency.regathering, []
             self.checks.unit(unit.index, unit.name if not again else
                              f"{unit.name} (gathered again: {', '.join(again[:3])}, whose "
                              f"shards changed on this rank since the previous micro-batch "
@@ -450,27 +394,9 @@ class ModelState:
             if self.loss_seeds is not None:
                 self.loss_seeds.watch(output)  # Note [a divided loss]
             return self._end_forward(unit, hooked, opaque, output)
-        if lent.lends(unit, output, tensors, unsearched):
-            # Stays gathered: Note [returned parameters] in engine/iteration/lent.py.
-            unit.drop_kept()
-        elif not torch.is_grad_enabled():
-            unit.reshard()
-        elif self._keeps(unit):
-            unit.drop_kept()  # Note [gathered across micro-batches]
-        elif unit.reshard_after_forward:
-            # A unit that stays gathered is not gathered again for its backward: the part
-            # kept for that (Note [secondary shards]) would only take memory.
-            if hooked:
-                if not self._runs_last(unit):  # else its backward comes next: keep it
-                    unit.reshard()
-                else:
-                    unit.drop_kept()
-            # Without a hooked output nothing would gather the unit again before its
-            # backward: a frozen one may go, a trainable one stays until backward ends.
-            elif not any(p.requires_grad for p in unit.params):
-                unit.reshard()
-            else:
-                unit.drop_kept()
+        # Note [residency] in engine/iteration/residency.py
+        self.residency.after_forward(unit, lent.lends(unit, output, tensors, unsearched),
+                                     hooked)
         if unit is self._entry:
             return self._end_forward(unit, hooked, opaque, output)
         return None
@@ -478,12 +404,13 @@ class ModelState:
     def _start_forward(self, entry: Unit, module: nn.Module) -> None:
         """A forward of the model starts at ``entry``: the root, or a unit called on its
         own (Note [forward entries])."""
-        # Note [a backward that accumulates nothing]: one that raised never reached its
-        # end callback; no backward runs while a forward starts.
-        self._aside = None
+        # Note [a backward that accumulates nothing] in engine/iteration/autograd.py: one
+        # that raised never reached its end callback; no backward runs while a forward
+        # starts.
+        self.aside.forget()
         # Note [flags of a forward without gradients] in engine/iteration/unit.py
         recording = torch.is_grad_enabled()
-        check_model(self.root, self.units, follow_flags=recording)
+        check_model(self.root, self.units, self.residency, follow_flags=recording)
         if recording:  # Note [tensor hooks on shards] in engine/groups/flat.py
             for u in self.units:
                 for g in u.trainable_groups:
@@ -511,7 +438,8 @@ class ModelState:
             if self._order:  # Note [a forward inside gathered]: none recorded there
                 self._prev_order = self._order
             self._order = []
-            self.release_all(keep_held)
+            self.residency.release_all(keep_held)
+            self.residency.settle(new_iteration=True)  # Note [residency]
         self._entry, self._entry_module = entry, module
         self._pinned = pinned
         self.phase = Phase.FORWARD
@@ -534,16 +462,6 @@ class ModelState:
                 nxt.start_gather()
             if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
                 prev[pos + 1 + self.prefetch].read_ahead()
-
-    def _runs_last(self, unit: Unit) -> bool:
-        """Whether ``unit`` ran last in the previous forward and this forward has followed
-        that order so far. Its backward then comes first, right after the loss: resharding
-        it would only gather it again at once, an all-gather and a copy-out per step with
-        nothing to overlap them (torchtitan keeps its last block gathered by hand for
-        this reason). If the order changes, the unit just stays gathered until its
-        backward, as with ``reshard_after_forward=False``."""
-        prev = self._prev_order
-        return bool(prev) and unit.call_index == len(prev) - 1 and prev[-1] is unit
 
     def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
         """The forward's entry unit (Note [forward entries]) returned; what
@@ -574,11 +492,11 @@ class ModelState:
         self.phase = Phase.IDLE  # no backward will come: release everything now
         try:
             if self._pinned:
-                self.release_all()
+                self.residency.release_all()
                 return None
             # Note [returned parameters] in engine/iteration/lent.py; refuses after releasing
             return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
-                                  self.release_all)
+                                  self.residency.release_all)
         finally:
             self.buffers.step_ended()
 
@@ -605,7 +523,7 @@ class ModelState:
         self.checks.abandon()
         self.phase = Phase.IDLE
         self._order = []  # a partial order must not decide the next prefetches
-        self.release_all(keep_held)
+        self.residency.release_all(keep_held)
 
     # -- backward events ---------------------------------------------------------------
     def ensure_backward_callback(self, accumulating: bool = False) -> None:
@@ -614,12 +532,12 @@ class ModelState:
         reaches no parameter is not the iteration's (Note [a backward that accumulates
         nothing])."""
         if self.phase is not Phase.BACKWARD:
-            if self._aside is not None:
+            if self.aside.running:
                 if not accumulating:
                     return
-                self._aside = None  # a parameter's gradient came after all: a real one
-            elif not accumulating and not self._accumulates():
-                self._set_aside()
+                self.aside.forget()  # a parameter's gradient came after all: a real one
+            elif not accumulating and not self.aside.accumulates():
+                self.aside.start()
                 return
             if torch.is_grad_enabled():
                 # Note [a backward that records a graph]
@@ -633,98 +551,9 @@ class ModelState:
                     "penalty) is supported")
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.phase = Phase.BACKWARD
-            self._freeze_for_backward()
+            self.frozen.freeze(self.units)
             ACTIVITY.enter("model", f"the backward of step {self.steps + 1}")
             self.checks.backward(self.requires_grad_sync)
-
-    def _accumulates(self) -> bool:
-        """Whether the running backward will accumulate into a trainable parameter of
-        the model: one full parameter per trainable group asked (Note [a backward that
-        accumulates nothing])."""
-        for u in self.units:
-            for g in u.trainable_groups:
-                p = next((p for p in g.params if p.requires_grad and p.full.requires_grad),
-                         None)
-                if p is None:
-                    continue
-                if p.accumulator is None:
-                    with torch.enable_grad():  # a backward runs with gradients off
-                        node = p.full.view_as(p.full).grad_fn
-                    assert node is not None, "a view of a leaf that requires grad"
-                    p.accumulator = node.next_functions[0][0]
-                if torch._C._will_engine_execute_node(p.accumulator):
-                    return True
-        return False
-
-    def _set_aside(self) -> None:
-        """Note [a backward that accumulates nothing]: the running backward gathers what
-        it needs and reduces nothing; its end puts the units back as the forward left
-        them, unless it records a graph a later backward runs through."""
-        self._aside = [u for u in self.units if u.is_sharded()]
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_aside)
-
-    def _end_aside(self) -> None:
-        if self._aside is None:  # became the iteration's backward (a parameter's gradient)
-            return
-        gathered_for_it, self._aside = self._aside, None
-        if torch.is_grad_enabled():
-            # It recorded a graph through the full parameters (a gradient penalty's
-            # torch.autograd.grad(..., create_graph=True)): they stay gathered, and the
-            # backward through it reduces at its end, when every gradient has come.
-            self._reduce_at_end = True
-            return
-        for u in gathered_for_it:
-            u.reshard()
-
-    def _freeze_for_backward(self) -> None:
-        """Note [flags of a forward without gradients] in engine/iteration/unit.py: a parameter
-        frozen on its shard between its forward and this backward gets no gradient, as
-        autograd gives none to a leaf frozen after its forward: its full parameter, which
-        autograd accumulates into, is frozen for the backward."""
-        for u in self.units:
-            for g in u.trainable_groups:
-                for p in g.params:
-                    if p.requires_grad and not p.shard.requires_grad and p.full.requires_grad:
-                        p.full.requires_grad_(False)
-                        self._frozen_for_backward.append(p)
-
-    def _thaw_after_backward(self) -> None:
-        """Undo :meth:`_freeze_for_backward`: the shard's flag is taken up at the next
-        forward that records a graph (Note [freezing after shard])."""
-        for p in self._frozen_for_backward:
-            p.full.requires_grad_(p.requires_grad)
-        self._frozen_for_backward = []
-
-    def holds_grads(self) -> bool:
-        """Whether gradients of ``no_sync`` micro-batches wait in the engine: in a held
-        unit's full parameters or in a reduction (Note [zero_grad reaches held
-        gradients] in engine/entry_points/zero_grad.py)."""
-        return self._accumulated and any(
-            u.deferred or any(g.reduction.has_accumulated() for g in u.trainable_groups)
-            for u in self.units)
-
-    def clear_grads(self, tensors: list[torch.Tensor]) -> None:
-        """``zero_grad`` reached ``tensors`` (shards or full parameters): drop what the
-        engine holds of their gradients, before anything reduces it (Note [zero_grad
-        reaches held gradients] in engine/entry_points/zero_grad.py). Raises, with nothing changed,
-        where a mode cannot drop part of what it holds."""
-        if not self.holds_grads():
-            return
-        wanted = {id(sp) for t in tensors if (sp := sharded_param(t)) is not None}
-        plan = []
-        for u in self.units:
-            for g in u.trainable_groups:
-                which = [i for i, p in enumerate(g.params) if id(p) in wanted]
-                if which:
-                    plan.append((g, which))
-        for g, which in plan:
-            refusal = g.reduction.clear_refusal(which)
-            if refusal:
-                raise ShardwiseError(refusal)
-        for g, which in plan:
-            for i in which:
-                g.params[i].full.grad = None  # a held unit's, deferred there
-            g.reduction.clear(which)
 
     def on_pre_backward(self, unit: Unit, call_index: int) -> None:
         """Gradients reach a unit's output: gather it, prefetch the one before it."""
@@ -746,9 +575,9 @@ class ModelState:
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
-        if self._aside is not None:  # Note [a backward that accumulates nothing]
+        if self.aside.running:  # Note [a backward that accumulates nothing]
             return
-        if unit.record_backward() and not self._reduce_at_end:
+        if unit.record_backward() and not self.aside.reduce_at_end:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
@@ -758,24 +587,18 @@ class ModelState:
         channel = self.comm.channel
         if channel.pending():
             channel.settle()
-        if not self.requires_grad_sync:
-            self._accumulated = True
-        if not self.requires_grad_sync and self._keeps(unit) and unit.is_gathered():
+        sync = self.requires_grad_sync
+        if self.residency.at_reduction(unit, sync):
             # Note [gathered across micro-batches]: the next micro-batch computes with
             # these very parameters, and adds to these very gradients where it can.
-            if self._defers(unit):
-                unit.defer()
-            else:
-                unit.start_reduce(False)
-            unit.hold()
             return
         # Free the full parameters before the gradients are copied into the reduction
         # buffer, not after: at the root's reduction, at the end of the backward, that
         # is the difference between holding the root's parameters, gradients and buffer
         # at once or only the last two (BENCHMARKS.md, live tensor bytes).
-        unit.reshard(keep_grads=True)
-        unit.start_reduce(self.requires_grad_sync)
-        unit.reshard()
+        release(unit, keep_grads=True)
+        unit.start_reduce(sync)
+        release(unit)
         # At most two reductions in flight: each holds a unit-sized gradient buffer, and
         # letting them pile up until the end of backward would hold a whole model's. (A
         # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
@@ -790,8 +613,8 @@ class ModelState:
             if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
         self._reducing = None
-        self._reduce_at_end = False
-        self._thaw_after_backward()
+        self.aside.reduce_at_end = False
+        self.frozen.thaw()
         if self.requires_grad_sync:
             self._publish_gradients([u for u in self.units if u.reduced])
         for u in self.units:
@@ -801,11 +624,7 @@ class ModelState:
                 raise ShardwiseError(
                     f"internal: a gradient for {late[0]} arrived after its unit {u.name} "
                     f"was reduced; please report this with your model")
-        # Note [gathered across micro-batches]: after a synced backward nothing stays held
-        # (a held unit no micro-batch gave a gradient to would otherwise outlive the step).
-        self.release_all(keep_held=not self.requires_grad_sync)
-        if self.requires_grad_sync:
-            self._accumulated = False
+        self.residency.backward_ended(self.requires_grad_sync)
         self.phase = Phase.IDLE
         self.steps += 1
         if self.running_stats is not None and self.requires_grad_sync:
@@ -848,9 +667,7 @@ class ModelState:
         # unit, whether an in-place edit of its held full parameters was kept on some rank
         # and not on another (Note [edits of held parameters] in engine/iteration/unit.py); and, in
         # the reproducible mode, whether a rank's loss was divided (Note [a divided loss]).
-        edited = [u.edited for u in self.units]
-        for u in self.units:
-            u.edited = False
+        edited = self.residency.take_edits()
         flags = [int(x) for g in groups for x in g.reduction.used]
         n, k = len(flags), len(edited)
         flags += [int(e) for e in edited] + [int(not e) for e in edited]

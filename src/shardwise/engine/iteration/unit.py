@@ -8,6 +8,9 @@
        └───────── start_reduce(): reduce-scatter full grads into shard grads ◄──┘
 
 Every transition is a method of :class:`Unit`; nothing else changes a unit's state.
+What keeps a unit gathered between its computations, its residency (:class:`Residency`),
+is decided and changed in engine/iteration/residency.py (Note [residency]), which is
+also the one way out of it (``release``).
 
 A unit holds one list of groups (Note [one interface for a group] in engine/groups/interface.py),
 each gathered by one collective, and walks it once per transition: one
@@ -69,7 +72,7 @@ parameters recomputed by activation checkpointing no longer required grad (a dif
 number of saved tensors). Changes are therefore taken up only by a forward that records
 a graph, at its start, as before. Between a forward and its backward autograd decides
 by the flag at accumulation: a leaf frozen after its forward gets no gradient. The
-engine does the same for a shard frozen then (``ModelState._freeze_for_backward``: its
+engine does the same for a shard frozen then (``FrozenForBackward`` in model_check.py: its
 full parameter is frozen for that backward only, and the change is taken up at the next
 recording forward); a parameter unfrozen then gets none either, having no place in the
 graph.
@@ -79,17 +82,19 @@ Under ``no_sync`` a held unit's full parameters stay registered between micro-ba
 (Note [gathered across micro-batches] in engine/iteration/state.py), so code that edits
 ``model.parameters()`` there (``p.mul_`` under ``no_grad``, ``p.copy_``, ``p.data``)
 edits them, and later micro-batches compute with the edit, as under DDP. Resharding
-dropped them and kept the shards: the edit vanished at the step, silently. So resharding
-a held unit whose shard did not change meanwhile first copies into the shard this rank's
-rows of the full parameters wherever they differ from it (``FlatGroup.keep_edits``; one
-comparison of this rank's rows, no collective). Every rank making the same edit keeps
-its own rows of it: DDP's result. An edit on some ranks only would leave a model that no
-rank computed with; an in-place operation moves the full buffer's version counter
-whichever rows it touches, so each rank notes whether one wrote there, and the ranks
-compare the notes in the exchange of used-parameter flags that ends the next synced
-backward (``ModelState._publish_gradients``): a difference raises on every rank, naming
-the units. Not seen by that comparison: an edit through ``p.data`` (it moves no version
-counter) on some ranks only; it is still kept on the ranks that made it.
+dropped them and kept the shards: the edit vanished at the step, silently. So a held
+unit that stops being held (``release``, or a settling that finds it may no longer be
+held: Note [residency] in engine/iteration/residency.py) and whose shard did not change
+meanwhile first copies into the shard this rank's rows of the full parameters wherever
+they differ from it (``FlatGroup.keep_edits``; one comparison of this rank's rows, no
+collective). Every rank making the same edit keeps its own rows of it: DDP's result. An
+edit on some ranks only would leave a model that no rank computed with; an in-place
+operation moves the full buffer's version counter whichever rows it touches, so each
+rank notes whether one wrote there, and the ranks compare the notes in the exchange of
+used-parameter flags that ends the next synced backward (``ModelState._publish_gradients``,
+through ``Residencies.take_edits``): a difference raises on every rank, naming the units.
+Not seen by that comparison: an edit through ``p.data`` (it moves no version counter) on
+some ranks only; it is still kept on the ranks that made it.
 
 Note [DTensor parameters]
 Why DTensor, and what it costs. PyTorch's own tools (``clip_grad_norm_``, the optimizers,
@@ -134,8 +139,8 @@ from ..groups.interface import ParamGroup
 from ..groups.packed import PackedGroup
 
 # Re-exported: the engine's records of a parameter are reached through the unit.
-__all__ = ["FlatGroup", "Model", "PackedGroup", "ShardedParam", "Unit", "UnitState",
-           "set_sharded_param", "set_unit", "sharded_param", "unit_of"]
+__all__ = ["FlatGroup", "Model", "PackedGroup", "Residency", "ShardedParam", "Unit",
+           "UnitState", "set_sharded_param", "set_unit", "sharded_param", "unit_of"]
 
 
 class Model(Protocol):
@@ -176,6 +181,18 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
+class Residency(enum.Enum):
+    """What keeps a unit gathered between its computations: settled once per iteration,
+    changed by the events of Note [residency] in engine/iteration/residency.py."""
+
+    RESHARDED = "resharded"  # a forward leading to a backward reshards it
+    KEPT = "kept"            # gathered from its forward to its reduction
+    LAST = "last"            # ran last: KEPT where it runs last again, else RESHARDED
+    HOLDING = "holding"      # under no_sync: kept, and HELD from its reduction on
+    HELD = "held"            # gathered across no_sync micro-batches
+    LENT = "lent"            # a forward returned a full parameter of it
+
+
 class Unit:
     """A module whose parameters are gathered and released together.
 
@@ -204,12 +221,13 @@ class Unit:
         self.pins = 0      # open gathered() blocks holding this unit gathered
         self.cast_inputs = cast_inputs  # MixedPrecision.param_dtype
         self.state = UnitState.SHARDED
-        # Gathered across no_sync micro-batches (Note [gathered across micro-batches] in
-        # engine/iteration/state.py): set by :meth:`hold`, cleared by :meth:`reshard`.
-        self.held = False
+        # Note [residency] in engine/iteration/residency.py: what keeps it gathered, and
+        # the value settled for this iteration, which HELD and LENT return to when they
+        # end. Written by engine/iteration/residency.py only.
+        self.residency = self.settled = Residency.RESHARDED
         # Its gradients wait, summed by autograd, in the full parameters' ``.grad`` (a
-        # held unit's, Note [gathered across micro-batches]): set by :meth:`defer`,
-        # moved to the reduction by :meth:`reshard`.
+        # HELD unit's, Note [gathered across micro-batches] in engine/iteration/state.py);
+        # moved to the reduction when it is released (engine/iteration/residency.py).
         self.deferred = False
         # An in-place edit of its full parameters while held was kept (Note [edits of
         # held parameters]); read and cleared by the model at the next synced backward.
@@ -242,21 +260,6 @@ class Unit:
     def owes_backward(self) -> bool:
         """Whether a forward's backward has not reached this unit yet."""
         return self.forward_calls > self.backward_calls and not self.reduced
-
-    def hold(self) -> None:
-        """Stay gathered past this backward: its gradients were accumulated under
-        ``no_sync`` and the next micro-batch computes with the same parameters (Note
-        [gathered across micro-batches] in engine/iteration/state.py). Only :meth:`reshard` ends
-        it."""
-        if self.state is UnitState.GATHERED:
-            self.held = True
-
-    def defer(self) -> None:
-        """Leave this backward's gradients in the full parameters' ``.grad``, where the
-        next micro-batch's backward adds to them, instead of handing them to the
-        reduction (Note [gathered across micro-batches] in engine/iteration/state.py)."""
-        self.deferred = True
-        self.reduced = True
 
     def is_stale(self) -> bool:
         """Whether a shard changed (an optimizer step, a load) since the unit was
@@ -336,27 +339,21 @@ class Unit:
 
     def reshard(self, keep_grads: bool = False) -> None:
         """-> SHARDED: expose shards again and free the full parameters (and, unless
-        ``keep_grads``, their gradients).
+        ``keep_grads``, their gradients). Reached through ``residency.release``, which
+        first ends what keeps the unit gathered (Note [residency]).
 
         A unit pinned by an open ``gathered()`` block stays gathered.
         """
-        if keep_grads:  # the caller hands the gradients, the step's sum, to the reduction
-            self.deferred = False
         if self.state is UnitState.SHARDED or self.pins:
             return
-        if self.held and not self.is_stale():  # Note [edits of held parameters]
-            self.edited |= any([g.keep_edits() for g in self.groups])
-        if self.deferred:  # to the accumulator, not away
-            self.deferred = False
-            for g in self.all_groups:
-                g.start_reduce(False)
+        assert not self.deferred and self.residency is not Residency.HELD, (
+            "a held unit is released through engine/iteration/residency.py's release")
         for g in self.all_groups:
             g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
         for g in self.all_groups:
             g.free(keep_grads)
         self.state = UnitState.SHARDED
-        self.held = False
 
     def start_reduce(self, sync: bool) -> None:
         """Hand this backward's full gradients to the reduction; see GradReduction.start."""

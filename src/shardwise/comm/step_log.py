@@ -8,26 +8,22 @@ headers (Note [checks ride the exchanges] in comm/channel.py) sent meanwhile.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
 
-from ..._log import logger
-from ...comm.collectives import Comm
-from ...comm.mesh import Topology
+from .._log import logger
+from .collectives import Comm
+from .mesh import Topology
 
 
-def comm_groups(topology: Topology, units: Iterable[Any]) -> list[tuple[str, Comm]]:
+def comm_groups(topology: Topology, regather: Comm | None) -> list[tuple[str, Comm]]:
     """Every group a model communicates over, each once, labelled for a log: the model's
     group (hybrid: the shard group and, as "world", every rank), "across replicas" (Note
-    [hybrid sharding]) and "within groups of k" (Note [secondary shards]), the latter
-    found among the flat groups of the model's ``units``."""
+    [hybrid sharding]) and "within groups of k" (``regather``, Note [secondary
+    shards])."""
     out = [("", topology.shard)]
     if topology.world is not topology.shard:
         out.append(("world", topology.world))
     if topology.replicate is not None and topology.replicate is not topology.world:
         out.append(("across replicas", topology.replicate))
-    regather = next((g.regather for u in units for g in u.groups
-                     if g.regather is not None), None)
     if regather is not None:
         out.append(("within groups of k", regather))
     return out
@@ -36,9 +32,9 @@ def comm_groups(topology: Topology, units: Iterable[Any]) -> list[tuple[str, Com
 class StepLog:
     """One model's step log: what its groups' counters held at the last line."""
 
-    def __init__(self, topology: Topology, units: list[Any]) -> None:
+    def __init__(self, topology: Topology, regather: Comm | None) -> None:
         self.topology = topology
-        self.units = units  # the model's (a flat group may regather within k ranks)
+        self.regather = regather  # the group of k ranks the model's backward may gather in
         self._logged: dict[str, tuple[int, int]] = {}  # counters at the last line
         self._headers = topology.world.channel.headers  # the order check's, then
 
@@ -48,7 +44,7 @@ class StepLog:
         if not logger.isEnabledFor(logging.INFO):
             return
         now = {}
-        for label, comm in comm_groups(self.topology, self.units):
+        for label, comm in comm_groups(self.topology, self.regather):
             stats = comm.stats
             prefix = f"{label} " if label else ""
             now.update({prefix + k: (stats.bytes[k], stats.calls[k]) for k in stats.bytes})
