@@ -376,8 +376,8 @@ def _committed_data(path: str) -> str | None:
 class _Staged:
     """What a rank writes, taken in the call (Note [background saves]): its tensors (views
     of the live ones, or with ``stage`` copies), the buffers, the pieces its file holds,
-    the pages to release after each tensor, Python's RNG state and the metadata without
-    the per-rank parts."""
+    the pages to release after each tensor, Python's RNG state and (rank 0) the metadata
+    without the per-rank parts."""
 
     tensors: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
@@ -413,7 +413,8 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
         extra = json.loads(json.dumps(extra))  # checked above to come back as it is
         if opt_meta is not None:
             opt_meta = json.loads(json.dumps(opt_meta))
-    meta = _metadata(module, params, packed, buffers, opt_meta, tensors, extra, world)
+    meta = (_metadata(module, params, packed, buffers, opt_meta, tensors, extra, world)
+            if rank == 0 else {})  # rank 0 commits
     return _Staged(tensors, buffers, pieces, releases, python_rng_state(), meta)
 
 
