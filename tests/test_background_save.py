@@ -25,6 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
 from test_checkpoint_protocol import _assert_same, _base, _contents, _loaded, _named, _trained
+from test_offload import _plain
+from test_offload import _state as _rows
+from test_offload import _steps as _offload_steps
 
 import shardwise as sw
 import shardwise.checkpoint.save as save
@@ -153,6 +156,29 @@ def test_a_background_save_holds_the_state_at_the_call(tmp_path):
     model, opt = _trained(0, shard=False)
     sw.load_checkpoint(folder + "-saved-at-2", model, opt)
     assert all(torch.equal(v, at_call[0][k]) for k, v in model.state_dict().items())
+
+
+def _disk_tier(rank, world, tiers, folder):
+    """A model whose parameters and AdamW state live in files (the disk tier): the staging
+    reads them into memory, page by page released, and what loads is the state at the
+    call."""
+    model, opt = _plain(("disk", "disk"), tiers)
+    _offload_steps(model, opt, 0, 2)
+    at_call = _rows(model, opt)
+    handle = sw.save_checkpoint(folder, model, opt, background=True)
+    _offload_steps(model, opt, 2, 2)
+    handle.wait()
+    fresh, fresh_opt = _plain(("disk", "disk"), tiers)
+    sw.load_checkpoint(folder, fresh, fresh_opt)
+    got = _rows(fresh, fresh_opt)
+    return got.keys() == at_call.keys() and all(torch.equal(got[k], v)
+                                                for k, v in at_call.items())
+
+
+def test_a_disk_offloaded_model_saves_in_the_background(tmp_path):
+    tiers = str(tmp_path / "tiers")
+    os.makedirs(tiers)
+    assert run_ranks(_disk_tier, 2, tiers, str(tmp_path / "ck")) == [True, True]
 
 
 def _refusals(rank, world, root):
