@@ -315,6 +315,9 @@ def _write_fails_on_rank_1(rank, world, folder):
         sw.save_checkpoint(folder, model, opt, extra={"v": 4}, background=True)
         with pytest.raises(sw.ShardwiseError, match="no wait\\(\\) took its error") as later:
             sw.save_checkpoint(folder, model, opt, extra={"v": 5}, background=True)
+        sw.save_checkpoint(folder, model, opt, extra={"v": 5}, background=True)  # a load too
+        with pytest.raises(sw.ShardwiseError, match="(?s)load_checkpoint.*no wait\\(\\) took"):
+            sw.load_checkpoint(folder, model, opt)
     finally:
         save.Writer.write = real
     assert sw.load_checkpoint(folder, model, opt) == {"v": 2}  # nothing half-committed

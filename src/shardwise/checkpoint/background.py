@@ -40,8 +40,9 @@ group's.
 **One in flight per process.** The staged copy is one checkpoint's worth of this rank's
 state in host memory; two saves in flight would hold two. A save or load (any folder, any
 model) first waits for the previous background save. If that save failed and no
-``wait()`` took its error, the later call raises it, on every rank (one agreement, on
-the later call's group), and does nothing else: a lost checkpoint is never silent. The
+``wait()`` took its error, the later call raises it, on every rank (inside the call's
+first agreement, so no collective is added), and does nothing else: a lost checkpoint is
+never silent. The
 staging is refused up front when the copy would not fit in the memory the OS says is
 available (``MemAvailable``), on every rank, naming the sizes.
 
@@ -67,7 +68,6 @@ import torch
 import torch.distributed as dist
 
 from .._log import logger
-from ..comm.agree import agreed
 from ..comm.collectives import Comm
 from ..errors import ShardwiseError
 
@@ -215,32 +215,26 @@ def start(path: str, comm: Comm | None, write: Callable[[], None]) -> SaveHandle
     return handle
 
 
-def finish_previous(comm: Comm | None, what: str) -> None:
-    """Before a save or load: wait for this process's background save in flight, if any,
-    and raise its error on every rank if no ``wait()`` took it (Note [background
-    saves])."""
+def finish_previous(comm: Comm | None) -> str | None:
+    """Before a save or load: wait for this process's background save in flight, if any.
+    Returns its error if no ``wait()`` took it, which the caller raises inside its first
+    agreement, so that every rank raises it (Note [background saves]); None otherwise."""
     global _in_flight
     with _lock:
         handle, _in_flight = _in_flight, None
     if handle is None:
-        return
+        return None
     if handle._thread is not None:
         handle._thread.join()
     error = None if handle._taken else handle._error
     handle._taken = True
-    if handle._ranks != _ranks_of(comm):  # another group saved it: only this rank knows
-        if error is not None:
-            logger.error("the background save into %s failed: %s", handle.path, error)
-        return
-
-    def check() -> None:
-        if error is not None:
-            raise ShardwiseError(
-                f"the background save into {handle.path!r} failed and no wait() took its "
-                f"error, so this call did nothing; call it again to go on. The error: "
-                f"{error}")
-
-    agreed(comm, what, check)
+    if error is None:
+        return None
+    if handle._ranks != _ranks_of(comm):  # another group saved it: its ranks differ
+        logger.error("the background save into %s failed: %s", handle.path, error)
+        return None
+    return (f"the background save into {handle.path!r} failed and no wait() took its "
+            f"error, so this call did nothing; call it again to go on. The error: {error}")
 
 
 def in_flight() -> SaveHandle | None:

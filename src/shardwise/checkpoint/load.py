@@ -77,14 +77,15 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"
-    finish_previous(comm, what)  # Note [background saves]: a load sees what was saved
+    previous = finish_previous(comm)  # Note [background saves]: a load sees what was saved
     everyone = comm.all_gather_object if comm is not None and world > 1 else (lambda x: [x])
     paths = everyone(path)
     if len(set(paths)) > 1:
         raise ShardwiseError(f"{what}: the ranks were given different paths: "
                              f"{by_rank(paths)}")
     for _ in range(_LOAD_ATTEMPTS):
-        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world))
+        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world,
+                                                          previous))
         digest = got[0] if got is not None else None
         digests = everyone(digest)
         if got is not None and None not in digests and len(set(digests)) == 1:
@@ -110,9 +111,13 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     return extra
 
 
-def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
+def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int,
+                     previous: str | None = None):
     """(digest of the metadata read, the values read), or None when a save replaced the
-    checkpoint while it was being read (the caller starts again)."""
+    checkpoint while it was being read (the caller starts again). ``previous``: the error
+    of the background save before, raised here (Note [background saves])."""
+    if previous is not None:
+        raise ShardwiseError(previous)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)

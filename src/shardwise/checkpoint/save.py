@@ -226,7 +226,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     require_bool(background, "save_checkpoint", "background")
     comm = comm_of(module)
     what = f"save_checkpoint({path!r}) failed"
-    finish_previous(comm, what)  # Note [background saves]: one in flight
+    previous = finish_previous(comm)  # Note [background saves]: one in flight
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
     if comm is not None and not (state is not None
@@ -236,7 +236,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
     staged = agreed(comm, what, lambda: _prepare(module, optimizer, extra, rank, world,
-                                                 stage=background))
+                                                 stage=background, previous=previous))
     _reached("prepared")
     side = side_comm(comm) if background else None
     folder = _Folder(path, keep_previous) if rank == 0 else None
@@ -388,10 +388,14 @@ class _Staged:
 
 
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
-             rank: int, world: int, stage: bool = False) -> _Staged:
+             rank: int, world: int, stage: bool = False,
+             previous: str | None = None) -> _Staged:
     """This rank's view of what to save (checks included); nothing is written. With
     ``stage``, the tensors and buffers are copies in host memory and ``extra`` a copy,
-    so that the model may change once this returns."""
+    so that the model may change once this returns. ``previous``: the error of the
+    background save before, raised here (Note [background saves])."""
+    if previous is not None:
+        raise ShardwiseError(previous)
     _json_ok(extra, "extra", round_trip=True)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
