@@ -42,9 +42,13 @@ state in host memory; two saves in flight would hold two. A save or load (any fo
 model) first waits for the previous background save. If that save failed and no
 ``wait()`` took its error, the later call raises it, on every rank (inside the call's
 first agreement, so no collective is added), and does nothing else: a lost checkpoint is
-never silent. The
-staging is refused up front when the copy would not fit in the memory the OS says is
-available (``MemAvailable``), on every rank, naming the sizes.
+never silent. The staging is refused up front when the copy would not fit in the memory
+the OS says is available (``MemAvailable``), on every rank, naming the sizes. The copy
+goes into memory allocated for it and freed when the write ends: a buffer kept between
+saves would copy a little faster (no page faults) but hold a checkpoint's worth of
+memory for the life of the process (BENCHMARKS.md, "Background checkpoints"). The
+thread computes what a synchronous save computes (each file's SHA-256, the copies into
+the page cache); where no core is spare, it takes that CPU time from training.
 
 **Exit with a save in flight.** The thread is not a daemon: the interpreter waits for it
 when the program ends (Python joins such threads before ``atexit`` functions), so a
