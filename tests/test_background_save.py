@@ -228,8 +228,19 @@ def test_the_call_itself_refuses_what_a_synchronous_save_refuses(tmp_path):
         assert "background must be True or False" in said["flag"]
 
 
+def _quiet_store():
+    """No peer-watch notes (Note [peer watch]): a SIGKILL from the save's thread can land
+    while the main thread writes its note into the harness's FileStore, and a record cut
+    short there makes every later reader of that store spin for ever (torch's FileStore
+    reads until the record's end). The survivors learn of the death from gloo's closed
+    connections instead."""
+    os.environ["SHARDWISE_PEER_TIMEOUT"] = "0"
+
+
 def _crash(rank, world, folder, step, victim, mode):
     """The victim stops at ``step`` on its save's thread while its main thread trains."""
+    _quiet_store()
+
     def reached(name):
         if name == step and rank == victim:
             if mode == "kill":
@@ -266,6 +277,7 @@ def test_a_rank_stopped_during_the_write_leaves_the_previous_or_the_new_checkpoi
         where = f"rank {victim} stopped by {mode} at {step!r} on the save's thread"
         folder = str(tmp_path / f"case-{victim}-{step}-{mode}")
         os.system(f"cp -r {base} {folder}")
+        print(where, flush=True)  # shown when the test fails
         results = run_ranks(_crash, 2, folder, step, victim, mode, timeout=60,
                             deaths_expected=True)
         committed = save.SAVE_STEPS.index(step) >= save.SAVE_STEPS.index(
@@ -339,6 +351,7 @@ def _resumable(rank, world, folder, total, kill_at_save, background):
     mode; with ``kill_at_save``, rank 1 is SIGKILLed on its thread, half-way through
     writing that save (numbered from 1)."""
     if kill_at_save:
+        _quiet_store()
         saves = [0]
 
         def reached(name):
