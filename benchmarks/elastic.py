@@ -16,7 +16,8 @@ counts the runs that passed.
 
 ``save-cost``: the reference GPT (6 layers, d_model 512, sequence 256, 4 sequences per
 rank, AdamW) at this world size: the median step without saving, the median
-``Resumable.save()``, and what one save every K steps adds to a step.
+``Resumable.save()`` (synchronous: ``background=False``; benchmarks/background_save.py
+measures background saves), and what one save every K steps adds to a step.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def save_cost(args: argparse.Namespace) -> None:
     folder = [folder]
     dist.broadcast_object_list(folder)
     steps, saves = [], []
-    with sw.Resumable(folder[0], model, opt, every=10**9) as run:
+    with sw.Resumable(folder[0], model, opt, every=10**9, background=False) as run:
         for step in run.steps(args.steps + 1):
             dist.barrier()
             t = time.perf_counter()

@@ -27,6 +27,16 @@ def test_init_distributed_without_torchrun_is_a_world_of_one():
     assert out.stdout.split() == ["1", "nccl" if torch.cuda.is_available() else "gloo"]
 
 
+def test_the_public_names_are_exported():
+    """Every name of ``__all__`` is the package's, the background save's handle (issue 53)
+    among them, and Resumable's ``background=`` is checked like every flag."""
+    assert [n for n in sw.__all__ if not hasattr(sw, n)] == []
+    assert "SaveHandle" in sw.__all__ and sw.SaveHandle is sw.checkpoint.SaveHandle
+    with pytest.raises(sw.ShardwiseError, match="Resumable: background must be True or False"):
+        sw.Resumable("unused-run", nn.Linear(2, 2), every=1, background="yes")
+    assert not os.path.exists("unused-run")
+
+
 def _units_by_class_and_callable(rank, world):
     model = GPT(CFG)
     assert sw.shard(model, units=(Block, nn.LayerNorm)) is model  # the same object

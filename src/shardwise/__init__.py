@@ -39,13 +39,22 @@ State and checkpoints
                                                the optimizer's state as over the unsharded
                                                model: one file, loaded on every rank
     load_pretrained(module, source, strict=True, rename=None, *, allow_nonfinite=False)
-    save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True)
+    save_checkpoint(path, module, optimizer=None, extra=None, *, keep_previous=True,
+                    background=False) -> None, or with background a SaveHandle
+    SaveHandle                                 a background save: returned once the state
+                                               is staged in host memory; .wait() returns
+                                               when it is committed (raises what the
+                                               write raised, on every rank), .done()
+                                               asks without waiting
     load_checkpoint(path, module, optimizer=None) -> extra
+                                               (a save or load first waits for the
+                                               background save in flight)
     Resumable(folder, model, optimizer=None, *, every, keep=2, scheduler=None,
-              micro_batches=None, steps_per_epoch=None)
+              micro_batches=None, steps_per_epoch=None, background=True)
                                                a loop that resumes from its newest
                                                checkpoint at any world size (torchrun
-                                               restarts, elastic jobs)
+                                               restarts, elastic jobs); saves in the
+                                               background, one in flight
     command line: shardwise consolidate CHECKPOINT OUTPUT; shardwise inspect CHECKPOINT;
     shardwise sign CHECKPOINT
 Hugging Face (optional: transformers, accelerate)
@@ -74,7 +83,7 @@ Example::
 
 from typing import Any
 
-from .checkpoint import Resumable, load_checkpoint, load_pretrained, save_checkpoint
+from .checkpoint import Resumable, SaveHandle, load_checkpoint, load_pretrained, save_checkpoint
 from .checkpoint.state_dict import full_optimizer_state_dict, full_state_dict
 from .comm.process_group import init_distributed
 from .consistency import check_consistency
@@ -115,6 +124,7 @@ __all__ = [
     "Offload",
     "ReadOnlyGatherError",
     "Resumable",
+    "SaveHandle",
     "ShardwiseError",
     "check_consistency",
     "clip_grad_norm_",

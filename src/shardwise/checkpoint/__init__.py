@@ -1,5 +1,6 @@
 """Checkpoints and pretrained weights: safetensors data, JSON metadata, nothing pickled."""
 
+from .background import SaveHandle
 from .consolidation import consolidate, describe
 from .load import load_checkpoint
 from .pretrained import load_pretrained
@@ -8,4 +9,4 @@ from .save import save_checkpoint
 from .verify import sign_checkpoint
 
 __all__ = ["consolidate", "describe", "load_checkpoint", "load_pretrained", "Resumable",
-           "save_checkpoint", "sign_checkpoint"]
+           "SaveHandle", "save_checkpoint", "sign_checkpoint"]

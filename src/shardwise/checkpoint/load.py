@@ -35,6 +35,7 @@ from ._targets import (
     module_targets,
     packed_targets,
 )
+from .background import finish_previous
 from .verify import VerifiedCheckpoint, check_files
 
 _LOAD_ATTEMPTS = 5  # reads of a checkpoint replaced meanwhile before giving up
@@ -51,7 +52,8 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     failure on any rank raises on every rank and leaves the module and optimizer
     untouched. RNG states are restored when the world size is the one saved. A load
     running beside a save into the same folder loads the old or the new checkpoint
-    (every rank the same one), starting again if the save replaced it mid-read.
+    (every rank the same one), starting again if the save replaced it mid-read. A
+    background save of this process still in flight is waited for first.
 
     Args:
         path: the checkpoint folder.
@@ -64,7 +66,9 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     Raises:
         ShardwiseError: naming the file and the problem (missing, truncated, corrupt,
             metadata that contradicts the files), or listing missing, unexpected and
-            mismatched tensors; ``path`` is not a path, or differs across ranks.
+            mismatched tensors; ``path`` is not a path, or differs across ranks; the
+            previous background save failed and no ``wait()`` took its error (nothing is
+            loaded).
 
     Example:
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
@@ -73,13 +77,15 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"
+    previous = finish_previous(comm)  # Note [background saves]: a load sees what was saved
     everyone = comm.all_gather_object if comm is not None and world > 1 else (lambda x: [x])
     paths = everyone(path)
     if len(set(paths)) > 1:
         raise ShardwiseError(f"{what}: the ranks were given different paths: "
                              f"{by_rank(paths)}")
     for _ in range(_LOAD_ATTEMPTS):
-        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world))
+        got = agreed(comm, what, lambda: _read_checkpoint(path, module, optimizer, rank, world,
+                                                          previous))
         digest = got[0] if got is not None else None
         digests = everyone(digest)
         if got is not None and None not in digests and len(set(digests)) == 1:
@@ -105,9 +111,13 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
     return extra
 
 
-def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int):
+def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: int,
+                     previous: str | None = None):
     """(digest of the metadata read, the values read), or None when a save replaced the
-    checkpoint while it was being read (the caller starts again)."""
+    checkpoint while it was being read (the caller starts again). ``previous``: the error
+    of the background save before, raised here (Note [background saves])."""
+    if previous is not None:
+        raise ShardwiseError(previous)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)

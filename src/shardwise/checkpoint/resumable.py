@@ -22,6 +22,15 @@ the same folder is refused by name before it loads or writes anything (Note [one
 writer]). A failure inside ``with run:`` is written to ``failures/`` in the folder and
 carries a note naming the step reached and the last checkpoint; the next attempt reports
 it, and says so when attempts keep failing without getting past a checkpoint.
+
+Saves run in the background by default (Note [background saves] in background.py): a
+save returns once the state is staged, and the loop trains on while a thread writes.
+One is in flight at a time: the next save, and ``close()`` (the end of ``with run:``),
+wait for it first, and the older checkpoints are pruned only once it is committed (a
+step folder being written has no ``checkpoint.json`` yet, and pruning would take it for
+the debris of a lost timeline). A kill while it is in flight leaves the previous
+checkpoint, from which the next attempt resumes, as after a kill during a synchronous
+save. ``background=False`` saves in the loop's time instead.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._args import require_module, require_optimizer
+from .._args import require_bool, require_module, require_optimizer
 from .._fs import kind, open_dir
 from .._log import logger
 from ..comm.agree import agreed
@@ -49,6 +58,7 @@ from ._lock import FolderLock
 from ._paths import path_argument
 from ._rng import portable_rng, restore_portable_rng
 from ._targets import comm_of
+from .background import SaveHandle
 from .load import load_checkpoint
 from .save import save_checkpoint
 
@@ -78,6 +88,9 @@ class Resumable:
             a world size that does not divide it is refused before anything loads.
         steps_per_epoch: global batches per epoch, for :attr:`epoch` and
             :attr:`step_in_epoch`.
+        background: save in the background (default): the loop stops for the staging
+            copy only, and one save is in flight at a time (Note [resumable runs]).
+            False: every save is written before the loop goes on.
 
     Attributes:
         step: the next step to run (0 on a fresh start).
@@ -100,9 +113,13 @@ class Resumable:
     def __init__(self, folder: str | os.PathLike, model: nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, *, every: int,
                  keep: int = 2, scheduler: Any = None, micro_batches: int | None = None,
-                 steps_per_epoch: int | None = None) -> None:
+                 steps_per_epoch: int | None = None, background: bool = True) -> None:
         self.folder = path_argument(folder, "Resumable")
         require_module(model, "Resumable", "model")
+        require_bool(background, "Resumable", "background")
+        self.background = background
+        self._pending: tuple[SaveHandle, int, float, float] | None = None
+        self._saved = 0  # the step of the last background save waited for
         if optimizer is not None:
             require_optimizer(optimizer, "Resumable")
         for name, value, optional in (("every", every, False), ("keep", keep, False),
@@ -182,27 +199,79 @@ class Resumable:
 
     def save(self) -> None:
         """Save now as ``step-<step>`` and remove checkpoints beyond the newest ``keep``.
+        In the background (the default), this waits for the previous save, stages the
+        state and returns; the pruning follows once the save is committed (at the next
+        save, :meth:`wait` or :meth:`close`).
 
         Raises:
-            ShardwiseError: as :func:`save_checkpoint`.
+            ShardwiseError: as :func:`save_checkpoint`; the previous background save
+                failed (on every rank).
         """
+        self.wait()
         extra = {_KEY: {"step": self.step, "world_size": self.world,
                         "scheduler": (_json_state(self.scheduler)
                                       if self.scheduler is not None else None),
                         "rng": self._rng()},
                  "state": self.state}
         started = time.monotonic()
-        save_checkpoint(self._path(self.step), self.model, self.optimizer, extra=extra,
-                        keep_previous=False)
+        handle = save_checkpoint(self._path(self.step), self.model, self.optimizer,
+                                 extra=extra, keep_previous=False,
+                                 background=self.background)
+        if handle is not None:
+            self._pending = (handle, self.step, started, time.monotonic() - started)
+            return
         logger.info("Resumable: saved step %d in %.2f s", self.step,
                     time.monotonic() - started)
-        agreed(self._comm, "Resumable: removing old checkpoints", self._prune)
+        step = self.step
+        agreed(self._comm, "Resumable: removing old checkpoints", lambda: self._prune(step))
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any, then remove checkpoints beyond
+        the newest ``keep``. Called by every rank (the pruning's errors are agreed).
+
+        Raises:
+            ShardwiseError: the save failed (on every rank; the folder keeps the
+                previous checkpoints).
+        """
+        if self._settle():
+            step = self._saved
+            agreed(self._comm, "Resumable: removing old checkpoints",
+                   lambda: self._prune(step))
 
     def close(self) -> None:
-        """Release the run folder (also done by ``with``, and by the OS at exit)."""
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        """Wait for the background save in flight and prune (as :meth:`wait`: every rank
+        calls it), then release the run folder (also done by ``with``; the OS releases
+        it at exit). A ``with`` block left by an exception waits and prunes without any
+        collective instead, since the other ranks may be elsewhere.
+
+        Raises:
+            ShardwiseError: the background save in flight failed (the folder is released
+                all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _finish_in_flight(self) -> None:
+        """:meth:`wait` without a collective: rank 0 prunes on its own."""
+        if self._settle():
+            with contextlib.suppress(OSError):
+                self._prune(self._saved)
+
+    def _settle(self) -> bool:
+        """Wait for the save in flight; whether there was one (and it committed)."""
+        if self._pending is None:
+            return False
+        (handle, step, started, stalled), self._pending = self._pending, None
+        handle.wait()
+        self._saved = step
+        logger.info("Resumable: saved step %d in the background (committed %.2f s after "
+                    "the call, which held the loop %.3f s)", step,
+                    time.monotonic() - started, stalled)
+        return True
 
     def __enter__(self) -> Resumable:
         return self
@@ -211,6 +280,11 @@ class Resumable:
                  tb: TracebackType | None) -> None:
         try:
             if error is not None and not isinstance(error, GeneratorExit):
+                try:  # the save in flight first: the note names the last checkpoint
+                    self._finish_in_flight()
+                except ShardwiseError as e:
+                    error.add_note(f"shardwise.Resumable: the background save in flight "
+                                   f"failed too: {e}")
                 self._record_failure(error)
         finally:
             self.close()
@@ -306,14 +380,14 @@ class Resumable:
         return [s for s in self._steps_on_disk()
                 if has_metadata(self._path(s))]
 
-    def _prune(self) -> None:
-        """Rank 0, after saving ``self.step``: keep the newest ``keep`` complete
+    def _prune(self, saved: int) -> None:
+        """Rank 0, after saving step ``saved``: keep the newest ``keep`` complete
         checkpoints up to it; remove the rest, and every folder of a later step (left by
         a timeline that was lost: it did not load, or was never completed)."""
         if self.rank != 0:
             return
         complete = [s for s in self._complete_steps()
-                    if s <= self.step and s not in self._unloadable]
+                    if s <= saved and s not in self._unloadable]
         kept = set(complete[-self.keep:])
         for s in self._steps_on_disk():
             if s not in kept:

@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +66,7 @@ from ._targets import (
     module_targets,
     packed_targets,
 )
+from .background import SaveHandle, finish_previous, side_comm, start
 
 
 def _json_ok(obj: Any, what: str, round_trip: bool = False) -> None:
@@ -130,7 +133,8 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
 # stop a rank at every one of them in turn, by exit, kill and exception, and check that
 # the folder always holds the new or the previous checkpoint, loadable, and no debris.
 #   begin         every rank: the order check passed, buffers agree
-#   prepared      every rank: its pieces are in memory, checks passed
+#   prepared      every rank: its pieces are in memory (a background save's: copies),
+#                 checks passed
 #   locked        rank 0: holds the folder's lock (Note [one writer] in checkpoint/_lock.py)
 #   data-folder   rank 0: created the new, empty data-<id> folder
 #   data-tmp      every rank: its data file is complete under a temporary name
@@ -142,7 +146,9 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
 #   tidied        rank 0: stale data folders and temporary files are gone
 # Rank 0 tidies whether the save succeeded or failed, as long as it holds the lock, and
 # never removes the data folder that checkpoint.json names, nor (with ``keep_previous``)
-# the one it named before this save.
+# the one it named before this save. A background save passes the same steps: up to
+# data-folder in the call, from data-tmp on in its thread, over a process group of its
+# own (Note [background saves] in checkpoint/background.py).
 SAVE_STEPS = ("begin", "prepared", "locked", "data-folder", "data-tmp", "data-written",
               "reports", "meta-tmp", "committed", "agreed", "tidied")
 
@@ -155,7 +161,8 @@ def _reached(step: str) -> None:
     comm_of(module), f"save_checkpoint({path_argument(path, 'save_checkpoint')!r})", None))
 def save_checkpoint(path: str | os.PathLike, module: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
-                    extra: Any = None, *, keep_previous: bool = True) -> None:
+                    extra: Any = None, *, keep_previous: bool = True,
+                    background: bool = False) -> SaveHandle | None:
     """Save a sharded checkpoint into the folder ``path``, atomically.
 
     Holds every rank's parameter pieces, the buffers (checked identical across ranks
@@ -163,7 +170,22 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     optimizer state, the step, RNG states and ``extra``. Data is safetensors,
     metadata JSON; nothing is pickled. A crash or failure at any moment, on any rank,
     leaves the new or the previous checkpoint in ``path``, complete and loadable (Note
-    [atomic save]). One job at a time may save into a folder.
+    [atomic save]). One job at a time may save into a folder. A save (or load) first
+    waits for this process's background save in flight, if any.
+
+    With ``background=True`` the call returns a :class:`SaveHandle` as soon as this
+    rank's state is copied into host memory (the staging), and a thread writes the files
+    and commits them, through the same steps (Note [background saves] in
+    checkpoint/background.py), while training goes on: the model and optimizer may be
+    changed right away. ``handle.wait()`` returns once the checkpoint is committed.
+    What it costs: one copy of this rank's state (parameters, optimizer state,
+    buffers) in host memory until the write ends, one save in flight per process, and
+    the thread's CPU time (hashing, copies into the page cache) beside training's. For a
+    model offloaded to disk (``sw.Offload(..., "disk")``) the staging reads the disk
+    tier's whole state into host memory, which the disk tier exists to avoid; a
+    synchronous save streams it with a few MiB instead (Note [streamed save]). A staging
+    that would not fit in the memory available is refused, on every rank, before
+    anything is written.
 
     Args:
         path: the checkpoint folder (created if needed; a previous checkpoint there is
@@ -171,11 +193,16 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
         module: the model, sharded or not.
         optimizer: optional optimizer built over ``module.parameters()``.
         extra: a JSON value (dicts with string keys, lists, strings, numbers, booleans,
-            None), returned exactly by :func:`load_checkpoint`.
+            None), returned exactly by :func:`load_checkpoint`. With ``background``, its
+            value at the call is saved (a copy: changing it afterwards changes nothing).
         keep_previous: keep the replaced checkpoint's data folder until the next save, so
             that a load that started before this save still finds its files (it costs
             the disk space of one more checkpoint). With False it is removed at once; a
             load it interrupts starts again from the new checkpoint.
+        background: return once the state is staged, and write it on a thread.
+
+    Returns:
+        None, or with ``background`` the :class:`SaveHandle` of the write.
 
     Raises:
         DivergenceError: buffers differ across ranks (nothing is written).
@@ -183,47 +210,74 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
             another job is saving into ``path`` (naming it); ``extra`` or optimizer
             hyperparameters do not survive JSON; the optimizer holds parameters that are
             not the module's; the model is inside its forward/backward or a
-            ``gathered()`` block; a write failed on some rank (a full or read-only disk).
+            ``gathered()`` block; a write failed on some rank (a full or read-only disk;
+            with ``background``, raised by ``wait()``); the previous background save
+            failed and no ``wait()`` took its error (this call then does nothing); with
+            ``background``, the staged copy would not fit in the memory available.
 
     Example:
         >>> sw.save_checkpoint("ckpt/latest", model, opt, extra={"epoch": 3})
+        >>> handle = sw.save_checkpoint("ckpt/latest", model, opt, background=True)
+        >>> ...                                        # training goes on
+        >>> handle.wait()                              # committed
     """
     path = path_argument(path, "save_checkpoint")
     require_bool(keep_previous, "save_checkpoint", "keep_previous")
+    require_bool(background, "save_checkpoint", "background")
     comm = comm_of(module)
+    what = f"save_checkpoint({path!r}) failed"
+    previous = finish_previous(comm)  # Note [background saves]: one in flight
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
     if comm is not None and not (state is not None
                                  and state.buffers.policy is BufferPolicy.LOCAL):
         check_consistency(module, group=comm.group)
-    what = f"save_checkpoint({path!r}) failed"
     _reached("begin")
     # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
-    params, packed, buffers, tensors, opt_meta = agreed(
-        comm, what, lambda: _prepare(module, optimizer, extra, rank))
+    staged = agreed(comm, what, lambda: _prepare(module, optimizer, extra, rank, world,
+                                                 stage=background, previous=previous))
     _reached("prepared")
+    side = side_comm(comm) if background else None
     folder = _Folder(path, keep_previous) if rank == 0 else None
     try:
         data_dir = _new_data_dir(path, comm, rank, world, what, folder)
-        mine = agreed(comm, what, lambda: _write_data(data_dir, rank, world, tensors,
-                                                      buffers, params, packed))
-        _reached("data-written")
-        everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
-        _reached("reports")
-
-        def commit() -> None:
-            if folder is not None:
-                meta = _metadata(module, params, packed, buffers, opt_meta, tensors,
-                                 everyone, extra, world)
-                meta["data"] = os.path.basename(data_dir)
-                folder.commit(meta)
-
-        agreed(comm, what, commit)  # nobody returns before the commit
-        _reached("agreed")
-    finally:
+    except BaseException:
         if folder is not None:
             folder.close()
+        raise
+
+    def write(over) -> None:
+        try:
+            _write_and_commit(staged, data_dir, over, rank, world, what, folder)
+        finally:
+            if folder is not None:
+                folder.close()
+
+    if background:
+        return start(path, comm, lambda: write(side))
+    write(comm)
+    return None
+
+
+def _write_and_commit(staged: _Staged, data_dir: str, comm, rank: int, world: int,
+                      what: str, folder: _Folder | None) -> None:
+    """Steps ``data-tmp`` to ``agreed`` of Note [save protocol]: the data files, the
+    reports, the commit. ``comm`` is the training's group, or with a background save the
+    side group (Note [background saves]); nothing here reads the model."""
+    mine = agreed(comm, what, lambda: _write_data(data_dir, rank, world, staged))
+    _reached("data-written")
+    everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
+    _reached("reports")
+
+    def commit() -> None:
+        if folder is not None:
+            meta = _complete_metadata(staged.meta, everyone)
+            meta["data"] = os.path.basename(data_dir)
+            folder.commit(meta)
+
+    agreed(comm, what, commit)  # nobody returns before the commit
+    _reached("agreed")
 
 
 class _Folder:
@@ -318,9 +372,30 @@ def _committed_data(path: str) -> str | None:
     return data if isinstance(data, str) and data.startswith(DATA_PREFIX) else None
 
 
+@dataclass
+class _Staged:
+    """What a rank writes, taken in the call (Note [background saves]): its tensors (views
+    of the live ones, or with ``stage`` copies), the buffers, the pieces its file holds,
+    the pages to release after each tensor, Python's RNG state and (rank 0) the metadata
+    without the per-rank parts."""
+
+    tensors: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    pieces: dict[str, list[int]]
+    releases: dict[str, Callable[[], None]]
+    python_rng: list
+    meta: dict
+
+
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
-             rank: int):
-    """This rank's view of what to save (checks included); nothing is written."""
+             rank: int, world: int, stage: bool = False,
+             previous: str | None = None) -> _Staged:
+    """This rank's view of what to save (checks included); nothing is written. With
+    ``stage``, the tensors and buffers are copies in host memory and ``extra`` a copy,
+    so that the model may change once this returns. ``previous``: the error of the
+    background save before, raised here (Note [background saves])."""
+    if previous is not None:
+        raise ShardwiseError(previous)
     _json_ok(extra, "extra", round_trip=True)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
@@ -329,7 +404,63 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     if unsaveable:
         raise ShardwiseError(unsaveable[0])
     tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
-    return params, packed, buffers, tensors, opt_meta
+    pieces = {t.names[0]: list(t.saved_range()) for t in params}
+    pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
+                   for t in packed for inner in t.packed.inner})
+    releases = {t.names[0]: release for t in params
+                if (release := t.page_release()) is not None}
+    if stage:
+        _refuse_unless_it_fits(tensors, buffers)
+        tensors = _copies(tensors, releases)
+        buffers = _copies(buffers, {})
+        releases = {}  # the copies hold no pages
+        extra = json.loads(json.dumps(extra))  # checked above to come back as it is
+        if opt_meta is not None:
+            opt_meta = json.loads(json.dumps(opt_meta))
+    meta = (_metadata(module, params, packed, buffers, opt_meta, tensors, extra, world)
+            if rank == 0 else {})  # rank 0 commits
+    return _Staged(tensors, buffers, pieces, releases, python_rng_state(), meta)
+
+
+def _copies(tensors: dict[str, torch.Tensor],
+            releases: dict[str, Callable[[], None]]) -> dict[str, torch.Tensor]:
+    """Contiguous host-memory copies of ``tensors`` (CPU ones too: training changes them
+    in place), a disk tier's pages released after each (Note [the disk tier])."""
+    out = {}
+    for k, v in tensors.items():
+        copy = torch.empty(tuple(v.shape), dtype=v.dtype)
+        copy.copy_(v.detach())
+        out[k] = copy
+        owner = parameter_of(k)
+        release = releases.get(owner) if owner is not None else None
+        if release is not None:
+            release()
+    return out
+
+
+def _refuse_unless_it_fits(tensors: dict[str, torch.Tensor],
+                           buffers: dict[str, torch.Tensor]) -> None:
+    """A staging larger than the memory the OS says is available is refused (Note
+    [background saves])."""
+    need = sum(t.numel() * t.element_size() for d in (tensors, buffers) for t in d.values())
+    available = _available_memory()
+    if available is not None and need > available:
+        raise ShardwiseError(
+            f"a background save stages this rank's state in host memory, {need / 2**20:.0f} "
+            f"MiB, and only {available / 2**20:.0f} MiB are available; save with "
+            f"background=False, which streams the state to the files a tensor at a time")
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
@@ -344,7 +475,7 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
     for pt in packed:  # frozen: an optimizer may hold them, without state
         name_of[id(pt.packed.shard)] = pt.names[0]
     # Views of the live tensors, not copies: the data file is streamed from them, one at
-    # a time (Note [streamed save]).
+    # a time (Note [streamed save]); a background save copies them afterwards.
     tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
                for t in params}
     for pt in packed:
@@ -387,47 +518,47 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
 # device, host memory, or an offload tier's file), through a writer that knows the
 # file's header up front (_format.Writer). The tensors collected before the writes are
 # views of the live parameters and optimizer state, not copies: nothing changes them
-# during a save, every rank being inside it. So a save needs memory for one tensor at a
-# time, where it needed a copy of the rank's state plus the file's bytes; and a disk
-# tier's pages, read for the file, are released after each of its tensors (Note [the
-# disk tier]), so the state of an offloaded model larger than memory can be saved
-# (docs/offload.md).
-def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-                buffers: dict[str, torch.Tensor], params: list[ParamTarget],
-                packed: list[PackedTarget]) -> dict:
+# during a synchronous save, every rank being inside it. So a save needs memory for one
+# tensor at a time, where it needed a copy of the rank's state plus the file's bytes; and
+# a disk tier's pages, read for the file, are released after each of its tensors (Note
+# [the disk tier]), so the state of an offloaded model larger than memory can be saved
+# (docs/offload.md). A background save is the exception: training changes the live
+# tensors while its thread writes, so it copies them first (Note [background saves] in
+# checkpoint/background.py).
+def _write_data(data_dir: str, rank: int, world: int, staged: _Staged) -> dict:
     """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it.
 
     The file's own header records the pieces it holds, so that metadata claiming other
     pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
-    pieces = {t.names[0]: list(t.saved_range()) for t in params}
-    pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
-                   for t in packed for inner in t.packed.inner})
+    tensors = staged.tensors
     fname = rank_file(rank, world)
     writer = Writer(os.path.join(data_dir, fname),
-                    [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], pieces=pieces)
-    releases = {t.names[0]: release for t in params
-                if (release := t.page_release()) is not None}
+                    [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+                    pieces=staged.pieces)
     try:
         for k, v in tensors.items():
             writer.write(k, v)
             owner = parameter_of(k)
-            release = releases.get(owner) if owner is not None else None
+            release = staged.releases.get(owner) if owner is not None else None
             if release is not None:
                 release()  # its pages, read for the file, leave the process again
     except BaseException:
         writer.abort()
         raise
     files = {fname: writer.finish(before_rename=lambda: _reached("data-tmp"))}
-    if rank == 0 and buffers:
-        files[BUFFERS_FILE] = write_tensors(os.path.join(data_dir, BUFFERS_FILE), buffers)
-    return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
+    if rank == 0 and staged.buffers:
+        files[BUFFERS_FILE] = write_tensors(os.path.join(data_dir, BUFFERS_FILE),
+                                            staged.buffers)
+    return {"file": fname, "files": files, "python_rng": staged.python_rng,
+            "pieces": staged.pieces}
 
 
 def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
               buffers: dict[str, torch.Tensor], opt_meta: dict | None,
-              tensors: dict[str, torch.Tensor], everyone: list[dict], extra: Any,
-              world: int) -> dict:
-    """``checkpoint.json`` (without ``data``), from every rank's report."""
+              tensors: dict[str, torch.Tensor], extra: Any, world: int) -> dict:
+    """``checkpoint.json`` without what every rank reports (:func:`_complete_metadata`)
+    and without ``data``: taken in the call, so that a background save's thread reads
+    nothing of the model."""
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -435,34 +566,48 @@ def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedT
         "step": _step_of(opt_meta, tensors) if opt_meta else None,
         "module_class": type(module).__name__,
         "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
-                                "dtype": dtype_name(t.dtype),
-                                "pieces": [e["pieces"][t.names[0]] for e in everyone]}
+                                "dtype": dtype_name(t.dtype), "pieces": None}
                    for t in params},
         "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                     for n, b in buffers.items()},
         "optimizer": opt_meta,
-        "python_rng": [e["python_rng"] for e in everyone],
+        "python_rng": None,
         "extra": extra,
-        "files": {name: info for e in everyone for name, info in e["files"].items()},
+        "files": None,
     }
     if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
-        meta["packed"] = {t.names[0]: _packed_entry(t, everyone) for t in packed}
+        meta["packed"] = {t.names[0]: _packed_entry(t) for t in packed}
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         meta["hf_config"] = json.loads(config.to_json_string())
     return meta
 
 
-def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
+def _complete_metadata(base: dict, everyone: list[dict]) -> dict:
+    """``checkpoint.json`` (without ``data``), from :func:`_metadata`'s part and every
+    rank's report."""
+    meta = {**base, "python_rng": [e["python_rng"] for e in everyone],
+            "files": {name: info for e in everyone for name, info in e["files"].items()}}
+    meta["params"] = {main: {**entry, "pieces": [e["pieces"][main] for e in everyone]}
+                      for main, entry in base["params"].items()}
+    if "packed" in base:
+        meta["packed"] = {
+            main: {**entry, "inner": {
+                inner: {**record, "pieces": [e["pieces"][packed_key(main, inner)]
+                                             for e in everyone]}
+                for inner, record in entry["inner"].items()}}
+            for main, entry in base["packed"].items()}
+    return meta
+
+
+def _packed_entry(t: PackedTarget) -> dict:
     """A quantized parameter's record: its type, shape and dtype, and each inner tensor's
-    full shape, dtype and pieces (Note [packed checkpoints])."""
-    main = t.names[0]
+    full shape and dtype; the pieces come from the reports (Note [packed checkpoints])."""
     return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
             "dtype": dtype_name(t.packed.dtype),
             "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
                               "dtype": dtype_name(t.packed.pieces[inner].dtype),
-                              "pieces": [e["pieces"][packed_key(main, inner)]
-                                         for e in everyone]}
+                              "pieces": None}
                       for inner in t.packed.inner}}
 
 
