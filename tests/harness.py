@@ -139,6 +139,11 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) 
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        # Every rank connected before any runs the test: a rank whose test needs no
+        # collective (and exits at once) closed its sockets while a slower peer was still
+        # connecting its full mesh, failing it with "Connection closed by peer" (seen
+        # under load, 2 runs in ~10).
+        dist.barrier()
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         result = ("error", traceback.format_exc())
