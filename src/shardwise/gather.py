@@ -30,7 +30,6 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
-from .engine.groups.packed import PackedParam, packed_param
 from .engine.iteration.buffers import named_buffers
 from .engine.iteration.unit import ShardedParam, Unit, sharded_param
 from .errors import ReadOnlyGatherError, ShardwiseError
@@ -225,13 +224,12 @@ class _GatherSession:
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:
-            sp, pp = sharded_param(p), packed_param(p)
-            unit = sp.unit if sp is not None else pp.group.unit if pp and pp.group else None
+            sp = sharded_param(p)
+            unit = sp.unit if sp is not None else None
             if unit is not None and all(unit is not u for u in self.units):
                 self.units.append(unit)
         self.plain: list[tuple[str, torch.Tensor]] = [
-            (names.get(id(p), "?"), p) for p in self.params
-            if sharded_param(p) is None and packed_param(p) is None]
+            (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
         self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups]
         # Quantized parameters (Note [quantized parameters in gathered()]).
         self.packed = [g for u in self.units for g in u.packed]
@@ -250,8 +248,7 @@ class _GatherSession:
         one tensor its full tensor."""
         if self.module is not None:
             return self.module
-        full = [sp.full if (sp := sharded_param(p)) is not None else
-                pp.full if (pp := packed_param(p)) is not None else p for p in self.params]
+        full = [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
         return full[0] if self.single else full
 
     def enter(self) -> None:
@@ -350,7 +347,7 @@ class _GatherSession:
             maybe_check(self.module)
 
     def _verify_read_only(self, replaced: list[_Slot],
-                          replaced_packed: list[tuple[PackedParam, nn.Module, str]]) -> None:
+                          replaced_packed: list[tuple[ShardedParam, nn.Module, str]]) -> None:
         """Note [read-only detection]: raise on every rank if any rank wrote."""
         assert self.comm is not None
         suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
@@ -478,7 +475,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # the values of its entry. With ``modifier_rank=r`` rank r's written full tensors (in
 # place, ``w.copy_(merged)``, which for an NF4Tensor quantizes a float value with the
 # weight's block sizes; or replaced by a value ``copy_`` accepts) are broadcast inner
-# tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
+# tensor by inner tensor, and every rank keeps its share (``SubclassBytes.take_full``, the
 # rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
 # a write of theirs to a weight rank r left alone does not stay in their shard. A weight
 # divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the same full
@@ -493,11 +490,11 @@ def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 t.copy_(old)
 
 
-def _version(pp: PackedParam) -> int:
+def _version(pp: ShardedParam) -> int:
     return -1 if pp.full is None else pp.full._version
 
 
-def _shared_inner(pp: PackedParam) -> list[torch.Tensor]:
+def _shared_inner(pp: ShardedParam) -> list[torch.Tensor]:
     """The full tensor's inner tensors that are the shard's own storage."""
     if pp.full is None or pp.group is None:
         return []
@@ -507,8 +504,8 @@ def _shared_inner(pp: PackedParam) -> list[torch.Tensor]:
             if (t := getattr(pp.full, n)).untyped_storage().data_ptr() == local]
 
 
-def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
-                  replaced: list[tuple[PackedParam, nn.Module, str]], src: int) -> None:
+def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
+                  replaced: list[tuple[ShardedParam, nn.Module, str]], src: int) -> None:
     """Note [quantized parameters in gathered()]: rank ``src``'s written quantized
     parameters become every rank's, each keeping its share."""
     problems: list[str] = []
@@ -524,8 +521,8 @@ def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
                     problems.append(f"{pp.fqns[0]} was replaced by {shown(new)}, which its "
                                     f"{type(pp.full).__qualname__} cannot copy ({err})")
         written = [i for i, (pp, v) in enumerate(versions) if _version(pp) != v]
-        problems += [why for i in written if (why := versions[i][0].full_problem(
-            versions[i][0].full)) is not None]
+        problems += [why for i in written if (why := (pp := versions[i][0]).gather.full_problem(
+            pp.fqns[0], pp.shape, pp.full)) is not None]
     everyone = comm.all_gather_object((problems, written), what="gathered()'s quantized edits")
     problems, written = everyone[src]
     if problems or any(p for p, _ in everyone):
@@ -538,4 +535,4 @@ def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
             assert pp.full is not None
             names, _ = pp.full.__tensor_flatten__()
             comm.broadcast_tensors([getattr(pp.full, n) for n in names], src)
-            pp.take_full(pp.full)
+            pp.gather.take_full(pp.full)

@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from ..comm.collectives import Comm
 from ..engine.groups.alloc import freed
-from ..engine.groups.packed import PackedParam, packed_param
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..engine.sharded_init import init_piece
@@ -100,11 +99,11 @@ class PackedTarget:
     holds its inner tensors' values (Note [packed checkpoints] in engine/groups/packed.py)."""
 
     names: list[str]
-    packed: PackedParam
+    packed: ShardedParam
 
     @property
     def kind(self) -> str:
-        t = self.packed.kind
+        t = self.packed.gather.kind
         return f"{t.__module__}.{t.__qualname__}"
 
     @property
@@ -115,14 +114,14 @@ class PackedTarget:
 
     def saved_piece(self, inner: str, rank: int) -> tuple[int, int]:
         """What this rank saves of ``inner``: its part, or the whole once (rank 0)."""
-        off, cnt = self.packed.inner_piece(inner)
-        whole = cnt == math.prod(self.packed.full_inner[inner])
+        off, cnt = self.packed.gather.inner_piece(inner)
+        whole = cnt == math.prod(self.packed.gather.full_inner[inner])
         if not self.writes or (whole and rank != 0):
             return off, 0
         return off, cnt
 
     def inner(self, name: str) -> InnerTarget:
-        return InnerTarget(self.packed.pieces[name])
+        return InnerTarget(self.packed.gather.pieces[name])
 
 
 @dataclass
@@ -140,8 +139,8 @@ def packed_targets(module: nn.Module) -> list[PackedTarget]:
     """The quantized parameters of ``module``, each once with all its names."""
     out: dict[int, PackedTarget] = {}
     for name, value in module.state_dict(keep_vars=True).items():
-        pp = packed_param(value) if isinstance(value, torch.Tensor) else None
-        if pp is not None:
+        pp = sharded_param(value) if isinstance(value, torch.Tensor) else None
+        if pp is not None and not pp.by_rows:
             out.setdefault(id(pp), PackedTarget([], pp)).names.append(name)
     return list(out.values())
 
@@ -171,9 +170,12 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
     buffers: dict[str, torch.Tensor] = {}
     param_ids = {id(p) for p in module.parameters()}
     for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or packed_param(value) is not None:
+        if not isinstance(value, torch.Tensor):
             continue
         sp = sharded_param(value)
+        if sp is not None and not sp.by_rows:
+            continue  # a tensor subclass: packed_targets'
+
         if init_piece(value) is not None or (sp is None and value.is_meta):
             raise ShardwiseError(
                 f"{name} is not materialised (built under sw.sharded_init or on the meta "

@@ -178,23 +178,24 @@ def _read_packed(ck: VerifiedCheckpoint, packed: list[PackedTarget],
         e, pp = saved[main], t.packed
         names[id(pp.shard)] = main
         mine = (t.kind, list(pp.shape), dtype_name(pp.dtype))
-        if (e["type"], e["shape"], e["dtype"]) != mine or set(e["inner"]) != set(pp.inner):
+        if (e["type"], e["shape"], e["dtype"]) != mine or set(e["inner"]) != set(pp.gather.inner):
             problems.append(f"{t.names[0]}: the checkpoint holds a {e['type']} "
                             f"{e['shape']} {e['dtype']} with {sorted(e['inner'])}, the "
-                            f"model a {mine[0]} {mine[1]} {mine[2]} with {sorted(pp.inner)}")
+                            f"model a {mine[0]} {mine[1]} {mine[2]} with {sorted(pp.gather.inner)}")
             continue
-        if pp.unsaveable:
-            problems.append(pp.unsaveable)
+        if pp.gather.unsaveable:
+            problems.append(pp.gather.unsaveable)
             continue
-        for inner in pp.inner:
-            ie, dtype = e["inner"][inner], pp.pieces[inner].dtype
-            if (tuple(ie["shape"]), ie["dtype"]) != (pp.full_inner[inner], dtype_name(dtype)):
+        for inner in pp.gather.inner:
+            ie, dtype = e["inner"][inner], pp.gather.pieces[inner].dtype
+            mine_inner = (pp.gather.full_inner[inner], dtype_name(dtype))
+            if (tuple(ie["shape"]), ie["dtype"]) != mine_inner:
                 problems.append(f"{t.names[0]}: its {inner} is {ie['dtype']} {ie['shape']} "
                                 f"in the checkpoint, {dtype_name(dtype)} "
-                                f"{list(pp.full_inner[inner])} in the model (quantized with "
+                                f"{list(pp.gather.full_inner[inner])} in the model (quantized with "
                                 f"other settings?)")
                 continue
-            lo, n = pp.inner_piece(inner)
+            lo, n = pp.gather.inner_piece(inner)
             values.append((t.inner(inner), ck.assemble(packed_key(main, inner),
                                                        ie["pieces"], lo, n, dtype)))
     unexpected = [m for m in saved if m not in names.values()]

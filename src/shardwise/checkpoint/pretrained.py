@@ -14,7 +14,7 @@ from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.groups.alloc import freed
-from ..engine.groups.packed import packed_param, uses_protocol
+from ..engine.groups.packed import uses_protocol
 from ..engine.groups.quantize import (
     NF4,
     awaiting,
@@ -24,6 +24,7 @@ from ..engine.groups.quantize import (
     nf4_module,
 )
 from ..engine.iteration.state import owning_state
+from ..engine.iteration.unit import sharded_param
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
@@ -185,10 +186,10 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     pp = t.packed
     # NF4's block sizes, from its full inner tensors: a scale per block, a scale of
     # scales per block of blocks.
-    n_blocks = math.prod(pp.full_inner["quantized_scalers"])
+    n_blocks = math.prod(pp.gather.full_inner["quantized_scalers"])
     rule = NF4(block_size=pp.numel // n_blocks,
-               scaler_block_size=n_blocks // math.prod(pp.full_inner["quantization_factor"]))
-    device = pp.stored[0].device
+               scaler_block_size=n_blocks // math.prod(pp.gather.full_inner["quantization_factor"]))
+    device = pp.gather.stored[0].device
     full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(device)
     bad = 0 if allow_nonfinite else _not_finite(full)
     if bad:  # Note [non-finite values refused]
@@ -197,9 +198,9 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
     del full
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
-    sizes = pp.cut.slot_bytes()
+    sizes = pp.gather.cut.slot_bytes()
     out = []
-    for parts in pp.cut.shares(t.names[0], q):
+    for parts in pp.gather.cut.shares(t.names[0], q):
         row = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
         offset = 0
         for part, size in zip(parts, sizes):
@@ -253,13 +254,13 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
                 assert send is not None
                 got = send[0]
             else:
-                got = torch.empty(sum(x.numel() for x in pp.stored), dtype=torch.uint8,
-                                  device=pp.stored[0].device)
+                got = torch.empty(sum(x.numel() for x in pp.gather.stored), dtype=torch.uint8,
+                                  device=pp.gather.stored[0].device)
                 comm.scatter(got, send if j == rank else None, j,
                              what=f"the scatter of {t.names[0]}'s quantized shards")
             offset = 0
             with torch.no_grad():
-                for x in pp.stored:  # each slot, its padding (zeros) included
+                for x in pp.gather.stored:  # each slot, its padding (zeros) included
                     x.copy_(got[offset:offset + x.numel()])
                     offset += x.numel()
         del send
@@ -332,7 +333,7 @@ def _check_quantized(module: nn.Module) -> None:
     state = owning_state(module)
     pending = awaiting(module) if state is None else []
     whole = [n for n, p in module.named_parameters()
-             if uses_protocol(p) and packed_param(p) is None]
+             if uses_protocol(p) and sharded_param(p) is None]
     if pending:
         raise ShardwiseError(
             f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''} belong to a "
@@ -346,12 +347,12 @@ def _check_quantized(module: nn.Module) -> None:
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
     packed = packed_targets(module) if state is not None else []
-    other = [t for t in packed if not issubclass(t.packed.kind, nf4_module().NF4Tensor)]
+    other = [t for t in packed if not issubclass(t.packed.gather.kind, nf4_module().NF4Tensor)]
     if other:
         raise ShardwiseError(
             f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
             f"quantized {other[0].names[0]} is a "
-            f"{other[0].packed.kind.__qualname__}"
+            f"{other[0].packed.gather.kind.__qualname__}"
             f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
             f"Load the full-precision model, quantize it, then shard it")
 

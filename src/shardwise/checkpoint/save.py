@@ -325,7 +325,7 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     abandon_unfinished(module)
     params, buffers = module_targets(module)
     packed = packed_targets(module)
-    unsaveable = [t.packed.unsaveable for t in packed if t.packed.unsaveable]
+    unsaveable = [t.packed.gather.unsaveable for t in packed if t.packed.gather.unsaveable]
     if unsaveable:
         raise ShardwiseError(unsaveable[0])
     tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
@@ -348,10 +348,10 @@ def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
     tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
                for t in params}
     for pt in packed:
-        for inner in pt.packed.inner:
+        for inner in pt.packed.gather.inner:
             n = pt.saved_piece(inner, rank)[1]
             tensors[packed_key(pt.names[0], inner)] = (
-                pt.packed.pieces[inner].detach().reshape(-1)[:n])
+                pt.packed.gather.pieces[inner].detach().reshape(-1)[:n])
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -401,7 +401,7 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
     pieces = {t.names[0]: list(t.saved_range()) for t in params}
     pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
-                   for t in packed for inner in t.packed.inner})
+                   for t in packed for inner in t.packed.gather.inner})
     fname = rank_file(rank, world)
     writer = Writer(os.path.join(data_dir, fname),
                     [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], pieces=pieces)
@@ -459,11 +459,11 @@ def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
     main = t.names[0]
     return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
             "dtype": dtype_name(t.packed.dtype),
-            "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
-                              "dtype": dtype_name(t.packed.pieces[inner].dtype),
+            "inner": {inner: {"shape": list(t.packed.gather.full_inner[inner]),
+                              "dtype": dtype_name(t.packed.gather.pieces[inner].dtype),
                               "pieces": [e["pieces"][packed_key(main, inner)]
                                          for e in everyone]}
-                      for inner in t.packed.inner}}
+                      for inner in t.packed.gather.inner}}
 
 
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:

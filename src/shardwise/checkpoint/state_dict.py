@@ -14,7 +14,6 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
-from ..engine.groups.packed import PackedParam, packed_param
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
@@ -130,8 +129,8 @@ def share_tied(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def _param_of(t: torch.Tensor) -> ShardedParam | PackedParam | None:
-    return sharded_param(t) or packed_param(t)
+def _param_of(t: torch.Tensor) -> ShardedParam | None:
+    return sharded_param(t)
 
 
 def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:

@@ -15,7 +15,6 @@ import torch.nn as nn
 from ..._args import some_names
 from ..._registry import set_instance_method
 from ...errors import ShardwiseError
-from ..groups.packed import packed_param
 from ..iteration.model_check import CAST_ADVICE
 from ..iteration.unit import sharded_param
 
@@ -60,34 +59,25 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
     def shards() -> list[tuple[nn.Module, str, Any]]:
         return [(m, name, t) for m in (module.modules() if recurse else [module])
                 for name, t in m._parameters.items()
-                if t is not None and (sharded_param(t) is not None
-                                      or packed_param(t) is not None)]
+                if t is not None and sharded_param(t) is not None]
 
     probes: dict[tuple, torch.dtype | bool] = {}
     casts: dict[int, tuple[Any, torch.dtype]] = {}  # id(ShardedParam) -> (it, dtype)
     changed: dict[str, None] = {}
     quantized: dict[str, None] = {}  # packed parameters a cast would reach
     for _, _, t in shards():
-        if (pp := packed_param(t)) is not None:
-            # A quantized weight is probed as the dtype it stands for: a no-op leaves it
-            # alone (held out below); torch would otherwise rebuild it as a parameter
-            # shardwise does not know, and a cast would dequantize it.
-            key = (pp.dtype, t.device, len(pp.shape))
-            if key not in probes:
-                probes[key] = _probe(fn, *key)
-            change = probes[key]
-            if isinstance(change, torch.dtype):
-                quantized[pp.fqns[0]] = None
-            elif change:
-                changed[pp.fqns[0]] = None
-            continue
         sp = sharded_param(t)
         assert sp is not None
-        key = (sp.local.dtype, sp.local.device, len(sp.shape))
+        # Probed as the dtype it stands for: a tensor subclass (quantized) too, so that a
+        # no-op leaves it alone (held out below); torch would otherwise rebuild it as a
+        # parameter shardwise does not know, and a cast would dequantize it.
+        key = (sp.dtype, sp.local.device, len(sp.shape))
         if key not in probes:
             probes[key] = _probe(fn, *key)
         change = probes[key]
-        if isinstance(change, torch.dtype):
+        if isinstance(change, torch.dtype) and not sp.by_rows:
+            quantized[sp.fqns[0]] = None
+        elif isinstance(change, torch.dtype):
             casts[id(sp)] = (sp, change)
         elif change:
             changed[sp.fqns[0]] = None

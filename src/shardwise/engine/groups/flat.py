@@ -1,10 +1,72 @@
-"""A flat group: a unit's plain parameters of one dtype and ``requires_grad``, sharded by rows.
+"""A flat group: a unit's parameters of one kind, in one flat buffer per rank, moved by
+one collective: plain parameters of one dtype and ``requires_grad`` by rows, or frozen
+tensor subclasses as bytes (Note [one group type]).
 
-One of the two kinds of group (Note [one interface for a group] in engine/groups/interface.py). Its
-modes are objects it is given (engine/groups/parts.py, engine/groups/reduce.py), made once by
-:func:`flat_group` from what ``shard`` was told; the group itself branches on none.
-Note [DTensor parameters] and Note [freeing full parameters] in engine/iteration/unit.py say what
-its two buffers are to the modules and to autograd.
+Its modes are objects it is given (engine/groups/parts.py, engine/groups/reduce.py), made
+once by :func:`flat_group` from what ``shard`` was told; the group itself branches on none.
+Note [DTensor parameters] and Note [freeing full parameters] in engine/iteration/unit.py say
+what its two buffers are to the modules and to autograd.
+
+Note [one group type]
+Every sharded parameter has one record, :class:`ShardedParam`, found from its shard or its
+full form by one lookup (:func:`sharded_param`), and a *gather strategy*, decided at
+``shard`` from the parameter itself, as FSDP2's ``FSDPParam`` decides between its plain
+path and the extension protocol for each parameter:
+
+- :class:`Rows`, a plain parameter: its shard is its rows (Note [row sharding] in
+  engine/groups/layout.py), in place in the group's shard buffer of the parameter's dtype.
+  That buffer is what the all-gather sends (cast to the compute dtype under mixed
+  precision); the full parameter views the gathered buffer, copied out parameter after
+  parameter; its gradient is reduce-scattered back into rows of the same layout.
+- ``SubclassBytes`` (engine/groups/packed.py), a frozen tensor subclass implementing
+  FSDP2's extension protocol (a QLoRA base's ``NF4Tensor``, Note [packed parameters]):
+  its shard is its inner tensors' bytes; ``fsdp_pre_all_gather`` says what it sends,
+  which travels as bytes, and ``fsdp_post_all_gather`` builds the full tensor from what
+  was gathered, and refills it in place at later gathers.
+
+Why the two differ. Rows are numbers a rank computes with and reduces: each parameter's
+slot holds ``ceil(rows / N)`` rows, zero-padded, so that every rank's shard has one size
+and one all-gather gives a rank-major buffer, and each slot starts aligned (Note
+[alignment]) so that elementwise kernels take each element down the same vectorised
+path whichever parameters are its neighbours; gradients are reduced in that layout. A
+subclass's bytes are not numbers anyone adds: packed 4-bit codes and their scales move
+exactly, never through a cast, a NaN canonicalisation or a reduction, so they are viewed
+as ``uint8`` and packed into one byte buffer (the protocol's inputs may be of several
+dtypes). They cannot be padded by rows: a subclass chunk cannot hold padding rows (NF4's
+blocks of scales), so a weight whose rows and blocks do not split into N equal chunks is
+divided by elements of its inner tensors instead, each padded to ``ceil(numel / N)``
+(Note [uneven packed parameters]); slots are aligned only so that views of any dtype
+start at a multiple of its size. A group holds parameters of one strategy (and, for rows,
+of one dtype and ``requires_grad``), so that its one collective has one element type: the
+compute dtype, or bytes.
+
+Trainable tensor subclasses. An FP8 training weight is where the two strategies would
+meet: torchao's ``WeightWithDynamicFloat8CastTensor`` wraps the high-precision weight, its
+``fsdp_pre_all_gather`` casts this rank's part to float8 (all-reducing the weight's amax
+over the shard mesh: a collective inside the gather, which every rank reaches in the
+same order since a group's gather is one) so that the all-gather moves a quarter of the
+bytes, and its ``fsdp_post_all_gather`` builds a ``Float8TrainingTensor`` for the matmul.
+It would need:
+
+- gradients of the subclass: autograd accumulates into the full parameter a gradient of
+  the weight's shape in the high-precision dtype, a plain tensor, which the full
+  parameter must take (``requires_grad``) and the end-of-backward trigger must see
+  (``hook_end_of_backward``);
+- a reduce-scatter of that plain gradient into rows: the parameter's shard must then be
+  rows of its high-precision master (a :class:`Rows` slot, in a buffer the reduction
+  knows), with the subclass wrapping the local rows, so that its gather takes the
+  protocol's path and its reduction the rows' path;
+- the optimizer stepping the master in high precision: the shard the optimizer holds is
+  the DTensor of those rows, stepped as any plain shard (Note [plain step] in
+  engine/entry_points/plain_step.py), and the next ``fsdp_pre_all_gather`` casts the new
+  values again; nothing float8 is ever stepped or saved (a checkpoint holds the rows).
+
+What keeps that door open today is a refusal at ``shard``, before anything changes:
+``refusal()`` in engine/groups/packed.py refuses a tensor subclass that requires grad,
+naming it ("shardwise gathers tensor subclasses through the extension protocol for
+frozen weights only"), rather than gathering it as frozen bytes whose gradient would be
+lost. Lifting it means giving ``SubclassBytes`` a rows side for its gradient and master,
+not another kind of group.
 """
 
 from __future__ import annotations
@@ -41,30 +103,63 @@ class Member:
     param: nn.Parameter
 
 
+@dataclass(frozen=True)
+class Rows:
+    """How a plain parameter is gathered: its rows, in place in the group's shard buffer
+    (``slot``: Note [row sharding] in engine/groups/layout.py; ``piece``: this rank's part
+    of it). One of the two gather strategies of Note [one group type]."""
+
+    slot: Slot
+    piece: Piece
+
+
 @dataclass
 class ShardedParam:
-    """One original parameter: every place it is registered, its shard and its full form."""
+    """One original parameter: every place it is registered, its shard, its full form, and
+    how it is gathered (``gather``: Note [one group type]). The one record of a sharded
+    parameter, plain or a tensor subclass; :func:`sharded_param` finds it."""
 
     fqns: list[str]
     slots: list[tuple[nn.Module, str]]
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
-    slot: Slot
-    piece: Piece
-    local: torch.Tensor   # this rank's rows, a view of the group's shard buffer
-    shard: nn.Parameter   # the DTensor parameter the module and the optimizer hold
+    # This rank's part, a view of the group's shard buffer: its rows, or a tensor
+    # subclass's bytes (its slots, one after another).
+    local: torch.Tensor
+    shard: nn.Parameter   # what the module and the optimizer hold while sharded
+    # The full parameter while gathered; a tensor subclass's is built at its first gather
+    # (None until then, and again after ``leave_full``).
     full: nn.Parameter
+    # Its gather strategy: :class:`Rows`, or a tensor subclass's ``SubclassBytes``
+    # (engine/groups/packed.py).
+    gather: Any
     unit: Any = None  # its Unit (engine/iteration/unit.py, which imports this module)
-    group: FlatGroup | None = None
+    group: Any = None  # the group holding it
     hooked: bool = False  # ``full`` carries the end-of-backward trigger (hook_end_of_backward)
     proxies_hooks: bool = False  # ``full`` calls the shard's hooks (Note [tensor hooks on shards])
     # ``full``'s AccumulateGrad node, held (Note [a backward that accumulates nothing]).
     accumulator: Any = None
 
     @property
+    def slot(self) -> Slot:
+        """A plain parameter's slot in its group's layout (its :class:`Rows`)."""
+        return self.gather.slot
+
+    @property
+    def piece(self) -> Piece:
+        """This rank's part of a plain parameter (its :class:`Rows`)."""
+        return self.gather.piece
+
+    @property
     def numel(self) -> int:
-        return self.slot.numel
+        return self.shape.numel()
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether it is gathered by rows (:class:`Rows`): its shard a DTensor of its rows,
+        its gradient reduce-scattered; else a tensor subclass, gathered as bytes."""
+        return type(self.gather) is Rows
 
     def hook_end_of_backward(self) -> None:
         """Give ``full`` the end-of-backward trigger (its model's
@@ -290,9 +385,9 @@ class FlatGroup:
                             .view(orig.shape), requires_grad=orig.requires_grad)
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
         copy_user_attributes(orig, shard, full)
-        return ShardedParam(m.fqns, m.slots, orig.shape, orig.dtype, orig.requires_grad, slot,
-                            self.layout.piece(i, self.comm.rank), local, shard, full,
-                            group=self)
+        return ShardedParam(m.fqns, m.slots, orig.shape, orig.dtype, orig.requires_grad,
+                            local, shard, full,
+                            Rows(slot, self.layout.piece(i, self.comm.rank)), group=self)
 
     def recast(self, dtype: torch.dtype) -> None:
         """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The

@@ -55,10 +55,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..._registry import PACKED, attach_to, attached, copy_all_attributes, copy_user_attributes
+from ..._registry import copy_all_attributes, copy_user_attributes
 from ...comm.mesh import Topology
 from ...errors import ShardwiseError
 from .copies import copy_out
+from .flat import ShardedParam, set_sharded_param
 from .layout import ShardLayout, build_layout, contiguous_stride
 
 
@@ -365,71 +366,53 @@ class ByteShard(torch.Tensor):
 
 
 @dataclass
-class PackedParam:
-    """One frozen subclass parameter: where it is registered, its shard, its full form."""
+class SubclassBytes:
+    """How a frozen tensor-subclass parameter is gathered: its bytes, through FSDP2's
+    extension protocol (Note [packed parameters]); one of the two gather strategies of
+    Note [one group type]. The parameter's record is the one every parameter has
+    (``ShardedParam`` in engine/groups/flat.py); this is what only such a parameter has."""
 
-    fqns: list[str]
-    slots: list[tuple[nn.Module, str]]
-    shape: torch.Size
-    dtype: torch.dtype
     kind: type                     # the subclass
     cut: Cut                       # how it is divided among the ranks
     # This rank's chunk, the subclass over the group's bytes; None when divided by bytes
     # (Note [uneven packed parameters]): there is no chunk of the subclass then.
-    local: torch.Tensor | None
-    shard: nn.Parameter            # what the module holds while sharded: DTensor(local), or
-    #                                a ByteShard
+    chunk: torch.Tensor | None
     inner: list[str]               # names of the inner tensors
     # This rank's piece of each inner tensor, a view of the group's bytes: the chunk's
     # inner tensor, or the valid part of the slot (flat) when divided by bytes.
     pieces: dict[str, torch.Tensor]
     # Each inner tensor's slot in the group's bytes, padding included: what a load writes.
     stored: list[torch.Tensor]
+    rank: int                      # this rank, in the shard group
     # Each inner tensor's shape in the full tensor: a checkpoint records the full inner
     # tensors in pieces (Note [packed checkpoints]).
     full_inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Why a checkpoint cannot hold this parameter, or None (Note [packed checkpoints]).
     unsaveable: str | None = None
-    group: PackedGroup | None = None
     # Divided by bytes: the original's __tensor_flatten__ context, size and stride, which
     # rebuild the full tensor (Note [uneven packed parameters]).
     ctx: Any = None
     stride: tuple[int, ...] = ()
-    full: nn.Parameter | None = None      # the full subclass, built at the first gather
     # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
     # with the full buffer.
     allocated: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     metadata: Any = None           # fsdp_pre_all_gather's, until fsdp_post_all_gather
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
     def inner_piece(self, inner: str) -> tuple[int, int]:
         """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
         elements (Note [packed checkpoints]): its part, or all of it."""
-        assert self.group is not None
-        rank = self.group.comm.rank
         full = math.prod(self.full_inner[inner])
         if self.cut.by_bytes:
             i = self.inner.index(inner)
-            return min(rank * self.cut.per_rank(i), full), self.cut.held(i, rank)
+            return min(self.rank * self.cut.per_rank(i), full), self.cut.held(i, self.rank)
         k = self.pieces[inner].numel()
-        return (0, k) if k == full else (rank * k, k)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        # Reached only by a copy of part of a model: a whole model's copy maps each
-        # shard to its twin's (Note [deep copy] in engine/clone.py).
-        raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
-                             f"only the whole model can be deep-copied "
-                             f"(copy.deepcopy(model))")
+        return (0, k) if k == full else (self.rank * k, k)
 
     # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
-    def full_problem(self, value: object) -> str | None:
-        """Why ``value`` cannot be this parameter's full value, or None: it must be the
-        same subclass, of the same shape, with inner tensors of the full tensor's shapes
-        and dtypes (quantized with the same settings)."""
-        name = self.fqns[0]
+    def full_problem(self, name: str, shape: torch.Size, value: object) -> str | None:
+        """Why ``value`` cannot be the full value of parameter ``name`` (of ``shape``), or
+        None: it must be the same subclass, of the same shape, with inner tensors of the
+        full tensor's shapes and dtypes (quantized with the same settings)."""
         if self.unsaveable:
             return self.unsaveable
         kind = self.kind
@@ -444,9 +427,9 @@ class PackedParam:
                     f"shardwise writes quantized values only (a {kind.__qualname__} "
                     f"quantized with the model's settings); to quantize full-precision "
                     f"weights as they load, use sw.load_pretrained (docs/qlora.md)")
-        if tuple(value.shape) != tuple(self.shape):
+        if tuple(value.shape) != tuple(shape):
             return (f"{name}: the value has shape {tuple(value.shape)}, the parameter "
-                    f"{tuple(self.shape)}")
+                    f"{tuple(shape)}")
         names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
         if sorted(names) != sorted(self.inner):
             return f"{name}: the value has inner tensors {sorted(names)}, not {sorted(self.inner)}"
@@ -470,11 +453,6 @@ class PackedParam:
                 mine = self.pieces[n]  # the group's bytes, which the chunk's inner views
                 if mine.data_ptr() != piece.data_ptr():
                     mine.view(-1).copy_(piece)
-
-
-def packed_param(t: torch.Tensor) -> PackedParam | None:
-    """The packed parameter behind a shard or full tensor, or ``None``."""
-    return attached(t, PACKED)
 
 
 class PackedGroup:
@@ -504,7 +482,7 @@ class PackedGroup:
                                  device=device)
         self._fill(list(zip([n[0] for n in names], originals, cuts))
                    if topology.world.rank == src_rank else None, src_rank)
-        self.params: list[PackedParam] = []
+        self.params: list[ShardedParam] = []
         k = 0
         for fqns, where, orig, c in zip(names, slots, originals, cuts):
             store, pieces = [], {}
@@ -514,7 +492,10 @@ class PackedGroup:
                 store.append(self.local[s.offset:s.offset + nbytes])
                 piece = store[-1][:c.held(i, rank) * dtype.itemsize].view(dtype)
                 pieces[n] = piece if c.by_bytes else piece.view(c.shapes[i])
-            self.params.append(self._param(fqns, where, orig, c, store, pieces))
+            # Its bytes: its slots, one after another (with their alignment).
+            first, last = self.store_layout.slots[k - len(c.names)], self.store_layout.slots[k - 1]
+            span = self.local[first.offset:last.offset + c.slot_bytes()[-1]]
+            self.params.append(self._param(fqns, where, orig, c, store, pieces, span))
         self.full = torch.empty(0, dtype=torch.uint8, device=device)
         self.gather_layout: ShardLayout | None = None
         self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
@@ -525,8 +506,9 @@ class PackedGroup:
     # -- construction ------------------------------------------------------------------
     def _param(self, fqns: list[str], where: list[tuple[nn.Module, str]],
                orig: torch.Tensor, c: Cut, store: list[torch.Tensor],
-               pieces: dict[str, torch.Tensor]) -> PackedParam:
-        """The packed parameter over this rank's ``pieces`` of ``orig``, and its shard."""
+               pieces: dict[str, torch.Tensor], span: torch.Tensor) -> ShardedParam:
+        """The record of ``orig`` over this rank's ``pieces`` of it (``span``: its bytes),
+        and its shard."""
         rank, world = self.comm.rank, self.comm.world_size
         names, ctx = orig.__tensor_flatten__()  # type: ignore[attr-defined]
         if c.by_bytes:
@@ -542,10 +524,11 @@ class PackedGroup:
                                  requires_grad=False)
             copy_user_attributes(orig, shard, besides=fresh)
             del fresh
-            full_inner = dict(zip(c.names, c.shapes))
-            return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, None,
-                               shard, list(c.names), pieces, store, full_inner, None, self,
-                               ctx, tuple(orig.stride()))
+            gather = SubclassBytes(type(orig), c, None, list(c.names), pieces, store, rank,
+                                   dict(zip(c.names, c.shapes)), None, ctx,
+                                   tuple(orig.stride()))
+            return ShardedParam(fqns, where, orig.shape, orig.dtype, False, span, shard,
+                                None, gather, group=self)  # type: ignore[arg-type]
         mine = torch.chunk(orig.detach(), world, dim=0)[rank]
         _, chunk_ctx = mine.__tensor_flatten__()  # type: ignore[attr-defined]
         local = type(mine).__tensor_unflatten__(  # type: ignore[attr-defined]
@@ -557,8 +540,10 @@ class PackedGroup:
         # Not the original's inner tensors: they would keep the full weight alive.
         copy_user_attributes(orig, shard, besides=mine)
         full_inner, unsaveable = _inner_split(fqns[0], orig, mine, rank, world)
-        return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, local, shard,
-                           list(c.names), pieces, store, full_inner, unsaveable, self)
+        gather = SubclassBytes(type(orig), c, local, list(c.names), pieces, store, rank,
+                               full_inner, unsaveable)
+        return ShardedParam(fqns, where, orig.shape, orig.dtype, False, span, shard,
+                            None, gather, group=self)  # type: ignore[arg-type]
 
     def _agree(self, names: list[str], originals: list[torch.Tensor],
                cuts: list[Cut]) -> None:
@@ -604,13 +589,13 @@ class PackedGroup:
     def install(self) -> None:
         """Register each shard in place of its parameter on every module holding it."""
         for pp in self.params:
-            attach_to(pp.shard, PACKED, pp)
+            set_sharded_param(pp.shard, pp)
             for m, attr in pp.slots:
                 m._parameters[attr] = pp.shard
 
     # -- as a group (Note [one interface for a group] in engine/groups/interface.py) --------------
     requires_grad = False  # frozen: never reduced
-    unit: Any = None  # the engine's Unit holding the group, set by the Unit
+    steps_in_place = False  # frozen: nothing for an optimizer to step (Note [plain step])
 
     def expose(self, full: bool) -> None:
         """Register the full tensors (``full``) or the shards on their modules (Note
@@ -662,24 +647,25 @@ class PackedGroup:
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``PackedView``."""
         return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
-                "types": tuple(p.kind.__name__ for p in self.params),
+                "types": tuple(p.gather.kind.__name__ for p in self.params),
                 "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
                 "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
 
     # -- gather ------------------------------------------------------------------------
-    def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:
+    def _pre_all_gather(self, pp: ShardedParam) -> list[torch.Tensor]:
         """What ``pp`` sends to the all-gather: its slots when divided by bytes (Note
         [uneven packed parameters]), else what the protocol says."""
-        if pp.local is None:
-            return pp.stored
-        fn = pp.local.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        sb: SubclassBytes = pp.gather
+        if sb.chunk is None:
+            return sb.stored
+        fn = sb.chunk.fsdp_pre_all_gather  # type: ignore[attr-defined]
         if len(pyinspect.signature(fn).parameters) == 1:
-            inputs, pp.metadata = fn(self.mesh)
+            inputs, sb.metadata = fn(self.mesh)
         else:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             module = pp.slots[0][0]
-            inputs, pp.metadata = fn(self.mesh, pp.shape, contiguous_stride(pp.shape),
+            inputs, sb.metadata = fn(self.mesh, pp.shape, contiguous_stride(pp.shape),
                                      module, MixedPrecisionPolicy(
                                          param_dtype=self.compute_dtype))
         return list(inputs)
@@ -742,28 +728,29 @@ class PackedGroup:
 
     def _post_all_gather(self) -> None:
         for pp, outputs in zip(self.params, self._outputs(self.full)):
-            if pp.local is None:  # refilled in place: its inner tensors view self.full
+            sb: SubclassBytes = pp.gather
+            if sb.chunk is None:  # refilled in place: its inner tensors view self.full
                 if pp.full is None:
                     pp.full = nn.Parameter(self._rebuild(pp, outputs), requires_grad=False)
                     copy_user_attributes(pp.shard, pp.full, besides=pp.full)
-                    attach_to(pp.full, PACKED, pp)
+                    set_sharded_param(pp.full, pp)
                 continue
-            fn = pp.local.fsdp_post_all_gather  # type: ignore[attr-defined]
+            fn = sb.chunk.fsdp_post_all_gather  # type: ignore[attr-defined]
             dtype = self.compute_dtype or pp.dtype
             if pp.full is None:
-                full, allocated = fn(outputs, pp.metadata, dtype)
+                full, allocated = fn(outputs, sb.metadata, dtype)
                 if tuple(full.shape) != tuple(pp.shape):
                     raise ShardwiseError(
                         f"{pp.fqns[0]}: fsdp_post_all_gather built a tensor of shape "
                         f"{tuple(full.shape)}, not the parameter's {tuple(pp.shape)}")
                 pp.full = nn.Parameter(full, requires_grad=False)
-                copy_user_attributes(pp.shard, pp.full, besides=pp.local)
-                attach_to(pp.full, PACKED, pp)
-                pp.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
+                copy_user_attributes(pp.shard, pp.full, besides=sb.chunk)
+                set_sharded_param(pp.full, pp)
+                sb.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
                                 if not _shares(t, self.full)]
             else:
-                fn(outputs, pp.metadata, dtype, out=pp.full)
-            pp.metadata = None
+                fn(outputs, sb.metadata, dtype, out=pp.full)
+            sb.metadata = None
 
     def gather_full(self) -> list[torch.Tensor]:
         """Every parameter's full tensor, freshly gathered into memory of its own (a
@@ -781,12 +768,13 @@ class PackedGroup:
         copy_out(gathered, layout, full)
         out = []
         for pp, outputs in zip(self.params, self._outputs(full)):
-            if pp.local is None:
+            sb: SubclassBytes = pp.gather
+            if sb.chunk is None:
                 out.append(self._rebuild(pp, outputs))
                 continue
-            value, _ = pp.local.fsdp_post_all_gather(  # type: ignore[attr-defined]
-                outputs, pp.metadata, self.compute_dtype or pp.dtype)
-            pp.metadata = None
+            value, _ = sb.chunk.fsdp_post_all_gather(  # type: ignore[attr-defined]
+                outputs, sb.metadata, self.compute_dtype or pp.dtype)
+            sb.metadata = None
             out.append(value)
         return out
 
@@ -802,8 +790,8 @@ class PackedGroup:
             for i, (size, dtype) in enumerate(sizes):
                 s = next(slots)
                 gathered = full[s.full_offset:s.full_offset + s.numel]
-                if pp.local is None:
-                    c = pp.cut
+                if pp.gather.chunk is None:
+                    c = pp.gather.cut
                     n = math.prod(c.shapes[i]) * c.dtypes[i].itemsize
                     views.append(gathered[:n].view(c.dtypes[i]).view(c.shapes[i]))
                 else:
@@ -812,16 +800,17 @@ class PackedGroup:
         return out
 
     @staticmethod
-    def _rebuild(pp: PackedParam, inner: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _rebuild(pp: ShardedParam, inner: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The full tensor of ``pp`` (divided by bytes) around its full ``inner`` tensors,
         as the original was (Note [uneven packed parameters])."""
-        return pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
-            dict(zip(pp.inner, inner)), pp.ctx, pp.shape, pp.stride)
+        sb: SubclassBytes = pp.gather
+        return sb.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+            dict(zip(sb.inner, inner)), sb.ctx, pp.shape, sb.stride)
 
     # -- storage -----------------------------------------------------------------------
     def _storages(self) -> list[tuple[torch.Tensor, int]]:
         return [(self.full, self.full.numel())] + [a for pp in self.params
-                                                    for a in pp.allocated]
+                                                    for a in pp.gather.allocated]
 
     def _alloc_full(self) -> None:
         for t, nbytes in self._storages():
@@ -874,8 +863,9 @@ class PackedGroup:
         tensors, each parameter's pieces and slots."""
         seen: dict[int, torch.Tensor] = {}
         for pp in self.params:
-            inner = [getattr(pp.local, n) for n in pp.inner] if pp.local is not None else []
-            for t in [*inner, *pp.pieces.values(), *pp.stored]:
+            sb: SubclassBytes = pp.gather
+            inner = [getattr(sb.chunk, n) for n in sb.inner] if sb.chunk is not None else []
+            for t in [pp.local, *inner, *sb.pieces.values(), *sb.stored]:
                 seen.setdefault(id(t), t)
         return list(seen.values())
 
@@ -885,7 +875,8 @@ class PackedGroup:
         gather.py): a full weight kept past a ``gathered()`` block keeps its values."""
         self.full = torch.empty(0, dtype=torch.uint8, device=self.device)
         for pp in self.params:
-            pp.full, pp.allocated = None, []
+            pp.full = None  # type: ignore[assignment]
+            pp.gather.allocated = []
 
     def twin(self) -> PackedGroup:
         """An independent copy of the group (``copy.deepcopy`` of the model, Note [deep
@@ -904,25 +895,28 @@ class PackedGroup:
         new._gathered = new._sending = new._gather_work = None
         new.params = []
         for pp in self.params:
-            pieces = {n: same_place(t) for n, t in pp.pieces.items()}
-            stored = [same_place(t) for t in pp.stored]
-            local = None
-            if pp.local is None:  # divided by bytes: a ByteShard, no values
+            sb: SubclassBytes = pp.gather
+            pieces = {n: same_place(t) for n, t in sb.pieces.items()}
+            stored = [same_place(t) for t in sb.stored]
+            chunk = None
+            if sb.chunk is None:  # divided by bytes: a ByteShard, no values
                 shard = nn.Parameter(pp.shard.detach(), requires_grad=False)
                 copy_user_attributes(pp.shard, shard)
             else:
-                ctx = pp.local.__tensor_flatten__()[1]  # type: ignore[attr-defined]
-                local = pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
-                    pieces, ctx, pp.local.size(), pp.local.stride())
+                ctx = sb.chunk.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+                chunk = sb.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+                    pieces, ctx, sb.chunk.size(), sb.chunk.stride())
                 with torch.no_grad():
-                    dt = DTensor.from_local(local, self.topology.mesh,
+                    dt = DTensor.from_local(chunk, self.topology.mesh,
                                             self.topology.placements, run_check=False,
                                             shape=pp.shard.shape, stride=pp.shard.stride())
                 shard = nn.Parameter(dt, requires_grad=False)
-                copy_user_attributes(pp.shard, shard, besides=pp.local)
-            new.params.append(replace(pp, slots=list(pp.slots), local=local, shard=shard,
-                                      pieces=pieces, stored=stored, group=new, full=None,
-                                      allocated=[], metadata=None))
+                copy_user_attributes(pp.shard, shard, besides=sb.chunk)
+            gather = replace(sb, chunk=chunk, pieces=pieces, stored=stored, allocated=[],
+                             metadata=None)
+            new.params.append(replace(pp, slots=list(pp.slots), local=same_place(pp.local),
+                                      shard=shard, gather=gather, group=new,
+                                      full=None, unit=None))  # type: ignore[arg-type]
         return new
 
     def full_is_allocated(self) -> bool:
@@ -937,7 +931,7 @@ class PackedGroup:
     def full_bytes(self) -> int:
         """Bytes of the gathered form while the group is gathered (0 before the first
         gather): the all-gather outputs, plus what the subclass allocated."""
-        extra = sum(n for pp in self.params for _, n in pp.allocated)
+        extra = sum(n for pp in self.params for _, n in pp.gather.allocated)
         return (self.gather_layout.full_numel if self.gather_layout else 0) + extra
 
 

@@ -9,7 +9,6 @@ import torch.nn as nn
 
 from ..._args import some_names
 from ...errors import ShardwiseError
-from ..groups.packed import packed_param
 from .unit import Unit, sharded_param
 
 # Shared with the refusal of casts (engine/entry_points/casts.py): what to do instead.
@@ -71,8 +70,7 @@ def check_model(root: nn.Module, units: list[Unit], follow_flags: bool = True) -
             f"sw.shard registered them: torch.nn.utils.parametrize registered after "
             f"sw.shard moves a weight into module.parametrizations, where the unit's "
             f"gathers cannot reach it. Register parametrizations before sw.shard(model)")
-    added = [n for n, p in root.named_parameters()
-             if sharded_param(p) is None and packed_param(p) is None]
+    added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
     if added:
         raise ShardwiseError(
             f"{len(added)} parameter(s) ({some_names(added)}) are not the shards sw.shard "

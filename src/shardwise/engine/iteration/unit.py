@@ -193,10 +193,8 @@ class Unit:
         self.all_groups = groups
         for g in groups:
             g.unit_name = self.name
-            if isinstance(g, PackedGroup):
-                g.unit = self  # gathered() finds a quantized parameter's unit through it
-        for p in self.params:
-            p.unit = self
+            for p in g.params:
+                p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
         self.model: Model = None  # type: ignore[assignment]  # set by ModelState
