@@ -46,7 +46,7 @@ def _replica_shards(module: nn.Module) -> tuple[int, int, dict[str, str]]:
     topo = state.topology
     # Each parameter's part: its rows, or a tensor subclass's bytes (Note [one group type]).
     rows = {p.fqns[0]: tensor_digest(p.local)
-            for u in state.units for g in u.all_groups for p in g.params}
+            for u in state.units for g in u.groups for p in g.params}
     return topo.replica_index, topo.shard.rank, rows
 
 

@@ -230,9 +230,13 @@ class _GatherSession:
                 self.units.append(unit)
         self.plain: list[tuple[str, torch.Tensor]] = [
             (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
-        self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups]
+        # Plain rows, whose full parameters view one buffer per group (Note [read-only
+        # detection]); tensor subclasses, each with a full tensor of its own (Note
+        # [quantized parameters in gathered()]).
+        self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups
+                                          if g.by_rows]
         # Quantized parameters (Note [quantized parameters in gathered()]).
-        self.packed = [g for u in self.units for g in u.packed]
+        self.packed = [g for u in self.units for g in u.groups if not g.by_rows]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
         self.ended = False
@@ -281,7 +285,8 @@ class _GatherSession:
         for u in self.units:
             u.pin()  # a forward inside the block must not reshard what it holds
         # Note [saved after the block]
-        storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
+        storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups
+                    if g.by_rows}
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: _Saved(t, self, u) if (u := storages.get(t.untyped_storage()._cdata))
             is not None else t,
@@ -314,8 +319,6 @@ class _GatherSession:
                 for g in u.groups:
                     for sp, old in zip(g.params, g.leave_full()):
                         _left_behind(old, sp)
-                for pg in u.packed:
-                    pg.leave_full()
             u.reshard()
 
     def exit(self) -> None:
@@ -491,12 +494,12 @@ def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _version(pp: ShardedParam) -> int:
-    return -1 if pp.full is None else pp.full._version
+    return -1 if pp.full.is_meta else pp.full._version
 
 
 def _shared_inner(pp: ShardedParam) -> list[torch.Tensor]:
     """The full tensor's inner tensors that are the shard's own storage."""
-    if pp.full is None or pp.group is None:
+    if pp.full.is_meta or pp.group is None:
         return []
     names, _ = pp.full.__tensor_flatten__()  # type: ignore[attr-defined]
     local = pp.group.local.untyped_storage().data_ptr()

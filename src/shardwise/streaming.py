@@ -9,7 +9,7 @@ would hold the whole model on a rank; ``full_parameters`` hands out the paramete
 
 - Consecutive parameters of one unit make a *run*, gathered together. A unit's
   parameters may come in two runs (the root's embedding first, its final norm and head
-  last): each run gathers only the rows of its own parameters (:func:`_gather_rows`), so
+  last): each run gathers only the rows of its own parameters (``FlatGroup.gather_values``), so
   the root crosses the links once in all, as under ``full_state_dict``. A group whose
   parameters all belong to the run is gathered from its shard as it is; quantized groups
   are always gathered whole (their bytes travel through the extension protocol). Ranks
@@ -48,9 +48,7 @@ from ._args import require_bool, require_module
 from .comm.collectives import Comm
 from .comm.order_check import announce
 from .comm.peers import ACTIVITY
-from .engine.groups.copies import copy_out
-from .engine.groups.flat import FlatGroup, ShardedParam
-from .engine.groups.layout import build_layout
+from .engine.groups.flat import ShardedParam
 from .engine.iteration.state import ModelState, Phase, owning_state
 from .engine.iteration.unit import Unit, sharded_param
 from .errors import ShardwiseError
@@ -228,14 +226,9 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
             for g in run.unit.groups:
                 mine = [p for p in g.params if id(p) in wanted]
                 if mine:
-                    values.update(_gather_rows(g, mine, keep))
-            for pg in run.unit.packed:
-                if any(id(pp) in wanted for pp in pg.params):
-                    full = pg.gather_full()
-                    pg.release_pages()
-                    if keep:
-                        values.update((id(pp), v) for pp, v in zip(pg.params, full)
-                                      if id(pp) in wanted)
+                    values.update(g.gather_values(
+                        mine, keep, f"{_NAME}: the all-gather of unit {g.unit_name!r}'s "
+                                    f"parameters"))
         if not keep:
             return []
         out = []
@@ -249,35 +242,6 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
                 value = e.plain.detach().clone()
             out.append((e.name, value))
     return out
-
-
-def _gather_rows(g: FlatGroup, params: list[ShardedParam],
-                 keep: bool) -> dict[int, torch.Tensor]:
-    """``params`` (some or all of ``g``'s) in full, in the master dtype, by one
-    all-gather of their rows: the group's shard as it is when they are all of its
-    parameters, else each rank's slot of each, laid out as a group of those parameters
-    alone would be (the same rows per rank: ``torch.chunk``'s split depends on the world
-    size only). Where nothing is ``keep`` the gathered rows are not copied out."""
-    if len(params) == len(g.params):
-        layout, send = g.layout, g.storage.readable()
-    else:
-        layout = build_layout([tuple(p.shape) for p in params], g.comm.world_size)
-        local = g.storage.readable()
-        send = torch.zeros(layout.shard_numel, dtype=g.dtype, device=g.device)
-        for p, s in zip(params, layout.slots):
-            send[s.offset:s.offset + s.chunk_numel].copy_(
-                local[p.slot.offset:p.slot.offset + p.slot.chunk_numel])
-        del local
-    gathered = torch.empty(layout.gathered_numel, dtype=g.dtype, device=g.device)
-    g.comm.all_gather(gathered, send,
-                      what=f"{_NAME}: the all-gather of unit {g.unit_name!r}'s parameters")
-    del send
-    if not keep:
-        return {}
-    full = torch.empty(layout.full_numel, dtype=g.dtype, device=g.device)
-    copy_out(gathered, layout, full)
-    return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
-            for p, s in zip(params, layout.slots)}
 
 
 def _go_on(comm: Comm, stopped: bool, rank0_only: bool, run: _Run) -> bool:

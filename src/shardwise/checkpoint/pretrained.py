@@ -14,7 +14,7 @@ from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.groups.alloc import freed
-from ..engine.groups.packed import uses_protocol
+from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.quantize import (
     NF4,
     awaiting,
@@ -333,7 +333,7 @@ def _check_quantized(module: nn.Module) -> None:
     state = owning_state(module)
     pending = awaiting(module) if state is None else []
     whole = [n for n, p in module.named_parameters()
-             if uses_protocol(p) and sharded_param(p) is None]
+             if gathers_bytes(p) and sharded_param(p) is None]
     if pending:
         raise ShardwiseError(
             f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''} belong to a "

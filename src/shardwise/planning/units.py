@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._registry import partitioned_as
+from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.layout import build_layout
-from ..engine.groups.packed import uses_protocol
 from ..engine.plan import (  # the records a plan is made of: the engine builds from them
     GroupSpec,
     ParamRecord,
@@ -193,8 +193,8 @@ def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRec
     ranks) and packed parameters."""
     out = []
     for (name, module), records in zip(chosen, per_unit):
-        plain = [r for r in records if not uses_protocol(r.param)]
-        packed = [r for r in records if uses_protocol(r.param)]
+        plain = [r for r in records if not gathers_bytes(r.param)]
+        packed = [r for r in records if gathers_bytes(r.param)]
         out.append(UnitPlan(name, module, records,
                             group_specs(plain, param_dtype, reduce_dtype, world_size),
                             packed))

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..._args import some_names
-from ..._registry import set_instance_method
+from ..._registry import copy_all_attributes, set_instance_method
 from ...errors import ShardwiseError
+from ..groups.layout import contiguous_stride
 from ..iteration.model_check import CAST_ADVICE
-from ..iteration.unit import sharded_param
+from ..iteration.unit import FlatGroup, sharded_param
 
 
 def guard_apply(module: nn.Module) -> None:
@@ -36,7 +38,7 @@ def guard_apply(module: nn.Module) -> None:
 #   applies to its own storage, as FSDP2 applies it to its shards: each group whose
 #   parameters are all cast gets a new flat buffer in the new dtype, and each shard keeps
 #   its identity (an optimizer built before holds it) with its contents swapped, as
-#   torch swaps a DTensor parameter's (FlatGroup.recast). Under mixed precision the
+#   torch swaps a DTensor parameter's (recast, below). Under mixed precision the
 #   compute dtype (param_dtype) stays; a reduce dtype equal to the old one follows;
 # - anything else (another device, ``to_empty``, channels-last): refused.
 # A quantized (packed) parameter is probed as the dtype it stands for: a move or cast that
@@ -97,7 +99,7 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
             f"another dtype with MixedPrecision(param_dtype=...)")
     if casts:
         for g, dtype in _cast_groups(module, list(casts.values())):
-            g.recast(dtype)
+            recast(g, dtype)
     held = shards()  # after a cast resharded a unit left gathered: its shards
     for m, name, _ in held:
         m._parameters[name] = None  # skipped by torch, and keeps the parameters' order
@@ -151,7 +153,7 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
                             f"sw.no_sync")
         elif (why := g.cast_refusal()) is not None:
             problems.append(why)
-        if unit.packed:
+        if any(not g.by_rows for g in unit.groups):
             problems.append(f"unit {unit.name} holds quantized parameters")
     if problems:
         raise ShardwiseError(
@@ -163,3 +165,43 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
         unit.reshard()  # a unit left gathered by a forward without backward (no comms)
         out.append((g, dtype))
     return out
+
+
+def recast(g: FlatGroup, dtype: torch.dtype) -> None:
+    """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The
+    group must be at rest (sharded, nothing reducing, not offloaded): the caller,
+    :func:`_apply`, checked."""
+    old = g.dtype
+    g.dtype = dtype
+    if g.precision.compute == old:  # else mixed precision's param_dtype stays
+        g.precision.compute = dtype
+    if g.precision.reduce == old:
+        g.precision.reduce = dtype
+    g.storage.recast(dtype, g.compute_dtype)
+    g.full = torch.empty(g.layout.full_numel, dtype=g.compute_dtype, device=g.device)
+    for p in g.params:
+        p.local = p.gather.local_of(g.local, g.comm.rank)
+        p.dtype = dtype
+        # The shard keeps its identity (an optimizer built before holds it): its
+        # contents are swapped for a DTensor over the new buffer, as torch's own
+        # Module._apply swaps a DTensor parameter's, its attributes and our record
+        # carried over. Its gradient is cast, as torch casts it.
+        grad = p.shard.grad
+        with torch.no_grad():
+            dt = DTensor.from_local(p.local, g.topology.mesh, g.topology.placements,
+                                    run_check=False, shape=p.shape,
+                                    stride=contiguous_stride(p.shape))
+        shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
+        copy_all_attributes(p.shard, shard)
+        torch.utils.swap_tensors(p.shard, shard)
+        if grad is not None:
+            p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))
+        # A new full parameter over the new full buffer: nothing holds the old one
+        # while the unit is sharded. Its end-of-backward trigger is registered again.
+        old_full = p.full
+        p.full = nn.Parameter(p.gather.full_of(g.full), requires_grad=p.requires_grad)
+        copy_all_attributes(old_full, p.full)
+        p.hooked = False
+        if p.requires_grad:
+            p.hook_end_of_backward()
+    g.free()

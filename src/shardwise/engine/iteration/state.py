@@ -316,7 +316,7 @@ class ModelState:
         accumulation (Note [gathered across micro-batches]): its groups are on the device
         (not offloaded), none is quantized, and its frozen parameters are no larger than
         its trainable ones, whose accumulated gradients are held anyway."""
-        if not (self.keep_gathered and unit.groups and not unit.packed):
+        if not (self.keep_gathered and unit.groups and all(g.by_rows for g in unit.groups)):
             return False
         trainable = sum(g.full_bytes for g in unit.groups if g.requires_grad)
         frozen = sum(g.full_bytes for g in unit.groups if not g.requires_grad)
