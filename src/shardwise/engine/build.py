@@ -145,9 +145,10 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
                    originals, spec.layout, topology, device, spec.compute_dtype,
                    spec.reduce_dtype, regather, exact, placement)
-    # Parameters partitioned by sharded_init are gathered one group at a time, so no
-    # full-model copy exists at any point.
-    values = [full_value(p) for p in originals]
+    # Parameters partitioned by sharded_init (stand-ins on the meta device, each holding
+    # its piece) are gathered one group at a time, so no full-model copy exists at any
+    # point; any other parameter is its own value, and sharded_init is not asked.
+    values = [full_value(p) if p.is_meta else p.detach() for p in originals]
     g.fill_local(values if topology.world.rank == src_rank else None, src_rank)
     released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
     del values
@@ -155,7 +156,8 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     # Release the originals now, not after the last unit: the old and the new storage of
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
-        clear_init_piece(rec.param)
+        if rec.param.is_meta:
+            clear_init_piece(rec.param)
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
