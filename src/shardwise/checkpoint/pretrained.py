@@ -28,14 +28,13 @@ from ..engine.iteration.unit import sharded_param
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
-    PackedTarget,
     ParamTarget,
     abandon_unfinished,
     apply_values,
     comm_of,
     match_targets,
     module_targets,
-    packed_targets,
+    subclass_targets,
 )
 from .sources import Rename, Source, open_source, renamer
 
@@ -120,21 +119,19 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         key_of[name] = k
     abandon_unfinished(module)
     params, buffers = module_targets(module)
-    packed = packed_targets(module)
-    # Quantized weights match as the full weights they stand for, and are loaded last,
-    # one at a time (Note [quantize while loading] in engine/groups/quantize.py).
-    stand_ins = [ParamTarget(t.names, tuple(t.packed.shape), t.packed.dtype, None, None)
-                 for t in packed]
+    # Quantized weights match as the full weights they stand for, after the others, and
+    # are loaded last, one at a time (Note [quantize while loading] in
+    # engine/groups/quantize.py).
+    params = [t for t in params if t.kind is None] + [t for t in params if t.kind is not None]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
-    match = match_targets(params + stand_ins, buffers, saved, key_of, "source")
-    names = [n for t in params + stand_ins for n in t.names] + list(buffers)
+    match = match_targets(params, buffers, saved, key_of, "source")
+    names = [n for t in params for n in t.names] + list(buffers)
     if saved and names and len(match.unexpected) == len(saved):
         raise ShardwiseError(_nothing_matched(src.description, key_of, names,
                                               rename is not None))
     problems = match.problems("source", strict)
-    of_stand_in = {id(s): t for s, t in zip(stand_ins, packed)}
-    quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
-    match.params = [(t, key) for t, key in match.params if id(t) not in of_stand_in]
+    quantized = [(t, key) for t, key in match.params if t.kind is not None]
+    match.params = [(t, key) for t, key in match.params if t.kind is None]
     for _, key in quantized:
         if not src.dtype(key).is_floating_point:
             problems.append(f"{key}: the source holds {src.dtype(key)}, not "
@@ -173,7 +170,7 @@ class _NotFinite(Exception):
         self.found = found
 
 
-def _nf4_shares(t: PackedTarget, src: Source, key: str,
+def _nf4_shares(t: ParamTarget, src: Source, key: str,
                 casts: Counter[tuple[torch.dtype, torch.dtype]],
                 allow_nonfinite: bool) -> list[torch.Tensor]:
     """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
@@ -183,7 +180,7 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     Raises:
         _NotFinite: the weight holds NaN or inf, unless ``allow_nonfinite``.
     """
-    pp = t.packed
+    pp = t.record
     # NF4's block sizes, from its full inner tensors: a scale per block, a scale of
     # scales per block of blocks.
     n_blocks = math.prod(pp.gather.full_inner["quantized_scalers"])
@@ -210,7 +207,7 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     return out
 
 
-def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
+def _load_quantized(module: nn.Module, items: list[tuple[ParamTarget, str]],
                     src: Source, casts: Counter[tuple[torch.dtype, torch.dtype]],
                     allow_nonfinite: bool) -> None:
     """Each quantized weight read, quantized and shared out, in rounds of N weights: in
@@ -221,12 +218,12 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
     (Note [the base awaits loading] in engine/groups/quantize.py)."""
     if not items:
         return
-    group = items[0][0].packed.group
+    group = items[0][0].record.group
     assert group is not None
     comm = group.comm
     n, rank = comm.world_size, comm.rank
     for t, _ in items:
-        for mod, attr in t.packed.slots:
+        for mod, attr in t.record.slots:
             mark_awaiting(mod, attr)
     guard_forward(module)
     for start in range(0, len(items), n):
@@ -249,7 +246,7 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
             raise ShardwiseError(_nonfinite_message(
                 src.description, [f for _, f in outcome if f is not None], True))
         for j, (t, _) in enumerate(batch):
-            pp = t.packed
+            pp = t.record
             if n == 1:
                 assert send is not None
                 got = send[0]
@@ -346,13 +343,13 @@ def _check_quantized(module: nn.Module) -> None:
             f"weights of a model not sharded yet; load_pretrained quantizes into each "
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
-    packed = packed_targets(module) if state is not None else []
-    other = [t for t in packed if not issubclass(t.packed.gather.kind, nf4_module().NF4Tensor)]
+    packed = subclass_targets(module) if state is not None else []
+    other = [t for t in packed if not issubclass(t.record.gather.kind, nf4_module().NF4Tensor)]
     if other:
         raise ShardwiseError(
             f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
             f"quantized {other[0].names[0]} is a "
-            f"{other[0].packed.gather.kind.__qualname__}"
+            f"{other[0].record.gather.kind.__qualname__}"
             f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
             f"Load the full-precision model, quantize it, then shard it")
 

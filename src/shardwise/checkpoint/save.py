@@ -52,17 +52,16 @@ from ._format import (
 )
 from ._lock import FolderLock
 from ._messages import by_rank
-from ._names import dtype_name, optim_key, packed_key, param_key, parameter_of
+from ._names import dtype_name, optim_key, parameter_of
 from ._paths import path_argument
 from ._rng import python_rng_state, rank_rng_tensors
 from ._schema import CHECKSUM, canonical_sha256
 from ._targets import (
-    PackedTarget,
     ParamTarget,
+    Part,
     abandon_unfinished,
     comm_of,
     module_targets,
-    packed_targets,
 )
 
 
@@ -200,21 +199,21 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     _reached("begin")
     # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
-    params, packed, buffers, tensors, opt_meta = agreed(
+    params, buffers, tensors, opt_meta = agreed(
         comm, what, lambda: _prepare(module, optimizer, extra, rank))
     _reached("prepared")
     folder = _Folder(path, keep_previous) if rank == 0 else None
     try:
         data_dir = _new_data_dir(path, comm, rank, world, what, folder)
         mine = agreed(comm, what, lambda: _write_data(data_dir, rank, world, tensors,
-                                                      buffers, params, packed))
+                                                      buffers, params))
         _reached("data-written")
         everyone = comm.all_gather_object(mine) if comm is not None and world > 1 else [mine]
         _reached("reports")
 
         def commit() -> None:
             if folder is not None:
-                meta = _metadata(module, params, packed, buffers, opt_meta, tensors,
+                meta = _metadata(module, params, buffers, opt_meta, tensors,
                                  everyone, extra, world)
                 meta["data"] = os.path.basename(data_dir)
                 folder.commit(meta)
@@ -324,34 +323,29 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     _json_ok(extra, "extra", round_trip=True)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
-    packed = packed_targets(module)
-    unsaveable = [t.packed.gather.unsaveable for t in packed if t.packed.gather.unsaveable]
+    unsaveable = [why for t in params if (why := t.unsaveable)]
     if unsaveable:
         raise ShardwiseError(unsaveable[0])
-    tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
-    return params, packed, buffers, tensors, opt_meta
+    tensors, opt_meta = _local_tensors(params, optimizer, rank)
+    return params, buffers, tensors, opt_meta
 
 
-def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
-                   optimizer: torch.optim.Optimizer | None, rank: int,
-                   ) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """This rank's parameter pieces (quantized ones' inner tensors too: Note [packed
+def _parts(params: list[ParamTarget], rank: int) -> list[Part]:
+    """Every part this rank's file holds of the parameters: theirs, then the tensor
+    subclasses' inner tensors (Note [packed checkpoints]), in the files' order."""
+    parts = [part for t in params for part in t.parts(rank)]
+    return sorted(parts, key=lambda part: part.inner is not None)  # stable
+
+
+def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
+                   rank: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """This rank's parameter pieces (a tensor subclass's inner tensors' too: Note [packed
     checkpoints]), optimizer-state pieces and RNG states, and the optimizer's metadata."""
-    name_of: dict[int, str] = {}
-    for t in params:
-        key = t.sharded.shard if t.sharded is not None else t.plain
-        name_of[id(key)] = t.names[0]
-    for pt in packed:  # frozen: an optimizer may hold them, without state
-        name_of[id(pt.packed.shard)] = pt.names[0]
+    # A frozen tensor subclass an optimizer holds has no state, but is named in its groups.
+    name_of = {id(t.tensor): t.names[0] for t in params}
     # Views of the live tensors, not copies: the data file is streamed from them, one at
     # a time (Note [streamed save]).
-    tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
-               for t in params}
-    for pt in packed:
-        for inner in pt.packed.gather.inner:
-            n = pt.saved_piece(inner, rank)[1]
-            tensors[packed_key(pt.names[0], inner)] = (
-                pt.packed.gather.pieces[inner].detach().reshape(-1)[:n])
+    tensors = {part.key: part.values[:part.saved[1]] for part in _parts(params, rank)}
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -393,15 +387,12 @@ def _new_data_dir(path: str, comm, rank: int, world: int, what: str,
 # disk tier]), so the state of an offloaded model larger than memory can be saved
 # (docs/offload.md).
 def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-                buffers: dict[str, torch.Tensor], params: list[ParamTarget],
-                packed: list[PackedTarget]) -> dict:
+                buffers: dict[str, torch.Tensor], params: list[ParamTarget]) -> dict:
     """Write this rank's file (and rank 0 the buffers); what rank 0 must record of it.
 
     The file's own header records the pieces it holds, so that metadata claiming other
     pieces is caught at load (Note [metadata that cannot lie] in _schema.py)."""
-    pieces = {t.names[0]: list(t.saved_range()) for t in params}
-    pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
-                   for t in packed for inner in t.packed.gather.inner})
+    pieces = {part.piece: list(part.saved) for part in _parts(params, rank)}
     fname = rank_file(rank, world)
     writer = Writer(os.path.join(data_dir, fname),
                     [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()], pieces=pieces)
@@ -423,7 +414,7 @@ def _write_data(data_dir: str, rank: int, world: int, tensors: dict[str, torch.T
     return {"file": fname, "files": files, "python_rng": python_rng_state(), "pieces": pieces}
 
 
-def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
+def _metadata(module: nn.Module, params: list[ParamTarget],
               buffers: dict[str, torch.Tensor], opt_meta: dict | None,
               tensors: dict[str, torch.Tensor], everyone: list[dict], extra: Any,
               world: int) -> dict:
@@ -437,7 +428,7 @@ def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedT
         "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
                                 "dtype": dtype_name(t.dtype),
                                 "pieces": [e["pieces"][t.names[0]] for e in everyone]}
-                   for t in params},
+                   for t in params if t.kind is None},
         "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                     for n, b in buffers.items()},
         "optimizer": opt_meta,
@@ -445,25 +436,24 @@ def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedT
         "extra": extra,
         "files": {name: info for e in everyone for name, info in e["files"].items()},
     }
+    packed = {t.names[0]: _packed_entry(t, everyone) for t in params if t.kind is not None}
     if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
-        meta["packed"] = {t.names[0]: _packed_entry(t, everyone) for t in packed}
+        meta["packed"] = packed
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         meta["hf_config"] = json.loads(config.to_json_string())
     return meta
 
 
-def _packed_entry(t: PackedTarget, everyone: list[dict]) -> dict:
-    """A quantized parameter's record: its type, shape and dtype, and each inner tensor's
+def _packed_entry(t: ParamTarget, everyone: list[dict]) -> dict:
+    """A tensor subclass's record: its type, shape and dtype, and each inner tensor's
     full shape, dtype and pieces (Note [packed checkpoints])."""
-    main = t.names[0]
-    return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
-            "dtype": dtype_name(t.packed.dtype),
-            "inner": {inner: {"shape": list(t.packed.gather.full_inner[inner]),
-                              "dtype": dtype_name(t.packed.gather.pieces[inner].dtype),
-                              "pieces": [e["pieces"][packed_key(main, inner)]
-                                         for e in everyone]}
-                      for inner in t.packed.gather.inner}}
+    return {"names": t.names, "type": t.kind, "shape": list(t.shape),
+            "dtype": dtype_name(t.dtype),
+            "inner": {part.inner: {"shape": list(part.shape),
+                                   "dtype": dtype_name(part.dtype),
+                                   "pieces": [e["pieces"][part.piece] for e in everyone]}
+                      for part in t.parts(0)}}
 
 
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:
