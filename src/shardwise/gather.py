@@ -323,34 +323,33 @@ class _GatherSession:
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""
-        replaced = [_Slot(sp, m, a) for g in self.groups for sp in g.params
+        # Every parameter the block's code put something else in place of, whatever its
+        # gather strategy (Note [one group type] in engine/groups/flat.py).
+        replaced = [_Slot(sp, m, a) for u in self.units for g in u.groups for sp in g.params
                     for m, a in sp.slots if m._parameters.get(a) is not sp.full]
-        replaced_packed = [(pp, m, a) for g in self.packed for pp in g.params
-                           for m, a in pp.slots if m._parameters.get(a) is not pp.full]
         assert self.comm is not None
         try:
             if self.modifier_rank is None:
-                self._verify_read_only(replaced, replaced_packed)
+                self._verify_read_only(replaced)
             else:
-                _apply_modifications(self.comm, self.groups, replaced, self.module,
+                _apply_modifications(self.comm, self.groups,
+                                     [s for s in replaced if s.param.by_rows], self.module,
                                      self.plain, self.modifier_rank)
                 if self.comm.rank != self.modifier_rank:
                     # Only the modifier's edits count: another rank's write into what its
                     # shard shares with the full tensor goes (rank r's then arrive).
                     _restore(self.packed_kept)
-                _apply_packed(self.comm, self.packed_versions, replaced_packed,
+                _apply_packed(self.comm, self.packed_versions,
+                              [s for s in replaced if not s.param.by_rows],
                               self.modifier_rank)
         finally:
             for slot in replaced:
                 slot.module._parameters[slot.attr] = slot.param.full
-            for pp, m, a in replaced_packed:
-                m._parameters[a] = pp.full
             self.release()
         if self.modifier_rank is not None and self.module is not None:
             maybe_check(self.module)
 
-    def _verify_read_only(self, replaced: list[_Slot],
-                          replaced_packed: list[tuple[ShardedParam, nn.Module, str]]) -> None:
+    def _verify_read_only(self, replaced: list[_Slot]) -> None:
         """Note [read-only detection]: raise on every rank if any rank wrote."""
         assert self.comm is not None
         suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
@@ -359,7 +358,6 @@ class _GatherSession:
                  if now.get(n) is not b or not _same_bytes(b, old)]
         local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
         local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
-        local += [f"parameter {pp.fqns[0]} (replaced)" for pp, _, _ in replaced_packed]
         local += [f"parameter {pp.fqns[0]}" for pp, v in self.packed_versions
                   if _version(pp) != v]
         if not any_rank(self.comm, bool(local) or any(suspects),
@@ -508,7 +506,7 @@ def _shared_inner(pp: ShardedParam) -> list[torch.Tensor]:
 
 
 def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
-                  replaced: list[tuple[ShardedParam, nn.Module, str]], src: int) -> None:
+                  replaced: list[_Slot], src: int) -> None:
     """Note [quantized parameters in gathered()]: rank ``src``'s written quantized
     parameters become every rank's, each keeping its share."""
     problems: list[str] = []
@@ -516,7 +514,6 @@ def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
     if comm.rank == src:
         with torch.no_grad():
             for pp, m, a in replaced:
-                assert pp.full is not None
                 new = m._parameters.get(a)
                 try:
                     pp.full.copy_(new)  # type: ignore[arg-type]
