@@ -131,8 +131,9 @@ def _build_unit(unit: UnitPlan, topology: Topology, device: torch.device,
     groups = [_build_group(spec, topology, device, settings.src_rank, regather,
                            settings.reproducible, placement)
               for spec in unit.groups]
-    if unit.packed:
-        groups.append(_build_subclasses(unit.packed, topology, device, settings, placement))
+    if unit.subclasses:
+        groups.append(_build_subclasses(unit.subclasses, topology, device, settings,
+                                        placement))
     return unit.name, unit.module, groups
 
 
