@@ -24,7 +24,7 @@ from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..engine.sharded_init import init_piece
 from ..errors import ShardwiseError
 from ._messages import summary
-from ._names import dtype_name, packed_key, param_key
+from ._names import dtype_name, part_key
 
 
 @dataclass
@@ -46,7 +46,7 @@ class Part:
 
     def key_for(self, main: str) -> str:
         """Its data-file key in a checkpoint that names the parameter ``main``."""
-        return param_key(main) if self.inner is None else packed_key(main, self.inner)
+        return part_key(main, self.inner)
 
     def write_local(self, values: torch.Tensor) -> None:
         if self.inner is None:
@@ -109,7 +109,7 @@ class ParamTarget:
         main = self.names[0]
         if self.kind is None:
             lo, n = self.local_range()
-            return [Part(param_key(main), main, None, self.shape, self.dtype, (lo, n),
+            return [Part(part_key(main, None), main, None, self.shape, self.dtype, (lo, n),
                          self.saved_range(), self.local_values(), self)]
         sb = self.record.gather
         out = []
@@ -117,7 +117,7 @@ class ParamTarget:
             lo, n = sb.inner_piece(inner)
             shape = tuple(sb.full_inner[inner])
             saved = (lo, n if self.writes and (n < math.prod(shape) or rank == 0) else 0)
-            key = packed_key(main, inner)
+            key = part_key(main, inner)
             out.append(Part(key, key, inner, shape, sb.pieces[inner].dtype, (lo, n), saved,
                             sb.pieces[inner].detach().reshape(-1), self))
         return out
