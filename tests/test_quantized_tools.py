@@ -25,7 +25,7 @@ import shardwise as sw
 
 if importlib.util.find_spec("torchao") is None:  # not importorskip: torchao's import is noisy
     pytest.skip("torchao is not installed (shardwise[quant])", allow_module_level=True)
-from shardwise.engine.groups.packed import packed_param  # noqa: E402
+from shardwise.engine.iteration.unit import sharded_param  # noqa: E402
 from shardwise.integrations.quant import nf4_module, quantize_nf4  # noqa: E402
 
 WORLDS = [2, 3]
@@ -137,8 +137,10 @@ def test_gathered_reads_merges_and_edits_an_nf4_base(world, kind):
 def _homes(model) -> tuple[int, set[int]]:
     """How many quantized weights a sharded model holds, and the storages of this rank's
     bytes of them."""
-    pps = [pp for p in model.parameters() if (pp := packed_param(p)) is not None]
-    return len(pps), {t.untyped_storage().data_ptr() for pp in pps for t in pp.pieces.values()}
+    pps = [pp for p in model.parameters()
+           if (pp := sharded_param(p)) is not None and not pp.by_rows]
+    return len(pps), {t.untyped_storage().data_ptr() for pp in pps
+                      for t in pp.gather.pieces.values()}
 
 
 def _deepcopy(rank, world, kind):

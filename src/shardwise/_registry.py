@@ -33,9 +33,7 @@ holding shards (``engine/entry_points/state_dict.py``).
 
 On tensors:
 - ``_shardwise_param``: the :class:`~shardwise.engine.iteration.unit.ShardedParam` behind a
-  shard or a full parameter;
-- ``_shardwise_packed``: the :class:`~shardwise.engine.groups.packed.PackedParam` behind a shard
-  or full tensor of a quantized (tensor subclass) parameter;
+  shard or a full parameter, plain or a tensor subclass (Note [one group type]);
 - ``_shardwise_init``: the :class:`~shardwise.engine.sharded_init.InitPiece` of a parameter
   partitioned by ``sharded_init``;
 - ``_shardwise_partitioned_as``: the stand-in that replaced an original under
@@ -74,7 +72,6 @@ import torch.nn as nn
 STATE = "_shardwise"
 UNIT = "_shardwise_unit"
 PARAM = "_shardwise_param"
-PACKED = "_shardwise_packed"
 INIT = "_shardwise_init"
 _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 
 from ._env import checks_enabled
 from .comm.order_check import operation
-from .engine.groups.packed import packed_param
 from .engine.iteration.buffers import comm_for, named_buffers
 from .engine.iteration.state import model_state
 from .engine.iteration.unit import sharded_param
@@ -34,8 +33,7 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 def _replicated(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every tensor that should be identical on all ranks: buffers, unsharded parameters."""
-    out = [(n, p) for n, p in module.named_parameters()
-           if sharded_param(p) is None and packed_param(p) is None]
+    out = [(n, p) for n, p in module.named_parameters() if sharded_param(p) is None]
     return out + named_buffers(module)
 
 
@@ -46,10 +44,9 @@ def _replica_shards(module: nn.Module) -> tuple[int, int, dict[str, str]]:
     if state is None or state.topology.replicate is None:
         return 0, 0, {}
     topo = state.topology
-    rows = {p.fqns[0]: tensor_digest(p.local) for u in state.units for p in u.params}
-    for u in state.units:
-        for pg in u.packed:  # the packed bytes of every quantized parameter of the group
-            rows[", ".join(pp.fqns[0] for pp in pg.params)] = tensor_digest(pg.local)
+    # Each parameter's part: its rows, or a tensor subclass's bytes (Note [one group type]).
+    rows = {p.fqns[0]: tensor_digest(p.local)
+            for u in state.units for g in u.groups for p in g.params}
     return topo.replica_index, topo.shard.rank, rows
 
 

@@ -30,7 +30,6 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
-from .engine.groups.packed import PackedParam, packed_param
 from .engine.iteration.buffers import named_buffers
 from .engine.iteration.residency import release
 from .engine.iteration.unit import ShardedParam, Unit, sharded_param
@@ -226,16 +225,19 @@ class _GatherSession:
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:
-            sp, pp = sharded_param(p), packed_param(p)
-            unit = sp.unit if sp is not None else pp.group.unit if pp and pp.group else None
+            sp = sharded_param(p)
+            unit = sp.unit if sp is not None else None
             if unit is not None and all(unit is not u for u in self.units):
                 self.units.append(unit)
         self.plain: list[tuple[str, torch.Tensor]] = [
-            (names.get(id(p), "?"), p) for p in self.params
-            if sharded_param(p) is None and packed_param(p) is None]
-        self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups]
+            (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
+        # Plain rows, whose full parameters view one buffer per group (Note [read-only
+        # detection]); tensor subclasses, each with a full tensor of its own (Note
+        # [quantized parameters in gathered()]).
+        self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups
+                                          if g.by_rows]
         # Quantized parameters (Note [quantized parameters in gathered()]).
-        self.packed = [g for u in self.units for g in u.packed]
+        self.packed = [g for u in self.units for g in u.groups if not g.by_rows]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
         self.ended = False
@@ -251,8 +253,7 @@ class _GatherSession:
         one tensor its full tensor."""
         if self.module is not None:
             return self.module
-        full = [sp.full if (sp := sharded_param(p)) is not None else
-                pp.full if (pp := packed_param(p)) is not None else p for p in self.params]
+        full = [sp.full if (sp := sharded_param(p)) is not None else p for p in self.params]
         return full[0] if self.single else full
 
     def enter(self) -> None:
@@ -285,7 +286,8 @@ class _GatherSession:
         for u in self.units:
             u.pin()  # a forward inside the block must not reshard what it holds
         # Note [saved after the block]
-        storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups}
+        storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups
+                    if g.by_rows}
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
             lambda t: _Saved(t, self, u) if (u := storages.get(t.untyped_storage()._cdata))
             is not None else t,
@@ -318,40 +320,37 @@ class _GatherSession:
                 for g in u.groups:
                     for sp, old in zip(g.params, g.leave_full()):
                         _left_behind(old, sp)
-                for pg in u.packed:
-                    pg.leave_full()
             release(u)  # Note [residency] in engine/iteration/residency.py
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""
-        replaced = [_Slot(sp, m, a) for g in self.groups for sp in g.params
+        # Every parameter the block's code put something else in place of, whatever its
+        # gather strategy (Note [one group type] in engine/groups/flat.py).
+        replaced = [_Slot(sp, m, a) for u in self.units for g in u.groups for sp in g.params
                     for m, a in sp.slots if m._parameters.get(a) is not sp.full]
-        replaced_packed = [(pp, m, a) for g in self.packed for pp in g.params
-                           for m, a in pp.slots if m._parameters.get(a) is not pp.full]
         assert self.comm is not None
         try:
             if self.modifier_rank is None:
-                self._verify_read_only(replaced, replaced_packed)
+                self._verify_read_only(replaced)
             else:
-                _apply_modifications(self.comm, self.groups, replaced, self.module,
+                _apply_modifications(self.comm, self.groups,
+                                     [s for s in replaced if s.param.by_rows], self.module,
                                      self.plain, self.modifier_rank)
                 if self.comm.rank != self.modifier_rank:
                     # Only the modifier's edits count: another rank's write into what its
                     # shard shares with the full tensor goes (rank r's then arrive).
                     _restore(self.packed_kept)
-                _apply_packed(self.comm, self.packed_versions, replaced_packed,
+                _apply_packed(self.comm, self.packed_versions,
+                              [s for s in replaced if not s.param.by_rows],
                               self.modifier_rank)
         finally:
             for slot in replaced:
                 slot.module._parameters[slot.attr] = slot.param.full
-            for pp, m, a in replaced_packed:
-                m._parameters[a] = pp.full
             self.release()
         if self.modifier_rank is not None and self.module is not None:
             maybe_check(self.module)
 
-    def _verify_read_only(self, replaced: list[_Slot],
-                          replaced_packed: list[tuple[PackedParam, nn.Module, str]]) -> None:
+    def _verify_read_only(self, replaced: list[_Slot]) -> None:
         """Note [read-only detection]: raise on every rank if any rank wrote."""
         assert self.comm is not None
         suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
@@ -360,7 +359,6 @@ class _GatherSession:
                  if now.get(n) is not b or not _same_bytes(b, old)]
         local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
         local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
-        local += [f"parameter {pp.fqns[0]} (replaced)" for pp, _, _ in replaced_packed]
         local += [f"parameter {pp.fqns[0]}" for pp, v in self.packed_versions
                   if _version(pp) != v]
         if not any_rank(self.comm, bool(local) or any(suspects),
@@ -479,7 +477,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # the values of its entry. With ``modifier_rank=r`` rank r's written full tensors (in
 # place, ``w.copy_(merged)``, which for an NF4Tensor quantizes a float value with the
 # weight's block sizes; or replaced by a value ``copy_`` accepts) are broadcast inner
-# tensor by inner tensor, and every rank keeps its share (``PackedParam.take_full``, the
+# tensor by inner tensor, and every rank keeps its share (``SubclassBytes.take_full``, the
 # rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
 # a write of theirs to a weight rank r left alone does not stay in their shard. A weight
 # divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the same full
@@ -494,13 +492,13 @@ def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                 t.copy_(old)
 
 
-def _version(pp: PackedParam) -> int:
-    return -1 if pp.full is None else pp.full._version
+def _version(pp: ShardedParam) -> int:
+    return -1 if pp.full.is_meta else pp.full._version
 
 
-def _shared_inner(pp: PackedParam) -> list[torch.Tensor]:
+def _shared_inner(pp: ShardedParam) -> list[torch.Tensor]:
     """The full tensor's inner tensors that are the shard's own storage."""
-    if pp.full is None or pp.group is None:
+    if pp.full.is_meta or pp.group is None:
         return []
     names, _ = pp.full.__tensor_flatten__()  # type: ignore[attr-defined]
     local = pp.group.local.untyped_storage().data_ptr()
@@ -508,8 +506,8 @@ def _shared_inner(pp: PackedParam) -> list[torch.Tensor]:
             if (t := getattr(pp.full, n)).untyped_storage().data_ptr() == local]
 
 
-def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
-                  replaced: list[tuple[PackedParam, nn.Module, str]], src: int) -> None:
+def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
+                  replaced: list[_Slot], src: int) -> None:
     """Note [quantized parameters in gathered()]: rank ``src``'s written quantized
     parameters become every rank's, each keeping its share."""
     problems: list[str] = []
@@ -517,7 +515,6 @@ def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
     if comm.rank == src:
         with torch.no_grad():
             for pp, m, a in replaced:
-                assert pp.full is not None
                 new = m._parameters.get(a)
                 try:
                     pp.full.copy_(new)  # type: ignore[arg-type]
@@ -525,8 +522,8 @@ def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
                     problems.append(f"{pp.fqns[0]} was replaced by {shown(new)}, which its "
                                     f"{type(pp.full).__qualname__} cannot copy ({err})")
         written = [i for i, (pp, v) in enumerate(versions) if _version(pp) != v]
-        problems += [why for i in written if (why := versions[i][0].full_problem(
-            versions[i][0].full)) is not None]
+        problems += [why for i in written if (why := (pp := versions[i][0]).gather.full_problem(
+            pp.fqns[0], pp.shape, pp.full)) is not None]
     everyone = comm.all_gather_object((problems, written), what="gathered()'s quantized edits")
     problems, written = everyone[src]
     if problems or any(p for p, _ in everyone):
@@ -539,4 +536,4 @@ def _apply_packed(comm: Comm, versions: list[tuple[PackedParam, int]],
             assert pp.full is not None
             names, _ = pp.full.__tensor_flatten__()
             comm.broadcast_tensors([getattr(pp.full, n) for n in names], src)
-            pp.take_full(pp.full)
+            pp.gather.take_full(pp.full)

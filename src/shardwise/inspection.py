@@ -295,7 +295,7 @@ def _unit_view(u: Unit) -> UnitView:
     # Each group describes itself (Note [one interface for a group]); a flat group's
     # parameters are read here, one view each.
     groups, packed = [], []
-    for g in u.all_groups:
+    for g in u.groups:
         d = g.describe()
         if d.pop("kind") == "packed":
             packed.append(PackedView(**d))
@@ -351,7 +351,7 @@ def inspect(module: nn.Module) -> ModelView:
         raise ShardwiseError(f"this {name} is not sharded: sw.inspect takes the module "
                              f"sw.shard returned")
     units = tuple(_unit_view(u) for u in state.units)
-    groups: list[ParamGroup] = [g for u in state.units for g in u.all_groups]
+    groups: list[ParamGroup] = [g for u in state.units for g in u.groups]
     params = [p for u in state.units for p in u.params]
     managed = {id(t) for g in groups for p in g.params for t in (p.shard, p.full)}
     packed_bytes = sum(pv.shard_bytes for u in units for pv in u.packed)

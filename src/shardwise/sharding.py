@@ -34,8 +34,9 @@ from .comm.mesh import Topology, check_secondary, topology
 from .comm.order_check import order_checks_enabled
 from .consistency import maybe_check
 from .engine.build import build
+from .engine.groups.flat import gathers_bytes, refusal
 from .engine.groups.offload import Offload
-from .engine.groups.packed import cut, refusal, shard_mesh, uses_protocol
+from .engine.groups.packed import cut, shard_mesh
 from .engine.iteration.buffers import BufferPolicy, buffer_policy
 from .engine.iteration.state import Settings, model_state
 from .engine.iteration.unit import sharded_param, unit_of
@@ -302,7 +303,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
     # may hold the records.
     _check_params(records, topo.world.rank, src_rank, offload, shards, mp.param_dtype,
                   device)
-    if any(uses_protocol(r.param) for r in records):
+    if any(gathers_bytes(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     # Laid out once the parameters passed their checks (a 0-dim one is refused by name).
     planned = auto.units if auto is not None else plan_units(
@@ -510,7 +511,7 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ShardwiseError(refused[0] + more)
-    packed = [r for r in records if uses_protocol(r.param)]
+    packed = [r for r in records if gathers_bytes(r.param)]
     for r in packed:
         # Refuses what cannot be divided among the ranks, before any change (Note
         # [uneven packed parameters] in engine/groups/packed.py).

@@ -9,7 +9,7 @@ would hold the whole model on a rank; ``full_parameters`` hands out the paramete
 
 - Consecutive parameters of one unit make a *run*, gathered together. A unit's
   parameters may come in two runs (the root's embedding first, its final norm and head
-  last): each run gathers only the rows of its own parameters (:func:`_gather_rows`), so
+  last): each run gathers only the rows of its own parameters (``FlatGroup.gather_values``), so
   the root crosses the links once in all, as under ``full_state_dict``. A group whose
   parameters all belong to the run is gathered from its shard as it is; quantized groups
   are always gathered whole (their bytes travel through the extension protocol). Ranks
@@ -48,10 +48,7 @@ from ._args import require_bool, require_module
 from .comm.collectives import Comm
 from .comm.order_check import announce
 from .comm.peers import ACTIVITY
-from .engine.groups.copies import copy_out
-from .engine.groups.flat import FlatGroup, ShardedParam
-from .engine.groups.layout import build_layout
-from .engine.groups.packed import PackedParam, packed_param
+from .engine.groups.flat import ShardedParam
 from .engine.iteration.state import ModelState, Phase, owning_state
 from .engine.iteration.unit import Unit, sharded_param
 from .errors import ShardwiseError
@@ -64,8 +61,7 @@ class _Entry:
     """One ``(name, parameter)`` of ``named_parameters``, and where its values are."""
 
     name: str
-    sharded: ShardedParam | None
-    packed: PackedParam | None
+    sharded: ShardedParam | None  # plain or a tensor subclass (Note [one group type])
     plain: torch.Tensor | None  # a parameter the engine does not manage
 
 
@@ -149,15 +145,15 @@ def _plan(module: nn.Module, state: ModelState, dequantize: bool,
     entries: list[_Entry] = []
     foreign, pieces, opaque = [], [], []
     for name, p in module.named_parameters(remove_duplicate=remove_duplicate):
-        sp, pp = sharded_param(p), packed_param(p)
-        unit = sp.unit if sp is not None else pp.group.unit if pp and pp.group else None
-        if (sp is not None or pp is not None) and (unit is None or unit.model is not state):
+        sp = sharded_param(p)
+        if sp is not None and (sp.unit is None or sp.unit.model is not state):
             foreign.append(name)
-        elif sp is None and pp is None and isinstance(p, DTensor):
+        elif sp is None and isinstance(p, DTensor):
             pieces.append(name)
-        elif pp is not None and dequantize and not hasattr(pp.kind, "get_original_weight"):
-            opaque.append(f"{name} ({pp.kind.__name__})")
-        entries.append(_Entry(name, sp, pp, p if sp is None and pp is None else None))
+        elif (sp is not None and not sp.by_rows and dequantize
+              and not hasattr(sp.gather.kind, "get_original_weight")):
+            opaque.append(f"{name} ({sp.gather.kind.__name__})")
+        entries.append(_Entry(name, sp, p if sp is None else None))
     if foreign:
         raise ShardwiseError(
             f"{_NAME}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} "
@@ -176,8 +172,7 @@ def _plan(module: nn.Module, state: ModelState, dequantize: bool,
             f"dequantize=False to receive the quantized tensors as they are")
     runs: list[_Run] = []
     for e in entries:
-        unit = (e.sharded.unit if e.sharded is not None else
-                e.packed.group.unit if e.packed is not None and e.packed.group else None)
+        unit = e.sharded.unit if e.sharded is not None else None
         if runs and runs[-1].unit is unit:
             runs[-1].entries.append(e)
         else:
@@ -202,8 +197,7 @@ def _stream(state: ModelState, runs: list[_Run], rank0_only: bool,
     keep = not rank0_only or comm.rank == 0
     with ACTIVITY.operation(f"{_NAME}()"):  # Note [peer watch]: noted while suspended too
         _check_phase(state)
-        names = [(e.sharded.fqns[0] if e.sharded is not None else
-                  e.packed.fqns[0] if e.packed is not None else e.name)
+        names = [e.sharded.fqns[0] if e.sharded is not None else e.name
                  for r in runs for e in r.entries]
         fingerprint = zlib.crc32("\n".join(names).encode()) & 0xFFFFFFFF
         announce(comm, f"{_NAME}() of {len(names)} parameters ({names[0] if names else ''}"
@@ -229,62 +223,25 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
     with torch.no_grad():
         if run.unit is not None:
             wanted = {id(e.sharded) for e in run.entries if e.sharded is not None}
-            wanted_packed = {id(e.packed) for e in run.entries if e.packed is not None}
             for g in run.unit.groups:
                 mine = [p for p in g.params if id(p) in wanted]
                 if mine:
-                    values.update(_gather_rows(g, mine, keep))
-            for pg in run.unit.packed:
-                if any(id(pp) in wanted_packed for pp in pg.params):
-                    full = pg.gather_full()
-                    pg.release_pages()
-                    if keep:
-                        values.update((id(pp), v) for pp, v in zip(pg.params, full)
-                                      if id(pp) in wanted_packed)
+                    values.update(g.gather_values(
+                        mine, keep, f"{_NAME}: the all-gather of unit {g.unit_name!r}'s "
+                                    f"parameters"))
         if not keep:
             return []
         out = []
         for e in run.entries:
             if e.sharded is not None:
                 value = values[id(e.sharded)]
-            elif e.packed is not None:
-                value = values[id(e.packed)]
-                if dequantize:
+                if dequantize and not e.sharded.by_rows:
                     value = value.get_original_weight()  # type: ignore[attr-defined]
             else:
                 assert e.plain is not None
                 value = e.plain.detach().clone()
             out.append((e.name, value))
     return out
-
-
-def _gather_rows(g: FlatGroup, params: list[ShardedParam],
-                 keep: bool) -> dict[int, torch.Tensor]:
-    """``params`` (some or all of ``g``'s) in full, in the master dtype, by one
-    all-gather of their rows: the group's shard as it is when they are all of its
-    parameters, else each rank's slot of each, laid out as a group of those parameters
-    alone would be (the same rows per rank: ``torch.chunk``'s split depends on the world
-    size only). Where nothing is ``keep`` the gathered rows are not copied out."""
-    if len(params) == len(g.params):
-        layout, send = g.layout, g.storage.readable()
-    else:
-        layout = build_layout([tuple(p.shape) for p in params], g.comm.world_size)
-        local = g.storage.readable()
-        send = torch.zeros(layout.shard_numel, dtype=g.dtype, device=g.device)
-        for p, s in zip(params, layout.slots):
-            send[s.offset:s.offset + s.chunk_numel].copy_(
-                local[p.slot.offset:p.slot.offset + p.slot.chunk_numel])
-        del local
-    gathered = torch.empty(layout.gathered_numel, dtype=g.dtype, device=g.device)
-    g.comm.all_gather(gathered, send,
-                      what=f"{_NAME}: the all-gather of unit {g.unit_name!r}'s parameters")
-    del send
-    if not keep:
-        return {}
-    full = torch.empty(layout.full_numel, dtype=g.dtype, device=g.device)
-    copy_out(gathered, layout, full)
-    return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
-            for p, s in zip(params, layout.slots)}
 
 
 def _go_on(comm: Comm, stopped: bool, rank0_only: bool, run: _Run) -> bool:

@@ -40,6 +40,12 @@ def packed_key(main: str, inner: str) -> str:
     return f"packed/{main}/{inner}"
 
 
+def part_key(main: str, inner: str | None) -> str:
+    """The data-file key of a part of the parameter ``main``: the parameter's piece
+    (``inner`` None), or its inner tensor ``inner``'s."""
+    return param_key(main) if inner is None else packed_key(main, inner)
+
+
 def parameter_of(key: str) -> str | None:
     """The parameter a ``param/`` or ``optim/`` key belongs to, or None for another key."""
     kind, _, rest = key.partition("/")

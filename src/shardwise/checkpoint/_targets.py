@@ -1,4 +1,11 @@
-"""What a module's state is made of: its parameters (sharded or not) and persistent buffers."""
+"""What a module's state is made of: its parameters (sharded or not) and persistent buffers.
+
+A parameter's target is one kind of object whatever its gather strategy (Note [one group
+type] in engine/groups/flat.py): a checkpoint asks it for its :class:`Part` s, the flat
+tensors it holds of it (the parameter itself, or each of a tensor subclass's inner
+tensors: Note [packed checkpoints] in engine/groups/packed.py), and saves, reads and
+writes each the same way.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +19,44 @@ import torch.nn as nn
 
 from ..comm.collectives import Comm
 from ..engine.groups.alloc import freed
-from ..engine.groups.packed import PackedParam, packed_param
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..engine.sharded_init import init_piece
 from ..errors import ShardwiseError
 from ._messages import summary
-from ._names import dtype_name
+from ._names import dtype_name, part_key
+
+
+@dataclass
+class Part:
+    """One flat tensor a checkpoint holds of a parameter: the parameter, or one of its
+    inner tensors (``inner``), under ``key`` in the data files and ``piece`` in their
+    pieces' records; flattened from ``shape`` and ``dtype``, of which this rank holds the
+    ``local`` (offset, count) and saves ``saved`` (its local range, or none)."""
+
+    key: str
+    piece: str
+    inner: str | None
+    shape: tuple[int, ...]  # of the full tensor (the parameter, or its inner tensor)
+    dtype: torch.dtype
+    local: tuple[int, int]
+    saved: tuple[int, int]
+    values: torch.Tensor  # this rank's elements, flat: a view of where they live
+    target: ParamTarget
+
+    def key_for(self, main: str) -> str:
+        """Its data-file key in a checkpoint that names the parameter ``main``."""
+        return part_key(main, self.inner)
+
+    def write_local(self, values: torch.Tensor) -> None:
+        if self.inner is None:
+            self.target.write_local(values)
+            return
+        with torch.no_grad():
+            self.values.copy_(values.reshape(-1))
+
+    def page_release(self) -> Callable[[], None] | None:
+        return self.target.page_release()
 
 
 @dataclass
@@ -34,6 +72,55 @@ class ParamTarget:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """What the module and an optimizer hold of it: its shard, or itself."""
+        if self.sharded is not None:
+            return self.sharded.shard
+        assert self.plain is not None
+        return self.plain
+
+    @property
+    def record(self) -> ShardedParam:
+        """The record of its sharded parameter (of a target that has one)."""
+        assert self.sharded is not None, "a sharded parameter's target"
+        return self.sharded
+
+    @property
+    def kind(self) -> str | None:
+        """The tensor subclass it is, gathered as bytes (Note [packed checkpoints]), or
+        None for a parameter held by rows or whole."""
+        if self.sharded is None or self.sharded.by_rows:
+            return None
+        t = self.sharded.gather.kind
+        return f"{t.__module__}.{t.__qualname__}"
+
+    @property
+    def unsaveable(self) -> str | None:
+        """Why a checkpoint cannot hold it (Note [packed checkpoints]), or None."""
+        if self.sharded is None or self.sharded.by_rows:
+            return None
+        return self.sharded.gather.unsaveable
+
+    def parts(self, rank: int) -> list[Part]:
+        """What a checkpoint holds of it on ``rank``: the parameter's elements, or each
+        of a tensor subclass's inner tensors, its part or the whole once (rank 0)."""
+        main = self.names[0]
+        if self.kind is None:
+            lo, n = self.local_range()
+            return [Part(part_key(main, None), main, None, self.shape, self.dtype, (lo, n),
+                         self.saved_range(), self.local_values(), self)]
+        sb = self.record.gather
+        out = []
+        for inner in sb.inner:
+            lo, n = sb.inner_piece(inner)
+            shape = tuple(sb.full_inner[inner])
+            saved = (lo, n if self.writes and (n < math.prod(shape) or rank == 0) else 0)
+            key = part_key(main, inner)
+            out.append(Part(key, key, inner, shape, sb.pieces[inner].dtype, (lo, n), saved,
+                            sb.pieces[inner].detach().reshape(-1), self))
+        return out
 
     def local_range(self) -> tuple[int, int]:
         """(offset into the flattened parameter, element count) this rank stores."""
@@ -94,58 +181,6 @@ class ParamTarget:
         return out
 
 
-@dataclass
-class PackedTarget:
-    """One quantized (tensor subclass) parameter, under every name it has; a checkpoint
-    holds its inner tensors' values (Note [packed checkpoints] in engine/groups/packed.py)."""
-
-    names: list[str]
-    packed: PackedParam
-
-    @property
-    def kind(self) -> str:
-        t = self.packed.kind
-        return f"{t.__module__}.{t.__qualname__}"
-
-    @property
-    def writes(self) -> bool:
-        """As :attr:`ParamTarget.writes`: replica 0 saves under hybrid sharding."""
-        group = self.packed.group
-        return group is None or group.topology.replica_index == 0
-
-    def saved_piece(self, inner: str, rank: int) -> tuple[int, int]:
-        """What this rank saves of ``inner``: its part, or the whole once (rank 0)."""
-        off, cnt = self.packed.inner_piece(inner)
-        whole = cnt == math.prod(self.packed.full_inner[inner])
-        if not self.writes or (whole and rank != 0):
-            return off, 0
-        return off, cnt
-
-    def inner(self, name: str) -> InnerTarget:
-        return InnerTarget(self.packed.pieces[name])
-
-
-@dataclass
-class InnerTarget:
-    """An inner tensor of a quantized parameter's shard, which a load writes into."""
-
-    local: torch.Tensor
-
-    def write_local(self, values: torch.Tensor) -> None:
-        with torch.no_grad():
-            self.local.view(-1).copy_(values.reshape(-1))
-
-
-def packed_targets(module: nn.Module) -> list[PackedTarget]:
-    """The quantized parameters of ``module``, each once with all its names."""
-    out: dict[int, PackedTarget] = {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        pp = packed_param(value) if isinstance(value, torch.Tensor) else None
-        if pp is not None:
-            out.setdefault(id(pp), PackedTarget([], pp)).names.append(name)
-    return list(out.values())
-
-
 def abandon_unfinished(module: nn.Module) -> None:
     """Before a checkpoint reads or writes a sharded model: abandon an iteration that
     cannot complete (an aborted backward, a forward whose backward never came), as the
@@ -158,8 +193,8 @@ def abandon_unfinished(module: nn.Module) -> None:
 
 
 def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:
-    """The parameters (each once, with all its names) and persistent buffers of ``module``;
-    quantized ones are :func:`packed_targets`'. Changes nothing (call
+    """The parameters (each once, with all its names: plain, sharded by rows, or tensor
+    subclasses) and persistent buffers of ``module``. Changes nothing (call
     :func:`abandon_unfinished` first).
 
     Raises:
@@ -167,11 +202,29 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
             reproducible step's micro-batches, or inside its forward or backward or a
             ``gathered()`` block.
     """
+    params, buffers = _targets(module)
+    state = owning_state(module)
+    if state is not None:
+        if state.mid_step():
+            raise ShardwiseError(
+                "cannot save or load a reproducible model between the micro-batches of a "
+                "step (what they summed so far is not in a checkpoint): save after the "
+                "step's last (synced) backward")
+    for t in params:
+        unit = t.sharded.unit if t.sharded is not None else None
+        if unit is not None and not unit.is_sharded():
+            raise ShardwiseError("cannot load or save state while the model is inside its "
+                                 "forward/backward or a gathered() block")
+    return params, buffers
+
+
+def _targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tensor]]:
+    """:func:`module_targets` without its checks of the model's phase."""
     params: dict[int, ParamTarget] = {}
     buffers: dict[str, torch.Tensor] = {}
     param_ids = {id(p) for p in module.parameters()}
     for name, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or packed_param(value) is not None:
+        if not isinstance(value, torch.Tensor):
             continue
         sp = sharded_param(value)
         if init_piece(value) is not None or (sp is None and value.is_meta):
@@ -190,19 +243,13 @@ def module_targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torc
             buffers[name] = value
             continue
         params[key].names.append(name)
-    state = owning_state(module)
-    if state is not None:
-        if state.mid_step():
-            raise ShardwiseError(
-                "cannot save or load a reproducible model between the micro-batches of a "
-                "step (what they summed so far is not in a checkpoint): save after the "
-                "step's last (synced) backward")
-    for t in params.values():
-        unit = t.sharded.unit if t.sharded is not None else None
-        if unit is not None and not unit.is_sharded():
-            raise ShardwiseError("cannot load or save state while the model is inside its "
-                                 "forward/backward or a gathered() block")
     return list(params.values()), buffers
+
+
+def subclass_targets(module: nn.Module) -> list[ParamTarget]:
+    """The tensor subclasses among ``module``'s parameters (quantized weights), without
+    :func:`module_targets`' checks of the model's phase."""
+    return [t for t in _targets(module)[0] if t.kind is not None]
 
 
 def comm_of(module: nn.Module) -> Comm | None:
@@ -217,13 +264,13 @@ def comm_of(module: nn.Module) -> Comm | None:
 Value = torch.Tensor | Callable[[], torch.Tensor]
 
 
-def apply_values(values: list[tuple[ParamTarget | InnerTarget, Value]],
+def apply_values(values: list[tuple[ParamTarget | Part, Value]],
                  buffer_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Write planned parameter rows and buffer values into the model."""
+    """Write planned parameter rows (or parts) and buffer values into the model."""
     for t, v in values:
         value = v() if callable(v) else v
         t.write_local(value)
-        release = t.page_release() if isinstance(t, ParamTarget) else None
+        release = t.page_release()
         if release is not None:
             release()
             if callable(v):  # read one at a time: Note [freed memory]

@@ -20,20 +20,18 @@ from ..comm.order_check import operation
 from ..engine.groups.alloc import freed
 from ..errors import ShardwiseError
 from ._messages import by_rank, summary
-from ._names import dtype_from_name, dtype_name, optim_key, packed_key, param_key
+from ._names import dtype_from_name, dtype_name, optim_key
 from ._paths import path_argument
 from ._rng import RankRng, read_rank_rng
 from ._targets import (
-    InnerTarget,
-    PackedTarget,
     ParamTarget,
+    Part,
     Value,
     abandon_unfinished,
     apply_values,
     comm_of,
     match_targets,
     module_targets,
-    packed_targets,
 )
 from .background import finish_previous
 from .verify import VerifiedCheckpoint, check_files
@@ -120,40 +118,43 @@ def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: 
         raise ShardwiseError(previous)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
-    packed = packed_targets(module)
-    ck = VerifiedCheckpoint(path, expect=len(params) + len(packed) + len(buffers))
+    ck = VerifiedCheckpoint(path, expect=len(params) + len(buffers))
     try:
-        return ck.digest, _read_values(ck, params, packed, buffers, optimizer, rank, world)
+        return ck.digest, _read_values(ck, params, buffers, optimizer, rank, world)
     except ShardwiseError:
         if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
             return None
         raise
 
 
-def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list[PackedTarget],
+def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget],
                  buffers: dict[str, torch.Tensor], optimizer, rank: int, world: int) -> tuple:
     """Everything this rank will write into the module, optimizer and RNGs, read and
-    checked; nothing is changed."""
+    checked; nothing is changed. A parameter held by rows or whole is matched in the
+    metadata's ``params``, a tensor subclass in its ``packed`` (Note [packed
+    checkpoints]); then every part of each is read alike."""
     saved = {main: (tuple(e["shape"]), e["dtype"]) for main, e in ck.meta["params"].items()}
     saved.update({n: (tuple(e["shape"]), e["dtype"])
                   for n, e in ck.meta.get("buffers", {}).items()})
     key_of = {n: main for main, e in ck.meta["params"].items() for n in e["names"]}
     key_of.update({n: n for n in ck.meta.get("buffers", {})})
-    match = match_targets(params, buffers, saved, key_of, "checkpoint")
+    match = match_targets([t for t in params if t.kind is None], buffers, saved, key_of,
+                          "checkpoint")
     problems = match.problems("checkpoint")
     if problems:
         raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
     matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
 
     check_files(ck)
-    values: list[tuple[ParamTarget | InnerTarget, Value]] = []
+    matched += _match_packed(ck, [t for t in params if t.kind is not None])
+    values: list[tuple[Part, Value]] = []
     for t, main, entry in matched:
-        lo, n = t.local_range()
-        read = functools.partial(ck.assemble, param_key(main), entry["pieces"], lo, n,
-                                 t.dtype)
-        values.append((t, read if t.streams_state else read()))  # Note [streamed load]
-    inner_values, packed_names = _read_packed(ck, packed)
-    values += inner_values
+        for part in t.parts(rank):
+            pieces = (entry["pieces"] if part.inner is None
+                      else entry["inner"][part.inner]["pieces"])
+            read = functools.partial(ck.assemble, part.key_for(main), pieces, *part.local,
+                                     part.dtype)
+            values.append((part, read if t.streams_state else read()))  # Note [streamed load]
     buffer_values = []
     if buffers:
         f = ck.buffers()
@@ -162,7 +163,7 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
     opt_sd = None
     deferred: list[Callable[[], None]] = []
     if optimizer is not None:
-        opt_sd = _read_optimizer(ck, optimizer, matched, packed_names, deferred)
+        opt_sd = _read_optimizer(ck, optimizer, matched, deferred)
     rng: RankRng | None = None
     if ck.world_size == world:
         f = ck.rank(rank)
@@ -170,52 +171,54 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget], packed: list
     return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
 
 
-def _read_packed(ck: VerifiedCheckpoint, packed: list[PackedTarget],
-                 ) -> tuple[list[tuple[InnerTarget, torch.Tensor]], dict[int, str]]:
-    """This rank's part of every quantized parameter's inner tensors (Note [packed
-    checkpoints]), checked against the model's; and each shard's saved name."""
+def _match_packed(ck: VerifiedCheckpoint, subclasses: list[ParamTarget]
+                  ) -> list[tuple[ParamTarget, str, dict]]:
+    """The tensor subclasses (quantized weights) each with its saved name and record
+    (Note [packed checkpoints]), checked against the model's: the same type, shape and
+    dtype, inner tensors of the same full shapes and dtypes."""
     saved = ck.meta.get("packed", {})
     key_of = {n: main for main, e in saved.items() for n in e["names"]}
     problems: list[str] = []
-    values: list[tuple[InnerTarget, torch.Tensor]] = []
-    names: dict[int, str] = {}
-    for t in packed:
+    matched: list[tuple[ParamTarget, str, dict]] = []
+    taken: set[str] = set()
+    for t in subclasses:
         present = [n for n in t.names if n in key_of]
         if not present:
             problems.append(f"{t.names[0]}: not among the checkpoint's quantized parameters")
             continue
         main = key_of[present[0]]
-        e, pp = saved[main], t.packed
-        names[id(pp.shard)] = main
-        mine = (t.kind, list(pp.shape), dtype_name(pp.dtype))
-        if (e["type"], e["shape"], e["dtype"]) != mine or set(e["inner"]) != set(pp.inner):
+        e, parts = saved[main], t.parts(0)
+        taken.add(main)
+        mine = (t.kind, list(t.shape), dtype_name(t.dtype))
+        inner = sorted(str(part.inner) for part in parts)
+        if (e["type"], e["shape"], e["dtype"]) != mine or sorted(e["inner"]) != inner:
             problems.append(f"{t.names[0]}: the checkpoint holds a {e['type']} "
                             f"{e['shape']} {e['dtype']} with {sorted(e['inner'])}, the "
-                            f"model a {mine[0]} {mine[1]} {mine[2]} with {sorted(pp.inner)}")
+                            f"model a {mine[0]} {mine[1]} {mine[2]} with {inner}")
             continue
-        if pp.unsaveable:
-            problems.append(pp.unsaveable)
+        if t.unsaveable:
+            problems.append(t.unsaveable)
             continue
-        for inner in pp.inner:
-            ie, dtype = e["inner"][inner], pp.pieces[inner].dtype
-            if (tuple(ie["shape"]), ie["dtype"]) != (pp.full_inner[inner], dtype_name(dtype)):
-                problems.append(f"{t.names[0]}: its {inner} is {ie['dtype']} {ie['shape']} "
-                                f"in the checkpoint, {dtype_name(dtype)} "
-                                f"{list(pp.full_inner[inner])} in the model (quantized with "
-                                f"other settings?)")
-                continue
-            lo, n = pp.inner_piece(inner)
-            values.append((t.inner(inner), ck.assemble(packed_key(main, inner),
-                                                       ie["pieces"], lo, n, dtype)))
-    unexpected = [m for m in saved if m not in names.values()]
+        wrong = []
+        for part in parts:
+            ie = e["inner"][part.inner]
+            if (tuple(ie["shape"]), ie["dtype"]) != (part.shape, dtype_name(part.dtype)):
+                wrong.append(f"{t.names[0]}: its {part.inner} is {ie['dtype']} "
+                             f"{ie['shape']} in the checkpoint, {dtype_name(part.dtype)} "
+                             f"{list(part.shape)} in the model (quantized with other "
+                             f"settings?)")
+        problems += wrong
+        if not wrong:
+            matched.append((t, main, e))
+    unexpected = [m for m in saved if m not in taken]
     if unexpected:
         problems.append(f"quantized parameters the model does not have: {summary(unexpected)}")
     if problems:
         raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
-    return values, names
+    return matched
 
 
-def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: dict[int, str],
+def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched,
                     deferred: list[Callable[[], None]]):
     """The optimizer's state dict, read and checked. State that lives on a disk tier is
     not read here: ``deferred`` gets, per tensor, what reads it into its tier's file
@@ -226,12 +229,8 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
     if meta["class"] != type(optimizer).__name__:
         raise ShardwiseError(f"{ck.path}: optimizer state is {meta['class']}'s, not "
                              f"{type(optimizer).__name__}'s")
-    target_of = {}
-    for t, main, entry in matched:
-        key = t.sharded.shard if t.sharded is not None else t.plain
-        target_of[id(key)] = (t, main, entry)
-    for shard_id, main in packed_names.items():  # frozen: named in groups, no state
-        target_of[shard_id] = (None, main, None)
+    # A tensor subclass is frozen: named in the optimizer's groups, without state.
+    target_of = {id(t.tensor): (t, main, entry) for t, main, entry in matched}
     groups = meta["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ShardwiseError(f"{ck.path}: {len(groups)} optimizer parameter groups saved, the "
@@ -246,7 +245,7 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched, packed_names: di
         for p in group["params"]:
             t, main, entry = target_of[id(p)]
             saved_state = meta["state"].get(main)
-            if saved_state and t is None:
+            if saved_state and t.kind is not None:
                 raise ShardwiseError(f"{ck.path}: optimizer state for the quantized "
                                      f"parameter {main}, which is frozen")
             if saved_state:

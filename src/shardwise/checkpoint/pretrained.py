@@ -14,7 +14,7 @@ from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
 from ..engine.groups.alloc import freed
-from ..engine.groups.packed import packed_param, uses_protocol
+from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.quantize import (
     NF4,
     awaiting,
@@ -24,17 +24,17 @@ from ..engine.groups.quantize import (
     nf4_module,
 )
 from ..engine.iteration.state import owning_state
+from ..engine.iteration.unit import sharded_param
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
-    PackedTarget,
     ParamTarget,
     abandon_unfinished,
     apply_values,
     comm_of,
     match_targets,
     module_targets,
-    packed_targets,
+    subclass_targets,
 )
 from .sources import Rename, Source, open_source, renamer
 
@@ -119,21 +119,19 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         key_of[name] = k
     abandon_unfinished(module)
     params, buffers = module_targets(module)
-    packed = packed_targets(module)
-    # Quantized weights match as the full weights they stand for, and are loaded last,
-    # one at a time (Note [quantize while loading] in engine/groups/quantize.py).
-    stand_ins = [ParamTarget(t.names, tuple(t.packed.shape), t.packed.dtype, None, None)
-                 for t in packed]
+    # Quantized weights match as the full weights they stand for, after the others, and
+    # are loaded last, one at a time (Note [quantize while loading] in
+    # engine/groups/quantize.py).
+    params = [t for t in params if t.kind is None] + [t for t in params if t.kind is not None]
     saved = {k: (src.shape(k), None) for k in key_of.values()}  # any dtype: cast on load
-    match = match_targets(params + stand_ins, buffers, saved, key_of, "source")
-    names = [n for t in params + stand_ins for n in t.names] + list(buffers)
+    match = match_targets(params, buffers, saved, key_of, "source")
+    names = [n for t in params for n in t.names] + list(buffers)
     if saved and names and len(match.unexpected) == len(saved):
         raise ShardwiseError(_nothing_matched(src.description, key_of, names,
                                               rename is not None))
     problems = match.problems("source", strict)
-    of_stand_in = {id(s): t for s, t in zip(stand_ins, packed)}
-    quantized = [(of_stand_in[id(t)], key) for t, key in match.params if id(t) in of_stand_in]
-    match.params = [(t, key) for t, key in match.params if id(t) not in of_stand_in]
+    quantized = [(t, key) for t, key in match.params if t.kind is not None]
+    match.params = [(t, key) for t, key in match.params if t.kind is None]
     for _, key in quantized:
         if not src.dtype(key).is_floating_point:
             problems.append(f"{key}: the source holds {src.dtype(key)}, not "
@@ -172,7 +170,7 @@ class _NotFinite(Exception):
         self.found = found
 
 
-def _nf4_shares(t: PackedTarget, src: Source, key: str,
+def _nf4_shares(t: ParamTarget, src: Source, key: str,
                 casts: Counter[tuple[torch.dtype, torch.dtype]],
                 allow_nonfinite: bool) -> list[torch.Tensor]:
     """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
@@ -182,13 +180,13 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     Raises:
         _NotFinite: the weight holds NaN or inf, unless ``allow_nonfinite``.
     """
-    pp = t.packed
+    pp = t.record
     # NF4's block sizes, from its full inner tensors: a scale per block, a scale of
     # scales per block of blocks.
-    n_blocks = math.prod(pp.full_inner["quantized_scalers"])
+    n_blocks = math.prod(pp.gather.full_inner["quantized_scalers"])
     rule = NF4(block_size=pp.numel // n_blocks,
-               scaler_block_size=n_blocks // math.prod(pp.full_inner["quantization_factor"]))
-    device = pp.stored[0].device
+               scaler_block_size=n_blocks // math.prod(pp.gather.full_inner["quantization_factor"]))
+    device = pp.gather.stored[0].device
     full = _cast(src.read(key), pp.dtype, key, casts).reshape(pp.shape).to(device)
     bad = 0 if allow_nonfinite else _not_finite(full)
     if bad:  # Note [non-finite values refused]
@@ -197,9 +195,9 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     released = full.numel() * full.element_size() if full.device.type == "cpu" else 0
     del full
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
-    sizes = pp.cut.slot_bytes()
+    sizes = pp.gather.cut.slot_bytes()
     out = []
-    for parts in pp.cut.shares(t.names[0], q):
+    for parts in pp.gather.cut.shares(t.names[0], q):
         row = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
         offset = 0
         for part, size in zip(parts, sizes):
@@ -209,7 +207,7 @@ def _nf4_shares(t: PackedTarget, src: Source, key: str,
     return out
 
 
-def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
+def _load_quantized(module: nn.Module, items: list[tuple[ParamTarget, str]],
                     src: Source, casts: Counter[tuple[torch.dtype, torch.dtype]],
                     allow_nonfinite: bool) -> None:
     """Each quantized weight read, quantized and shared out, in rounds of N weights: in
@@ -220,12 +218,12 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
     (Note [the base awaits loading] in engine/groups/quantize.py)."""
     if not items:
         return
-    group = items[0][0].packed.group
+    group = items[0][0].record.group
     assert group is not None
     comm = group.comm
     n, rank = comm.world_size, comm.rank
     for t, _ in items:
-        for mod, attr in t.packed.slots:
+        for mod, attr in t.record.slots:
             mark_awaiting(mod, attr)
     guard_forward(module)
     for start in range(0, len(items), n):
@@ -248,18 +246,18 @@ def _load_quantized(module: nn.Module, items: list[tuple[PackedTarget, str]],
             raise ShardwiseError(_nonfinite_message(
                 src.description, [f for _, f in outcome if f is not None], True))
         for j, (t, _) in enumerate(batch):
-            pp = t.packed
+            pp = t.record
             if n == 1:
                 assert send is not None
                 got = send[0]
             else:
-                got = torch.empty(sum(x.numel() for x in pp.stored), dtype=torch.uint8,
-                                  device=pp.stored[0].device)
+                got = torch.empty(sum(x.numel() for x in pp.gather.stored), dtype=torch.uint8,
+                                  device=pp.gather.stored[0].device)
                 comm.scatter(got, send if j == rank else None, j,
                              what=f"the scatter of {t.names[0]}'s quantized shards")
             offset = 0
             with torch.no_grad():
-                for x in pp.stored:  # each slot, its padding (zeros) included
+                for x in pp.gather.stored:  # each slot, its padding (zeros) included
                     x.copy_(got[offset:offset + x.numel()])
                     offset += x.numel()
         del send
@@ -332,7 +330,7 @@ def _check_quantized(module: nn.Module) -> None:
     state = owning_state(module)
     pending = awaiting(module) if state is None else []
     whole = [n for n, p in module.named_parameters()
-             if uses_protocol(p) and packed_param(p) is None]
+             if gathers_bytes(p) and sharded_param(p) is None]
     if pending:
         raise ShardwiseError(
             f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''} belong to a "
@@ -345,13 +343,13 @@ def _check_quantized(module: nn.Module) -> None:
             f"weights of a model not sharded yet; load_pretrained quantizes into each "
             f"rank's share of them: call model = sw.shard(model) first (or load, then "
             f"quantize_nf4, then shard)")
-    packed = packed_targets(module) if state is not None else []
-    other = [t for t in packed if not issubclass(t.packed.kind, nf4_module().NF4Tensor)]
+    packed = subclass_targets(module) if state is not None else []
+    other = [t for t in packed if not issubclass(t.record.gather.kind, nf4_module().NF4Tensor)]
     if other:
         raise ShardwiseError(
             f"sw.load_pretrained quantizes into NF4 weights only, and this model's "
             f"quantized {other[0].names[0]} is a "
-            f"{other[0].packed.kind.__qualname__}"
+            f"{other[0].record.gather.kind.__qualname__}"
             f"{f' ({len(other) - 1} more)' if len(other) > 1 else ''}; nothing was done. "
             f"Load the full-precision model, quantize it, then shard it")
 

@@ -54,17 +54,16 @@ from ._format import (
 )
 from ._lock import FolderLock
 from ._messages import by_rank
-from ._names import dtype_name, optim_key, packed_key, param_key, parameter_of
+from ._names import dtype_name, optim_key, parameter_of, part_key
 from ._paths import path_argument
 from ._rng import python_rng_state, rank_rng_tensors
 from ._schema import CHECKSUM, canonical_sha256
 from ._targets import (
-    PackedTarget,
     ParamTarget,
+    Part,
     abandon_unfinished,
     comm_of,
     module_targets,
-    packed_targets,
 )
 from .background import SaveHandle, finish_previous, side_comm, start
 
@@ -399,14 +398,11 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     _json_ok(extra, "extra", round_trip=True)
     abandon_unfinished(module)
     params, buffers = module_targets(module)
-    packed = packed_targets(module)
-    unsaveable = [t.packed.unsaveable for t in packed if t.packed.unsaveable]
+    unsaveable = [why for t in params if (why := t.unsaveable)]
     if unsaveable:
         raise ShardwiseError(unsaveable[0])
-    tensors, opt_meta = _local_tensors(params, packed, optimizer, rank)
-    pieces = {t.names[0]: list(t.saved_range()) for t in params}
-    pieces.update({packed_key(t.names[0], inner): list(t.saved_piece(inner, rank))
-                   for t in packed for inner in t.packed.inner})
+    tensors, opt_meta = _local_tensors(params, optimizer, rank)
+    pieces = {part.piece: list(part.saved) for part in _parts(params, rank)}
     releases = {t.names[0]: release for t in params
                 if (release := t.page_release()) is not None}
     if stage:
@@ -417,7 +413,7 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
         extra = json.loads(json.dumps(extra))  # checked above to come back as it is
         if opt_meta is not None:
             opt_meta = json.loads(json.dumps(opt_meta))
-    meta = (_metadata(module, params, packed, buffers, opt_meta, tensors, extra, world)
+    meta = (_metadata(module, params, buffers, opt_meta, tensors, extra, world)
             if rank == 0 else {})  # rank 0 commits
     return _Staged(tensors, buffers, pieces, releases, python_rng_state(), meta)
 
@@ -463,26 +459,22 @@ def _available_memory() -> int | None:
     return None
 
 
-def _local_tensors(params: list[ParamTarget], packed: list[PackedTarget],
-                   optimizer: torch.optim.Optimizer | None, rank: int,
-                   ) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """This rank's parameter pieces (quantized ones' inner tensors too: Note [packed
+def _parts(params: list[ParamTarget], rank: int) -> list[Part]:
+    """Every part this rank's file holds of the parameters: theirs, then the tensor
+    subclasses' inner tensors (Note [packed checkpoints]), in the files' order."""
+    parts = [part for t in params for part in t.parts(rank)]
+    return sorted(parts, key=lambda part: part.inner is not None)  # stable
+
+
+def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
+                   rank: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """This rank's parameter pieces (a tensor subclass's inner tensors' too: Note [packed
     checkpoints]), optimizer-state pieces and RNG states, and the optimizer's metadata."""
-    name_of: dict[int, str] = {}
-    for t in params:
-        key = t.sharded.shard if t.sharded is not None else t.plain
-        name_of[id(key)] = t.names[0]
-    for pt in packed:  # frozen: an optimizer may hold them, without state
-        name_of[id(pt.packed.shard)] = pt.names[0]
+    # A frozen tensor subclass an optimizer holds has no state, but is named in its groups.
+    name_of = {id(t.tensor): t.names[0] for t in params}
     # Views of the live tensors, not copies: the data file is streamed from them, one at
     # a time (Note [streamed save]); a background save copies them afterwards.
-    tensors = {param_key(t.names[0]): t.local_values()[:t.saved_range()[1]]
-               for t in params}
-    for pt in packed:
-        for inner in pt.packed.inner:
-            n = pt.saved_piece(inner, rank)[1]
-            tensors[packed_key(pt.names[0], inner)] = (
-                pt.packed.pieces[inner].detach().reshape(-1)[:n])
+    tensors = {part.key: part.values[:part.saved[1]] for part in _parts(params, rank)}
     opt_meta = None
     if optimizer is not None:
         unsaved = {t.names[0] for t in params if not t.writes}
@@ -553,7 +545,7 @@ def _write_data(data_dir: str, rank: int, world: int, staged: _Staged) -> dict:
             "pieces": staged.pieces}
 
 
-def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedTarget],
+def _metadata(module: nn.Module, params: list[ParamTarget],
               buffers: dict[str, torch.Tensor], opt_meta: dict | None,
               tensors: dict[str, torch.Tensor], extra: Any, world: int) -> dict:
     """``checkpoint.json`` without what every rank reports (:func:`_complete_metadata`)
@@ -567,7 +559,7 @@ def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedT
         "module_class": type(module).__name__,
         "params": {t.names[0]: {"names": t.names, "shape": list(t.shape),
                                 "dtype": dtype_name(t.dtype), "pieces": None}
-                   for t in params},
+                   for t in params if t.kind is None},
         "buffers": {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)}
                     for n, b in buffers.items()},
         "optimizer": opt_meta,
@@ -575,8 +567,9 @@ def _metadata(module: nn.Module, params: list[ParamTarget], packed: list[PackedT
         "extra": extra,
         "files": None,
     }
+    packed = {t.names[0]: _packed_entry(t) for t in params if t.kind is not None}
     if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
-        meta["packed"] = {t.names[0]: _packed_entry(t) for t in packed}
+        meta["packed"] = packed
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         meta["hf_config"] = json.loads(config.to_json_string())
@@ -593,22 +586,21 @@ def _complete_metadata(base: dict, everyone: list[dict]) -> dict:
     if "packed" in base:
         meta["packed"] = {
             main: {**entry, "inner": {
-                inner: {**record, "pieces": [e["pieces"][packed_key(main, inner)]
+                inner: {**record, "pieces": [e["pieces"][part_key(main, inner)]
                                              for e in everyone]}
                 for inner, record in entry["inner"].items()}}
             for main, entry in base["packed"].items()}
     return meta
 
 
-def _packed_entry(t: PackedTarget) -> dict:
-    """A quantized parameter's record: its type, shape and dtype, and each inner tensor's
+def _packed_entry(t: ParamTarget) -> dict:
+    """A tensor subclass's record: its type, shape and dtype, and each inner tensor's
     full shape and dtype; the pieces come from the reports (Note [packed checkpoints])."""
-    return {"names": t.names, "type": t.kind, "shape": list(t.packed.shape),
-            "dtype": dtype_name(t.packed.dtype),
-            "inner": {inner: {"shape": list(t.packed.full_inner[inner]),
-                              "dtype": dtype_name(t.packed.pieces[inner].dtype),
-                              "pieces": None}
-                      for inner in t.packed.inner}}
+    return {"names": t.names, "type": t.kind, "shape": list(t.shape),
+            "dtype": dtype_name(t.dtype),
+            "inner": {part.inner: {"shape": list(part.shape),
+                                   "dtype": dtype_name(part.dtype), "pieces": None}
+                      for part in t.parts(0)}}
 
 
 def _step_of(opt_meta: dict, tensors: dict[str, torch.Tensor]) -> int | None:

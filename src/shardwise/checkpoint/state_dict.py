@@ -14,7 +14,6 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
-from ..engine.groups.packed import PackedParam, packed_param
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
@@ -78,18 +77,14 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
             for g in unit.groups:
                 if not any(id(p) in wanted for p in g.params):
                     continue
-                flat = g.gather_full()
+                # A tensor subclass (a quantized weight) comes back as it is: the full
+                # subclass, its bytes gathered as they are (Note [packed parameters]).
+                values = g.gather_values()
                 if keep:
                     for p in g.params:
-                        full[id(p)] = g.full_value(p, flat).to("cpu", copy=True)
-            # Quantized weights come back quantized: the full tensor subclass, its
-            # packed bytes gathered as they are (Note [packed parameters]).
-            for pg in unit.packed:
-                if any(id(pp) in wanted for pp in pg.params):
-                    values = pg.gather_full()
-                    if keep:
-                        for pp, v in zip(pg.params, values):
-                            full[id(pp)] = v.to("cpu")
+                        v = values[id(p)]
+                        full[id(p)] = (v.to("cpu", copy=True) if type(v) is torch.Tensor
+                                       else v.to("cpu"))
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
@@ -130,8 +125,8 @@ def share_tied(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def _param_of(t: torch.Tensor) -> ShardedParam | PackedParam | None:
-    return sharded_param(t) or packed_param(t)
+def _param_of(t: torch.Tensor) -> ShardedParam | None:
+    return sharded_param(t)
 
 
 def _check_full(key: str, got: torch.Tensor, shape: torch.Size) -> None:

@@ -6,10 +6,11 @@
 in :func:`_assemble`, so everything a sharded model carries is made and registered here,
 once:
 
-1. the groups (:func:`build`, ``shard`` only): one unit at a time, each flat group laid
+1. the groups (:func:`build`, ``shard`` only): one unit at a time, each group laid
    out, given ``src_rank``'s values and registered in place of the original parameters,
    which are released before the next group is built (Note [freed memory] in
-   engine/groups/alloc.py); a unit's frozen tensor subclasses become its packed group;
+   engine/groups/alloc.py); a unit's frozen tensor subclasses make one group of their own
+   (Note [one group type] in engine/groups/flat.py);
 2. the buffers, on the device and ``src_rank``'s on every rank (``shard`` only);
 3. the units and the model state (:func:`_assemble`), every setting to a constructor;
 4. the hooks:
@@ -43,9 +44,8 @@ from .entry_points.state_dict import install_state_dict_hooks
 from .entry_points.step import install_step_hooks
 from .entry_points.zero_grad import guard_module_zero_grad
 from .groups.alloc import freed, trim
-from .groups.flat import flat_group
+from .groups.flat import flat_group, subclass_group
 from .groups.offload.placement import Placement
-from .groups.packed import PackedGroup
 from .iteration import hooks
 from .iteration.buffers import BufferSync
 from .iteration.state import ModelState, Settings, set_model_state
@@ -67,7 +67,7 @@ def build(root: nn.Module, plan: Plan, topology: Topology, device: torch.device,
     buffers = BufferSync(root, topology.world, plan.buffers, settings.src_rank,
                          exact=settings.reproducible)
     buffers.broadcast_all()
-    modules = [module for _, module, _, _ in built]
+    modules = [module for _, module, _ in built]
     for module in modules:
         module.register_forward_pre_hook(hooks.pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(hooks.post_forward, with_kwargs=True)
@@ -89,11 +89,11 @@ def build_copy(root: nn.Module, topology: Topology, units: list[BuiltUnit],
 
 def _assemble(root: nn.Module, topology: Topology, units: list[BuiltUnit],
               buffers: BufferSync, settings: Settings) -> ModelState:
-    """Steps 3 to 5: ``units`` are ``(name, module, groups, packed groups)``, the root's
-    first, in module order."""
-    built = [Unit(module, name, [*groups, *packed], settings.reshard_after_forward,
+    """Steps 3 to 5: ``units`` are ``(name, module, groups)``, the root's first, in module
+    order."""
+    built = [Unit(module, name, groups, settings.reshard_after_forward,
                   is_root=(i == 0), cast_inputs=settings.cast_inputs)
-             for i, (name, module, groups, packed) in enumerate(units)]
+             for i, (name, module, groups) in enumerate(units)]
     state = ModelState(root, topology, built, buffers, settings)
     install_step_hooks()  # Note [the optimizer step]
     for unit in built:
@@ -126,14 +126,15 @@ def _regather_group(topology: Topology, reshard_after_forward: bool | int) -> Co
 def _build_unit(unit: UnitPlan, topology: Topology, device: torch.device,
                 settings: Settings, regather: Comm | None,
                 placement: Placement | None) -> BuiltUnit:
-    """One unit's flat groups and, for frozen tensor subclasses, its packed group."""
+    """One unit's groups: its plain parameters' as planned, then one of its frozen tensor
+    subclasses."""
     groups = [_build_group(spec, topology, device, settings.src_rank, regather,
                            settings.reproducible, placement)
               for spec in unit.groups]
-    packed = ([_build_packed(unit.packed, topology, device, settings.src_rank,
-                             settings.cast_inputs, placement)]
-              if unit.packed else [])
-    return unit.name, unit.module, groups, packed
+    if unit.subclasses:
+        groups.append(_build_subclasses(unit.subclasses, topology, device, settings,
+                                        placement))
+    return unit.name, unit.module, groups
 
 
 def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
@@ -145,9 +146,10 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
                    originals, spec.layout, topology, device, spec.compute_dtype,
                    spec.reduce_dtype, regather, exact, placement)
-    # Parameters partitioned by sharded_init are gathered one group at a time, so no
-    # full-model copy exists at any point.
-    values = [full_value(p) for p in originals]
+    # Parameters partitioned by sharded_init (stand-ins on the meta device, each holding
+    # its piece) are gathered one group at a time, so no full-model copy exists at any
+    # point; any other parameter is its own value, and sharded_init is not asked.
+    values = [full_value(p) if p.is_meta else p.detach() for p in originals]
     g.fill_local(values if topology.world.rank == src_rank else None, src_rank)
     released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
     del values
@@ -155,22 +157,22 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     # Release the originals now, not after the last unit: the old and the new storage of
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
-        clear_init_piece(rec.param)
+        if rec.param.is_meta:
+            clear_init_piece(rec.param)
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
     return g
 
 
-def _build_packed(records: list[ParamRecord], topology: Topology, device: torch.device,
-                  src_rank: int, compute_dtype: torch.dtype | None,
-                  placement: Placement | None) -> PackedGroup:
-    """A unit's frozen tensor subclasses (Note [packed parameters] in engine/groups/packed.py):
-    rows from ``src_rank``, registered in place of the originals, which are released."""
-    g = PackedGroup([r.fqns for r in records], [r.slots for r in records],
-                    [r.param for r in records], topology, device, compute_dtype, src_rank)
-    if placement is not None:
-        g.place(placement)  # Note [packed bytes offloaded] in engine/groups/packed.py
+def _build_subclasses(records: list[ParamRecord], topology: Topology, device: torch.device,
+                      settings: Settings, placement: Placement | None) -> FlatGroup:
+    """A unit's frozen tensor subclasses (Note [packed parameters] in
+    engine/groups/packed.py): their bytes from ``src_rank``, registered in place of the
+    originals, which are released."""
+    g = subclass_group([r.fqns for r in records], [r.slots for r in records],
+                       [r.param for r in records], topology, device, settings.cast_inputs,
+                       settings.src_rank, settings.reproducible, placement)
     g.install()
     for rec in records:
         rec.param = None  # type: ignore[assignment]
@@ -197,12 +199,13 @@ def _materialise_buffers(root: nn.Module, rank: int, device: torch.device,
 def _log_units(units: list[Unit], topology: Topology) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
-    total = sum(p.numel for u in units for p in u.params)
+    total = sum(p.numel for u in units for g in u.groups if g.by_rows for p in g.params)
     replicas = f", {topology.replicas} replicas" if topology.replicate is not None else ""
     logger.info("sharded %d parameters over %d ranks%s (%s) in %d units", total,
                 topology.shard.world_size, replicas, topology.world.backend, len(units))
     for u in units:
-        n = sum(p.numel for p in u.params)
-        padded = sum(g.layout.gathered_numel for g in u.groups)
+        rows = [g for g in u.groups if g.by_rows]  # padding: of plain rows
+        n = sum(p.numel for g in rows for p in g.params)
+        padded = sum(g.layout.gathered_numel for g in rows)
         logger.info("  unit %-30s %10d parameters in %d group(s), %5.1f%% padding", u.name,
-                    n, len(u.groups), 100.0 * (padded - n) / max(padded, 1))
+                    n, len(rows), 100.0 * (padded - n) / max(padded, 1))

@@ -36,20 +36,18 @@ import functools
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import torch
 import torch.nn as nn
 
 from .._registry import set_instance_method
 from ..comm.mesh import Topology
 from ..errors import ShardwiseError
-from .groups.flat import FlatGroup, Member
-from .groups.packed import PackedGroup
+from .groups.flat import FlatGroup
 from .iteration.buffers import BufferSync
 from .iteration.state import ModelState, Settings, model_state
 
-# One unit's groups, built and installed, before its Unit is made: (name, module, flat
-# groups, packed groups). What engine/build.py assembles, for ``shard`` and copies alike.
-BuiltUnit = tuple[str, nn.Module, list[FlatGroup], list[PackedGroup]]
+# One unit's groups, built and installed, before its Unit is made: (name, module,
+# groups). What engine/build.py assembles, for ``shard`` and copies alike.
+BuiltUnit = tuple[str, nn.Module, list[FlatGroup]]
 # engine/build.py's ``build_copy``: (the copied root, topology, units, buffers, settings)
 # -> the copy's model state.
 Rebuild = Callable[[nn.Module, Topology, list[BuiltUnit], BufferSync, Settings], ModelState]
@@ -121,23 +119,12 @@ def _clone(state: ModelState, memo: dict[int, Any], rebuild: Rebuild) -> nn.Modu
     for u in state.units:
         for g in u.groups:
             # The same kinds of storage, precision, reduction and secondary shard (Note
-            # [secondary shards]: the same groups of k ranks) as the original's.
-            twin = g.like([Member(list(p.fqns), p.slots, p.shard) for p in g.params])
-            with torch.no_grad():
-                twin.local.copy_(g.local)
+            # [secondary shards]: the same groups of k ranks) as the original's, and a
+            # copy of this rank's shard (rows, or a tensor subclass's bytes).
+            twin = g.twin()
             for old, new in zip(g.params, twin.params):
                 memo[id(old.shard)] = memo[id(old.full)] = new.shard
             twins[id(g)] = twin
-    # Quantized parameters: their bytes copied the same way (PackedGroup.twin).
-    packed_twins: dict[int, PackedGroup] = {}
-    for u in state.units:
-        for pg in u.packed:
-            ptwin = pg.twin()
-            for old_pp, new_pp in zip(pg.params, ptwin.params):
-                memo[id(old_pp.shard)] = new_pp.shard
-                if old_pp.full is not None:
-                    memo[id(old_pp.full)] = new_pp.shard
-            packed_twins[id(pg)] = ptwin
     memo[id(state)] = None
     for u in state.units:
         memo[id(u)] = None
@@ -146,14 +133,8 @@ def _clone(state: ModelState, memo: dict[int, Any], rebuild: Rebuild) -> nn.Modu
         for sp in twin.params:
             sp.slots = [(memo[id(m)], attr) for m, attr in sp.slots]
         twin.install()
-    for ptwin in packed_twins.values():
-        for pp in ptwin.params:
-            pp.slots = [(memo[id(m)], attr) for m, attr in pp.slots]
-        ptwin.install()
-    units: list[BuiltUnit] = [
-        (u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups],
-         [packed_twins[id(g)] for g in u.packed])
-        for u in state.units]
+    units: list[BuiltUnit] = [(u.name, memo[id(u.module)], [twins[id(g)] for g in u.groups])
+                              for u in state.units]
     buffers = BufferSync(root, state.comm, state.buffers.policy, state.src_rank,
                          state.buffers.exact)
     rebuild(root, state.topology, units, buffers, state.settings)

@@ -49,7 +49,7 @@ class UnitPlan:
     module: nn.Module
     records: list[ParamRecord]  # every parameter the unit owns, in order of discovery
     groups: list[GroupSpec]
-    packed: list[ParamRecord]
+    subclasses: list[ParamRecord]  # gathered as bytes (Note [one group type])
 
 
 @dataclass(frozen=True)

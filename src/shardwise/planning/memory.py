@@ -57,8 +57,8 @@ def gathered_unit_bytes(module: nn.Module) -> dict[str, int]:
     state = model_state(module)
     if state is None:
         return {"<root>": sum(p.numel() * p.element_size() for p in module.parameters())}
-    return {u.name: sum(g.layout.full_numel * g.full.element_size() for g in u.groups)
-            for u in state.units}
+    return {u.name: sum(g.layout.full_numel * g.full.element_size() for g in u.groups
+                        if g.by_rows) for u in state.units}
 
 
 # units="auto"'s default budget takes this fraction of a rank's free memory for gathered

@@ -21,8 +21,8 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._registry import partitioned_as
+from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.layout import build_layout
-from ..engine.groups.packed import uses_protocol
 from ..engine.plan import (  # the records a plan is made of: the engine builds from them
     GroupSpec,
     ParamRecord,
@@ -190,14 +190,14 @@ def plan_units(chosen: list[tuple[str, nn.Module]], per_unit: list[list[ParamRec
                param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                world_size: int) -> list[UnitPlan]:
     """Each chosen unit's groups (:func:`group_specs`, laid out over ``world_size``
-    ranks) and packed parameters."""
+    ranks) and tensor subclasses (gathered as bytes)."""
     out = []
     for (name, module), records in zip(chosen, per_unit):
-        plain = [r for r in records if not uses_protocol(r.param)]
-        packed = [r for r in records if uses_protocol(r.param)]
+        plain = [r for r in records if not gathers_bytes(r.param)]
+        subclasses = [r for r in records if gathers_bytes(r.param)]
         out.append(UnitPlan(name, module, records,
                             group_specs(plain, param_dtype, reduce_dtype, world_size),
-                            packed))
+                            subclasses))
     return out
 
 
@@ -252,7 +252,7 @@ def gathered_bytes(units: list[UnitPlan], world_size: int,
     packed parameters counted as plain ones."""
     out = []
     for unit in units:
-        specs = [*unit.groups, *group_specs(unit.packed, param_dtype, None, world_size)]
+        specs = [*unit.groups, *group_specs(unit.subclasses, param_dtype, None, world_size)]
         out.append(sum(s.layout.full_numel * s.compute_dtype.itemsize for s in specs))
     return out
 

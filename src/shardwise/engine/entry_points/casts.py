@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..._args import some_names
-from ..._registry import set_instance_method
+from ..._registry import copy_all_attributes, set_instance_method
 from ...errors import ShardwiseError
-from ..groups.packed import packed_param
+from ..groups.layout import contiguous_stride
 from ..iteration.model_check import CAST_ADVICE
 from ..iteration.residency import release
-from ..iteration.unit import sharded_param
+from ..iteration.unit import FlatGroup, sharded_param
 
 
 def guard_apply(module: nn.Module) -> None:
@@ -38,7 +39,7 @@ def guard_apply(module: nn.Module) -> None:
 #   applies to its own storage, as FSDP2 applies it to its shards: each group whose
 #   parameters are all cast gets a new flat buffer in the new dtype, and each shard keeps
 #   its identity (an optimizer built before holds it) with its contents swapped, as
-#   torch swaps a DTensor parameter's (FlatGroup.recast). Under mixed precision the
+#   torch swaps a DTensor parameter's (recast, below). Under mixed precision the
 #   compute dtype (param_dtype) stays; a reduce dtype equal to the old one follows;
 # - anything else (another device, ``to_empty``, channels-last): refused.
 # A quantized (packed) parameter is probed as the dtype it stands for: a move or cast that
@@ -61,34 +62,25 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
     def shards() -> list[tuple[nn.Module, str, Any]]:
         return [(m, name, t) for m in (module.modules() if recurse else [module])
                 for name, t in m._parameters.items()
-                if t is not None and (sharded_param(t) is not None
-                                      or packed_param(t) is not None)]
+                if t is not None and sharded_param(t) is not None]
 
     probes: dict[tuple, torch.dtype | bool] = {}
     casts: dict[int, tuple[Any, torch.dtype]] = {}  # id(ShardedParam) -> (it, dtype)
     changed: dict[str, None] = {}
     quantized: dict[str, None] = {}  # packed parameters a cast would reach
     for _, _, t in shards():
-        if (pp := packed_param(t)) is not None:
-            # A quantized weight is probed as the dtype it stands for: a no-op leaves it
-            # alone (held out below); torch would otherwise rebuild it as a parameter
-            # shardwise does not know, and a cast would dequantize it.
-            key = (pp.dtype, t.device, len(pp.shape))
-            if key not in probes:
-                probes[key] = _probe(fn, *key)
-            change = probes[key]
-            if isinstance(change, torch.dtype):
-                quantized[pp.fqns[0]] = None
-            elif change:
-                changed[pp.fqns[0]] = None
-            continue
         sp = sharded_param(t)
         assert sp is not None
-        key = (sp.local.dtype, sp.local.device, len(sp.shape))
+        # Probed as the dtype it stands for: a tensor subclass (quantized) too, so that a
+        # no-op leaves it alone (held out below); torch would otherwise rebuild it as a
+        # parameter shardwise does not know, and a cast would dequantize it.
+        key = (sp.dtype, sp.local.device, len(sp.shape))
         if key not in probes:
             probes[key] = _probe(fn, *key)
         change = probes[key]
-        if isinstance(change, torch.dtype):
+        if isinstance(change, torch.dtype) and not sp.by_rows:
+            quantized[sp.fqns[0]] = None
+        elif isinstance(change, torch.dtype):
             casts[id(sp)] = (sp, change)
         elif change:
             changed[sp.fqns[0]] = None
@@ -108,7 +100,7 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
             f"another dtype with MixedPrecision(param_dtype=...)")
     if casts:
         for g, dtype in _cast_groups(module, list(casts.values())):
-            g.recast(dtype)
+            recast(g, dtype)
     held = shards()  # after a cast resharded a unit left gathered: its shards
     for m, name, _ in held:
         m._parameters[name] = None  # skipped by torch, and keeps the parameters' order
@@ -162,7 +154,7 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
                             f"sw.no_sync")
         elif (why := g.cast_refusal()) is not None:
             problems.append(why)
-        if unit.packed:
+        if any(not g.by_rows for g in unit.groups):
             problems.append(f"unit {unit.name} holds quantized parameters")
     if problems:
         raise ShardwiseError(
@@ -174,3 +166,43 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
         release(unit)  # a unit left gathered by a forward without backward (no comms)
         out.append((g, dtype))
     return out
+
+
+def recast(g: FlatGroup, dtype: torch.dtype) -> None:
+    """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The
+    group must be at rest (sharded, nothing reducing, not offloaded): the caller,
+    :func:`_apply`, checked."""
+    old = g.dtype
+    g.dtype = dtype
+    if g.precision.compute == old:  # else mixed precision's param_dtype stays
+        g.precision.compute = dtype
+    if g.precision.reduce == old:
+        g.precision.reduce = dtype
+    g.storage.recast(dtype, g.compute_dtype)
+    g.full = torch.empty(g.layout.full_numel, dtype=g.compute_dtype, device=g.device)
+    for p in g.params:
+        p.local = p.gather.local_of(g.local, g.comm.rank)
+        p.dtype = dtype
+        # The shard keeps its identity (an optimizer built before holds it): its
+        # contents are swapped for a DTensor over the new buffer, as torch's own
+        # Module._apply swaps a DTensor parameter's, its attributes and our record
+        # carried over. Its gradient is cast, as torch casts it.
+        grad = p.shard.grad
+        with torch.no_grad():
+            dt = DTensor.from_local(p.local, g.topology.mesh, g.topology.placements,
+                                    run_check=False, shape=p.shape,
+                                    stride=contiguous_stride(p.shape))
+        shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
+        copy_all_attributes(p.shard, shard)
+        torch.utils.swap_tensors(p.shard, shard)
+        if grad is not None:
+            p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))
+        # A new full parameter over the new full buffer: nothing holds the old one
+        # while the unit is sharded. Its end-of-backward trigger is registered again.
+        old_full = p.full
+        p.full = nn.Parameter(p.gather.full_of(g.full), requires_grad=p.requires_grad)
+        copy_all_attributes(old_full, p.full)
+        p.hooked = False
+        if p.requires_grad:
+            p.hook_end_of_backward()
+    g.free()

@@ -253,7 +253,7 @@ def _refuse_factored(optimizer: torch.optim.Optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if sharded_param(p) is not None and p.dim() >= 2:
+            if (sp := sharded_param(p)) is not None and sp.by_rows and p.dim() >= 2:
                 raise ShardwiseError(
                     f"{type(optimizer).__module__}.Adafactor cannot step sharded matrices: "
                     f"its factored second moment keeps statistics over whole rows and "

@@ -53,7 +53,6 @@ from ..._registry import OPTIMIZER_HOOKED, attach_to, attached
 from ...comm.agree import agree
 from ...comm.order_check import announce
 from ...errors import ShardwiseError
-from ..groups.packed import PackedParam, packed_param
 from ..iteration.buffers import BufferPolicy
 from ..iteration.state import model_state, owning_state
 from ..iteration.unit import Residency, ShardedParam, sharded_param
@@ -76,22 +75,23 @@ def install_state_dict_hooks(root: nn.Module) -> None:
         if name in holders:
             m.register_load_state_dict_pre_hook(_check_rows)
     for m in root.modules():
-        if any(sharded_param(t) is not None for t in m._parameters.values()
-               if t is not None):
+        if _sharded(m):
             m.register_state_dict_post_hook(_saveable_values)
             m.register_load_state_dict_pre_hook(_take_rows)
-        if any(packed_param(t) is not None for t in m._parameters.values()
-               if t is not None):
+        if _sharded(m, by_rows=False):
             m.register_load_state_dict_pre_hook(_load_packed)
     root.register_load_state_dict_post_hook(_sync_buffers)
     _hook_optimizers()
 
 
-def _sharded(module: nn.Module) -> list[tuple[str, torch.Tensor, ShardedParam]]:
+def _sharded(module: nn.Module, by_rows: bool = True
+             ) -> list[tuple[str, torch.Tensor, ShardedParam]]:
+    """The module's own sharded parameters gathered by rows (``by_rows``), or its tensor
+    subclasses (Note [one group type] in engine/groups/flat.py)."""
     out: list[tuple[str, torch.Tensor, ShardedParam]] = []
     for name, t in module._parameters.items():
         sp = sharded_param(t) if t is not None else None
-        if t is not None and sp is not None:
+        if t is not None and sp is not None and sp.by_rows == by_rows:
             out.append((name, t, sp))
     return out
 
@@ -249,9 +249,8 @@ def _load_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
     this rank's chunk in a DTensor (what ``model.state_dict()`` gives at the same world
     size); anything else, a full-precision weight first, is refused by name before this
     module's values are written."""
-    targets = [(prefix + name, pp) for name, t in module._parameters.items()
-               if t is not None and (pp := packed_param(t)) is not None
-               and prefix + name in state_dict]
+    targets = [(prefix + name, pp) for name, _, pp in _sharded(module, by_rows=False)
+               if prefix + name in state_dict]
     problems = [why for key, pp in targets if (why := _packed_problem(pp, state_dict[key]))]
     if problems:
         raise ShardwiseError(f"load_state_dict cannot load the quantized parameters of a "
@@ -261,22 +260,23 @@ def _load_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         for key, pp in targets:
             value = state_dict[key]
             if isinstance(value, DTensor):
-                assert pp.local is not None  # else refused (_packed_problem)
+                chunk = pp.gather.chunk
+                assert chunk is not None  # else refused (_packed_problem)
                 theirs = value.to_local()
-                for n in pp.inner:
-                    mine = getattr(pp.local, n)
+                for n in pp.gather.inner:
+                    mine = getattr(chunk, n)
                     if mine.data_ptr() != getattr(theirs, n).data_ptr():
                         mine.copy_(getattr(theirs, n))
             else:
-                pp.take_full(value)
+                pp.gather.take_full(value)
             # Loaded: what torch copies into the parameter is the shard itself (a no-op).
             state_dict[key] = pp.shard
 
 
-def _packed_problem(pp: PackedParam, value: object) -> str | None:
+def _packed_problem(pp: ShardedParam, value: object) -> str | None:
     if not isinstance(value, DTensor):
-        return pp.full_problem(value)
-    local, mine = value.to_local(), pp.local
+        return pp.gather.full_problem(pp.fqns[0], pp.shape, value)
+    local, mine = value.to_local(), pp.gather.chunk
     if mine is None:
         return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} chunk, but "
                 f"at this world size the weight is divided by bytes, not into chunks (Note "
@@ -286,7 +286,7 @@ def _packed_problem(pp: PackedParam, value: object) -> str | None:
             and tuple(local.shape) == tuple(mine.shape)
             and all((tuple(getattr(local, n).shape), getattr(local, n).dtype)
                     == (tuple(getattr(mine, n).shape), getattr(mine, n).dtype)
-                    for n in pp.inner))
+                    for n in pp.gather.inner))
     if same:
         return None
     return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} of shape "
@@ -373,8 +373,8 @@ def _hook_optimizers() -> None:
 def install_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Note [optimizers meet shards]: called after each ``add_param_group``."""
     if attached(optimizer, OPTIMIZER_HOOKED) or not any(
-            sharded_param(p) is not None for g in optimizer.param_groups
-            for p in g["params"]):
+            (sp := sharded_param(p)) is not None and sp.by_rows
+            for g in optimizer.param_groups for p in g["params"]):
         return
     attach_to(optimizer, OPTIMIZER_HOOKED, True)
     guard_optimizer_zero_grad(optimizer)  # Note [zero_grad reaches held gradients]
@@ -401,7 +401,7 @@ def _tag_optimizer_rows(optimizer: torch.optim.Optimizer,
     for idx, st in state.items():
         sp = (sharded_param(params[idx]) if isinstance(idx, int) and 0 <= idx < len(params)
               else None)
-        if sp is None or not isinstance(st, dict):
+        if sp is None or not sp.by_rows or not isinstance(st, dict):
             continue
         # A new wrapper around the same rows: the tag must not land on the optimizer's own.
         state[idx] = {k: (tagged(sp, _at_offset_zero(v)) if _shaped_like(v, sp)
@@ -418,8 +418,8 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
     """Note [optimizers meet shards]: this rank's rows of a full optimizer state dict;
     refuse, on every rank, one holding another rank's rows."""
     params = _ordered(optimizer)
-    model = next((sp.unit.model for p in params
-                  if (sp := sharded_param(p)) is not None and sp.unit is not None), None)
+    model = next((sp.unit.model for p in params if (sp := sharded_param(p)) is not None
+                  and sp.by_rows and sp.unit is not None), None)
     if model is None:
         return None
     groups = state_dict.get("param_groups")
@@ -444,7 +444,7 @@ def _optimizer_rows(optimizer: torch.optim.Optimizer,
         for idx, st in state_dict.get("state", {}).items():
             p = id_map.get(idx)
             sp = sharded_param(p) if p is not None else None
-            if sp is None or not isinstance(st, dict):
+            if sp is None or not sp.by_rows or not isinstance(st, dict):
                 state[idx] = st
                 continue
             mine = {}

@@ -1,10 +1,73 @@
-"""A flat group: a unit's plain parameters of one dtype and ``requires_grad``, sharded by rows.
+"""A flat group: a unit's parameters of one kind, in one flat buffer per rank, moved by
+one collective: plain parameters of one dtype and ``requires_grad`` by rows, or frozen
+tensor subclasses as bytes (Note [one group type]).
 
-One of the two kinds of group (Note [one interface for a group] in engine/groups/interface.py). Its
-modes are objects it is given (engine/groups/parts.py, engine/groups/reduce.py), made once by
-:func:`flat_group` from what ``shard`` was told; the group itself branches on none.
-Note [DTensor parameters] and Note [freeing full parameters] in engine/iteration/unit.py say what
-its two buffers are to the modules and to autograd.
+Its modes are objects it is given (engine/groups/parts.py, engine/groups/reduce.py), made
+once by :func:`flat_group` from what ``shard`` was told; the group itself branches on none.
+Note [DTensor parameters] and Note [freeing full parameters] in engine/iteration/unit.py say
+what its two buffers are to the modules and to autograd.
+
+Note [one group type]
+Every sharded parameter has one record, :class:`ShardedParam`, found from its shard or its
+full form by one lookup (:func:`sharded_param`), and a *gather strategy*, decided at
+``shard`` from the parameter itself, as FSDP2's ``FSDPParam`` decides between its plain
+path and the extension protocol for each parameter:
+
+- :class:`Rows`, a plain parameter: its shard is its rows (Note [row sharding] in
+  engine/groups/layout.py), in place in the group's shard buffer of the parameter's dtype.
+  That buffer is what the all-gather sends (cast to the compute dtype under mixed
+  precision); the full parameter views the gathered buffer, copied out parameter after
+  parameter; its gradient is reduce-scattered back into rows of the same layout.
+- ``SubclassBytes`` (engine/groups/packed.py), a frozen tensor subclass implementing
+  FSDP2's extension protocol (a QLoRA base's ``NF4Tensor``, Note [packed parameters]):
+  its shard is its inner tensors' bytes; ``fsdp_pre_all_gather`` says what it sends,
+  which travels as bytes, and ``fsdp_post_all_gather`` builds the full tensor from what
+  was gathered, and refills it in place at later gathers.
+
+Why the two differ. Rows are numbers a rank computes with and reduces: each parameter's
+slot holds ``ceil(rows / N)`` rows, zero-padded, so that every rank's shard has one size
+and one all-gather gives a rank-major buffer, and each slot starts aligned (Note
+[alignment]) so that elementwise kernels take each element down the same vectorised
+path whichever parameters are its neighbours; gradients are reduced in that layout. A
+subclass's bytes are not numbers anyone adds: packed 4-bit codes and their scales move
+exactly, never through a cast, a NaN canonicalisation or a reduction, so they are viewed
+as ``uint8`` and packed into one byte buffer (the protocol's inputs may be of several
+dtypes). They cannot be padded by rows: a subclass chunk cannot hold padding rows (NF4's
+blocks of scales), so a weight whose rows and blocks do not split into N equal chunks is
+divided by elements of its inner tensors instead, each padded to ``ceil(numel / N)``
+(Note [uneven packed parameters]); slots are aligned only so that views of any dtype
+start at a multiple of its size. A group holds parameters of one strategy (and, for rows,
+of one dtype and ``requires_grad``), so that its one collective has one element type: the
+compute dtype, or bytes.
+
+Trainable tensor subclasses. An FP8 training weight is where the two strategies would
+meet: torchao's ``WeightWithDynamicFloat8CastTensor`` wraps the high-precision weight, its
+``fsdp_pre_all_gather`` casts this rank's part to float8 (all-reducing the weight's amax
+over the shard mesh: a collective inside the gather, which every rank reaches in the
+same order since a group's gather is one) so that the all-gather moves a quarter of the
+bytes, and its ``fsdp_post_all_gather`` builds a ``Float8TrainingTensor`` for the matmul.
+It would need:
+
+- gradients of the subclass: autograd accumulates into the full parameter a gradient of
+  the weight's shape in the high-precision dtype, a plain tensor, which the full
+  parameter must take (``requires_grad``) and the end-of-backward trigger must see
+  (``hook_end_of_backward``);
+- a reduce-scatter of that plain gradient into rows: the parameter's shard must then be
+  rows of its high-precision master (a :class:`Rows` slot, in a buffer the reduction
+  knows), with the subclass wrapping the local rows, so that its gather takes the
+  protocol's path and its reduction the rows' path;
+- the optimizer stepping the master in high precision: the shard the optimizer holds is
+  the DTensor of those rows, stepped as any plain shard (Note [plain step] in
+  engine/entry_points/plain_step.py), and the next ``fsdp_pre_all_gather`` casts the new
+  values again; nothing float8 is ever stepped or saved (a checkpoint holds the rows).
+
+What keeps that door open today is a refusal at ``shard``, before anything changes:
+``subclass_refusal()`` in engine/groups/packed.py (through :func:`refusal`, which
+``shard`` asks of every parameter) refuses a tensor subclass that requires grad,
+naming it ("shardwise gathers tensor subclasses through the extension protocol for
+frozen weights only"), rather than gathering it as frozen bytes whose gradient would be
+lost. Lifting it means giving ``SubclassBytes`` a rows side for its gradient and master,
+not another kind of group.
 """
 
 from __future__ import annotations
@@ -24,9 +87,21 @@ from ...comm.mesh import Topology
 from ...errors import ShardwiseError
 from .copies import copy_out, padding_gaps, rank_major, write_rank_major
 from .exact_reduction import ExactReduction
-from .layout import Piece, ShardLayout, Slot, contiguous_stride
+from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
 from .offload.placement import Placement
 from .offload.storage import GroupStorage
+from .packed import (
+    ByteStorage,
+    cuts_agreed,
+    not_gathered,
+    received,
+    send_bytes,
+    store_layout,
+    subclass_refusal,
+    subclass_shard,
+    twin_shard,
+    uses_protocol,
+)
 from .parts import DeviceStorage, Precision, SecondaryShard, ShardStorage
 from .reduce import GradReduction, Group
 
@@ -38,33 +113,82 @@ class Member:
 
     fqns: list[str]
     slots: list[tuple[nn.Module, str]]
-    param: nn.Parameter
+    param: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a plain parameter is gathered: its rows, in place in the group's shard buffer
+    (``slot``: Note [row sharding] in engine/groups/layout.py; ``piece``: this rank's part
+    of it). One of the two gather strategies of Note [one group type]."""
+
+    slot: Slot
+    piece: Piece
+
+    def local_of(self, shard: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s rows, a view of a group's shard buffer ``shard``."""
+        s = self.slot
+        rows = s.local_rows(rank)
+        return shard[s.offset:s.offset + rows * s.row_numel].view(rows, *s.shape[1:])
+
+    def full_of(self, full: torch.Tensor) -> torch.Tensor:
+        """The full parameter's view of a group's full buffer ``full``."""
+        s = self.slot
+        return full[s.full_offset:s.full_offset + s.numel].view(s.shape)
+
+    def mine_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s rows in a group's full buffer ``full``, flat."""
+        start = self.slot.full_offset + self.piece.param_offset
+        return full[start:start + self.slot.local_rows(rank) * self.slot.row_numel]
 
 
 @dataclass
 class ShardedParam:
-    """One original parameter: every place it is registered, its shard and its full form."""
+    """One original parameter: every place it is registered, its shard, its full form, and
+    how it is gathered (``gather``: Note [one group type]). The one record of a sharded
+    parameter, plain or a tensor subclass; :func:`sharded_param` finds it."""
 
     fqns: list[str]
     slots: list[tuple[nn.Module, str]]
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
-    slot: Slot
-    piece: Piece
-    local: torch.Tensor   # this rank's rows, a view of the group's shard buffer
-    shard: nn.Parameter   # the DTensor parameter the module and the optimizer hold
+    # This rank's part, a view of the group's shard buffer: its rows, or a tensor
+    # subclass's bytes (its slots, one after another).
+    local: torch.Tensor
+    shard: nn.Parameter   # what the module and the optimizer hold while sharded
+    # The full parameter while gathered; a tensor subclass's is built at its first gather
+    # (None until then, and again after ``leave_full``).
     full: nn.Parameter
+    # Its gather strategy: :class:`Rows`, or a tensor subclass's ``SubclassBytes``
+    # (engine/groups/packed.py).
+    gather: Any
     unit: Any = None  # its Unit (engine/iteration/unit.py, which imports this module)
-    group: FlatGroup | None = None
+    group: Any = None  # the group holding it
     hooked: bool = False  # ``full`` carries the end-of-backward trigger (hook_end_of_backward)
     proxies_hooks: bool = False  # ``full`` calls the shard's hooks (Note [tensor hooks on shards])
     # ``full``'s AccumulateGrad node, held (Note [a backward that accumulates nothing]).
     accumulator: Any = None
 
     @property
+    def slot(self) -> Slot:
+        """A plain parameter's slot in its group's layout (its :class:`Rows`)."""
+        return self.gather.slot
+
+    @property
+    def piece(self) -> Piece:
+        """This rank's part of a plain parameter (its :class:`Rows`)."""
+        return self.gather.piece
+
+    @property
     def numel(self) -> int:
-        return self.slot.numel
+        return self.shape.numel()
+
+    @property
+    def by_rows(self) -> bool:
+        """Whether it is gathered by rows (:class:`Rows`): its shard a DTensor of its rows,
+        its gradient reduce-scattered; else a tensor subclass, gathered as bytes."""
+        return type(self.gather) is Rows
 
     def hook_end_of_backward(self) -> None:
         """Give ``full`` the end-of-backward trigger (its model's
@@ -144,25 +268,33 @@ def _run_shard_hooks(shard: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 class FlatGroup:
-    """Parameters of one dtype and one ``requires_grad`` value, sharded by rows.
+    """One collective's worth of a unit's parameters, in one flat buffer per rank: plain
+    parameters of one dtype and one ``requires_grad`` value, gathered by rows, or frozen
+    tensor subclasses, gathered as bytes (Note [one group type]).
 
     ``local`` is this rank's shard buffer (the DTensor parameters' local tensors view
-    it); ``full`` holds every full parameter, and its storage is empty while the group
-    is sharded. A gather all-gathers the shards into a temporary rank-major buffer and
-    copies it out into ``full``; a reduction copies the full gradients into a rank-major
-    buffer and reduce-scatters it into this rank's gradient shard. In a world of one the
-    shard is already the rank-major buffer, and the gradient buffer already the sum.
+    it, or the subclasses' inner tensors do); ``full`` is the gathered form (every full
+    parameter, or the subclasses' gathered bytes), and its storage is empty while the
+    group is sharded. A gather all-gathers what each parameter's strategy sends (the
+    shard itself, for rows) into a temporary rank-major buffer and copies it out into
+    ``full``, from which the subclasses' strategies build their full tensors; a
+    reduction copies the full gradients into a rank-major buffer and reduce-scatters it
+    into this rank's gradient shard. In a world of one the shard is already the
+    rank-major buffer, and the gradient buffer already the sum.
     """
 
     def __init__(self, members: list[Member], topology: Topology, layout: ShardLayout,
                  storage: ShardStorage, precision: Precision, secondary: SecondaryShard,
-                 reduction: Callable[[Group], GradReduction]) -> None:
+                 reduction: Callable[[Group], GradReduction],
+                 make: Callable[[FlatGroup, int, Member], ShardedParam] | None = None) -> None:
         """``storage``: where the shard lives (on the device, or offloaded: Note [two
         states, three tiers] in engine/groups/offload/__init__.py), made for ``layout``;
         ``precision``: the dtypes it gathers and reduces in; ``secondary``: Note
         [secondary shards] in comm/mesh.py; ``reduction``: the class of its gradient
-        reduction (the reproducible mode's: Note [reproducible reduction]). Use
-        :func:`flat_group` to make them from ``shard``'s arguments."""
+        reduction (the reproducible mode's: Note [reproducible reduction]); ``make``: the
+        record of member i of this group, for tensor subclasses (their bytes in
+        ``layout``); by default a plain parameter's rows. Use :func:`flat_group` and
+        :func:`subclass_group` to make them from ``shard``'s arguments."""
         self.topology = topology
         self.comm = topology.shard
         # Hybrid sharding (Note [hybrid sharding] in comm/mesh.py): the ranks holding the same
@@ -172,14 +304,22 @@ class FlatGroup:
         self.device = storage.device  # where gathers and reductions run; local may be elsewhere
         self.precision = precision
         self.secondary = secondary
-        self.dtype = members[0].param.dtype
+        self.dtype = storage.master.dtype
         # Reduced when any parameter is trainable (Note [freezing after shard]).
         self.requires_grad = any(m.param.requires_grad for m in members)
         self.trainable_at_build = all(m.param.requires_grad for m in members)
         self.layout = layout
-        self.full = torch.empty(layout.full_numel, dtype=precision.compute, device=self.device)
+        # Its parameters' strategy (Note [one group type]): rows, whose shard is what the
+        # all-gather sends, laid out as planned; else subclasses, whose inputs' layout
+        # is known at the first gather, and whose full tensors hold storage of their own.
+        self.by_rows = make is None
+        self.gather_layout: ShardLayout | None = layout if self.by_rows else None
+        self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
+        self._extra: list[tuple[torch.Tensor, int]] = []
+        self.full = torch.empty(layout.full_numel if self.by_rows else 0,
+                                dtype=precision.compute, device=self.device)
         self.gaps = padding_gaps(layout)
-        self.params: list[ShardedParam] = [self._make_param(i, m)
+        self.params: list[ShardedParam] = [(make or FlatGroup._make_param)(self, i, m)
                                            for i, m in enumerate(members)]
         self.free()
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
@@ -210,55 +350,25 @@ class FlatGroup:
         """The group of k ranks its backward gathers in (Note [secondary shards])."""
         return self.secondary.comm
 
-    def like(self, members: list[Member]) -> FlatGroup:
-        """A new group for ``members`` (a deep copy's), given the same kinds of objects."""
-        return FlatGroup(members, self.topology, self.layout, self.storage.like(),
+    def twin(self) -> FlatGroup:
+        """An independent copy (``copy.deepcopy`` of the model, Note [deep copy] in
+        engine/clone.py): the same kinds of objects, its own copy of this rank's shard,
+        new shards over it, the same slots until the caller remaps them, nothing
+        gathered. No communication."""
+        storage = self.storage.like()
+        with torch.no_grad():
+            storage.master.copy_(self.local)
+        members = [Member(list(p.fqns), p.slots, p.shard) for p in self.params]
+        make = None if self.by_rows else functools.partial(_subclass_twin, self)
+        return FlatGroup(members, self.topology, self.layout, storage,
                          Precision(self.precision.compute, self.precision.reduce),
-                         self.secondary.like(), type(self.reduction))
-
-    def freezing_changes(self) -> tuple[list[tuple[ShardedParam, bool]], str]:
-        """Note [freezing after shard]: the ``requires_grad`` changes made since the last
-        root forward, as (parameter, new value), and why they cannot be followed ("" when
-        they can: :meth:`follow_freezing`)."""
-        changed = []
-        for p in self.params:
-            wanted = p.shard.requires_grad
-            if wanted == p.requires_grad:
-                wanted = p.full.requires_grad  # set while the unit was gathered
-            if wanted != p.requires_grad:
-                changed.append((p, wanted))
-        # Gradients accumulated under no_sync wait in the reduction, or in the full
-        # parameters of a held unit (Note [gathered across micro-batches]). A parameter
-        # frozen while it holds one of them is refused: its part of the step's sum has no
-        # meaning DDP's would share. Anything else is followed (Note [freezing after
-        # shard]): a parameter unfrozen gets the later micro-batches' gradients, one
-        # frozen without a gradient so far gets none.
-        if changed and (self.reduction.has_accumulated()
-                        or any(p.full.grad is not None for p in self.params)):
-            index = {id(p): i for i, p in enumerate(self.params)}
-            if any(not wanted and (self.reduction.used[index[id(p)]]
-                                   or p.full.grad is not None) for p, wanted in changed):
-                return changed, "no_sync"
-        if changed:
-            return changed, self.storage.freezing_refusal(len(changed), len(self.params),
-                                                          self.trainable_at_build)
-        return changed, ""
-
-    def follow_freezing(self, changes: list[tuple[ShardedParam, bool]]) -> None:
-        """Take up ``changes`` (from :meth:`freezing_changes`, which allowed them)."""
-        for p, wanted in changes:
-            p.requires_grad = wanted
-            p.shard.requires_grad_(wanted)
-            p.full.requires_grad_(wanted)
-            if wanted:
-                p.hook_end_of_backward()
-        self.requires_grad = any(p.requires_grad for p in self.params)
-        if not self.requires_grad:  # no gradient of it waits (freezing_changes): drop it
-            self.reduction.clear(list(range(len(self.params))))
+                         self.secondary.like(), type(self.reduction), make)
 
     def follow_tensor_hooks(self) -> None:
         """Give each full parameter whose shard has ``register_hook`` hooks the one hook
         that calls them (Note [tensor hooks on shards])."""
+        if not self.by_rows:
+            return  # frozen: no gradient to hook
         for p in self.params:
             if p.shard._backward_hooks and not p.proxies_hooks:
                 p.full.register_hook(functools.partial(_run_shard_hooks, p.shard))
@@ -277,73 +387,32 @@ class FlatGroup:
 
     def _make_param(self, i: int, m: Member) -> ShardedParam:
         orig = m.param
-        slot = self.layout.slots[i]
-        rows = slot.local_rows(self.comm.rank)
-        local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
-            rows, *slot.shape[1:])
+        rows = Rows(self.layout.slots[i], self.layout.piece(i, self.comm.rank))
+        local = rows.local_of(self.local, self.comm.rank)
         with torch.no_grad():
             dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
                                     run_check=False, shape=orig.shape,
                                     stride=contiguous_stride(orig.shape))
         shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
-        full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
-                            .view(orig.shape), requires_grad=orig.requires_grad)
+        full = nn.Parameter(rows.full_of(self.full), requires_grad=orig.requires_grad)
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
         copy_user_attributes(orig, shard, full)
-        return ShardedParam(m.fqns, m.slots, orig.shape, orig.dtype, orig.requires_grad, slot,
-                            self.layout.piece(i, self.comm.rank), local, shard, full,
-                            group=self)
-
-    def recast(self, dtype: torch.dtype) -> None:
-        """Note [casting after shard]: hold the parameters in ``dtype`` from now on. The
-        group must be at rest (sharded, nothing reducing, not offloaded): the caller,
-        ``guards._apply``, checked."""
-        old = self.dtype
-        self.dtype = dtype
-        if self.precision.compute == old:  # else mixed precision's param_dtype stays
-            self.precision.compute = dtype
-        if self.precision.reduce == old:
-            self.precision.reduce = dtype
-        self.storage.recast(dtype, self.compute_dtype)
-        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
-                                device=self.device)
-        for i, p in enumerate(self.params):
-            slot = self.layout.slots[i]
-            rows = slot.local_rows(self.comm.rank)
-            p.local = self.local[slot.offset:slot.offset + rows * slot.row_numel].view(
-                rows, *slot.shape[1:])
-            p.dtype = dtype
-            # The shard keeps its identity (an optimizer built before holds it): its
-            # contents are swapped for a DTensor over the new buffer, as torch's own
-            # Module._apply swaps a DTensor parameter's, its attributes and our record
-            # carried over. Its gradient is cast, as torch casts it.
-            grad = p.shard.grad
-            with torch.no_grad():
-                dt = DTensor.from_local(p.local, self.topology.mesh, self.topology.placements,
-                                        run_check=False, shape=p.shape,
-                                        stride=contiguous_stride(p.shape))
-            shard = nn.Parameter(dt, requires_grad=p.shard.requires_grad)
-            copy_all_attributes(p.shard, shard)
-            torch.utils.swap_tensors(p.shard, shard)
-            if grad is not None:
-                p.shard.grad = p.as_dtensor(cast(DTensor, grad).to_local().to(dtype))
-            # A new full parameter over the new full buffer: nothing holds the old one
-            # while the unit is sharded. Its end-of-backward trigger is registered again.
-            old_full = p.full
-            p.full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
-                                  .view(p.shape), requires_grad=p.requires_grad)
-            copy_all_attributes(old_full, p.full)
-            p.hooked = False
-            if p.requires_grad:
-                p.hook_end_of_backward()
-        self.free()
+        return ShardedParam(m.fqns, m.slots, orig.shape, orig.dtype, orig.requires_grad,
+                            local, shard, full, rows, group=self)
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:
+        assert self.gather_layout is not None, "gathered once"
+        if self.full.numel() != self.gather_layout.full_numel:  # a subclass group's first
+            self.full = torch.empty(self.gather_layout.full_numel, dtype=self.full.dtype,
+                                    device=self.device)
         storage = self.full.untyped_storage()
         nbytes = self.full.numel() * self.full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+        for t, n in self._extra:  # what fsdp_post_all_gather allocated, refilled in place
+            if t.untyped_storage().size() != n:
+                t.untyped_storage().resize_(n)
 
     def free(self, keep_grads: bool = False) -> None:
         """Free the full parameters (and, unless ``keep_grads``, their gradients)."""
@@ -353,6 +422,8 @@ class FlatGroup:
         storage = self.full.untyped_storage()
         nbytes = storage.size()
         storage.resize_(0)
+        for t, _ in self._extra:
+            t.untyped_storage().resize_(0)
         if nbytes:
             self.storage.full_freed(nbytes)
 
@@ -362,15 +433,21 @@ class FlatGroup:
         view of one, an autograd graph) and take a new, empty one with new full
         parameter objects, registered where the old ones were. Returns the old objects.
         The group must be gathered; the caller reshards it next (which frees only the
-        new, empty buffer)."""
+        new, empty buffer). A subclass group's full tensors are built again at the next
+        gather (Note [one group type])."""
         old = [p.full for p in self.params]
+        if not self.by_rows:
+            self.full = torch.empty(0, dtype=self.full.dtype, device=self.device)
+            self._extra = []
+            for p in self.params:
+                p.full, p.gather.allocated = not_gathered(p.dtype), []
+            return old
         nbytes = self.full.untyped_storage().size()
         self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype,
                                 device=self.device)
         for p, before in zip(self.params, old):
-            slot = p.slot
-            p.full = nn.Parameter(self.full[slot.full_offset:slot.full_offset + slot.numel]
-                                  .view(p.shape), requires_grad=before.requires_grad)
+            p.full = nn.Parameter(p.gather.full_of(self.full),
+                                  requires_grad=before.requires_grad)
             copy_all_attributes(before, p.full)  # the user's flags and our record
             p.hooked = False
             if p.requires_grad:
@@ -390,16 +467,14 @@ class FlatGroup:
         Returns whether an in-place operation wrote to the full parameters (their
         version counter moved: every rank making the same edit sees it, whichever rows
         it touched)."""
-        if not self.full_is_allocated():
+        if not self.by_rows or not self.full_is_allocated():
             return False
         compute = self.compute_dtype
         with torch.no_grad():
             for p in self.params:
-                rows = p.slot.local_rows(self.comm.rank) * p.slot.row_numel
-                if not rows:
+                mine = p.gather.mine_of(self.full, self.comm.rank)
+                if not mine.numel():
                     continue
-                start = p.slot.full_offset + p.piece.param_offset
-                mine = self.full[start:start + rows]
                 local = p.local.view(-1)
                 seen = local if local.dtype == compute else local.to(compute)
                 if torch.equal(mine, seen):
@@ -428,21 +503,6 @@ class FlatGroup:
             for module, attr in p.slots:
                 module._parameters[attr] = tensor
 
-    def detached(self) -> list[str]:
-        """Names of parameters whose shard no longer views ``local``.
-
-        ``model.to(dtype)``, ``.half()``, ``.cuda()`` and ``p.data = ...`` replace a shard's
-        storage: the optimizer would then update a tensor that is never gathered.
-        """
-        home = self.local.untyped_storage().data_ptr()
-        out = []
-        for p in self.params:
-            mine = p.shard._local_tensor if isinstance(p.shard, DTensor) else p.shard
-            if (p.shard.dtype != self.dtype or mine.device != self.local.device
-                    or mine.untyped_storage().data_ptr() != home):
-                out.append(p.fqns[0])
-        return out
-
     def install(self) -> None:
         """Register each shard in place of its parameter on every module holding it."""
         for sp in self.params:
@@ -460,10 +520,7 @@ class FlatGroup:
             chunks = None
             if self.comm.rank == shard_src:
                 assert values is not None, "src_rank passes the values"
-                buf = rank_major(self.layout, self.gaps, self.dtype, self.device)
-                for slot, v in zip(self.layout.slots, values):
-                    write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
-                chunks = list(buf.chunk(self.comm.world_size))
+                chunks = list(self._rank_major(values).chunk(self.comm.world_size))
             with torch.no_grad():
                 self.comm.scatter(into, chunks, shard_src)
         if self.replicate is not None:
@@ -471,6 +528,22 @@ class FlatGroup:
                 self.replicate.broadcast(into, replica,
                                          what="the broadcast of initial shards to replicas")
         self.storage.received(into)
+
+    def _rank_major(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's shard of the parameters' full ``values``, rank after rank: each
+        one's rows, or each subclass's shares, divided as its cut says, one parameter at a
+        time (a placeholder's bytes are made only as they are copied: Note [quantize
+        while loading] in engine/groups/quantize.py)."""
+        if self.by_rows:
+            buf = rank_major(self.layout, self.gaps, self.dtype, self.device)
+            for slot, v in zip(self.layout.slots, values):
+                write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
+            return buf
+        grid = torch.zeros(self.comm.world_size, self.layout.shard_numel, dtype=self.dtype,
+                           device=self.device)
+        for p, v in zip(self.params, values):
+            p.gather.write_shares(grid, p.fqns[0], v)
+        return grid.view(-1)
 
     @property
     def data_parallel_size(self) -> int:
@@ -487,18 +560,52 @@ class FlatGroup:
         copy_out(gathered, self.layout, out)
         return out
 
+    def gather_values(self, params: list[ShardedParam] | None = None, keep: bool = True,
+                      what: str = "an all-gather") -> dict[int, torch.Tensor]:
+        """``params``' full values (all of the group's when None), by id, freshly gathered
+        into memory of their own, the group's own gathered form untouched: in the master
+        dtype, or the subclasses' full tensors. One all-gather over the shard group: of
+        the shard as it is when ``params`` are all the group's, else of each rank's slot
+        of each, laid out as a group of those parameters alone would be (the same rows
+        per rank: ``torch.chunk``'s split depends on the world size only). Where nothing
+        is ``keep``, nothing is copied out."""
+        world = self.comm.world_size
+        wanted = self.params if params is None else params
+        if not self.by_rows:
+            send = self._send(self.shard_version())
+            layout = self.gather_layout
+        elif len(wanted) == len(self.params):
+            layout, send = self.layout, self.storage.readable()
+        else:
+            layout, send = _rows_of(self, wanted)
+        assert layout is not None
+        gathered = send
+        if world > 1 or self.by_rows:
+            gathered = torch.empty(layout.gathered_numel, dtype=self.dtype, device=self.device)
+            self.comm.all_gather(gathered, send, what=what)
+        del send
+        if not keep:
+            return {}
+        full = torch.empty(layout.full_numel, dtype=self.dtype, device=self.device)
+        copy_out(gathered, layout, full)
+        if not self.by_rows:
+            ids = {id(p) for p in wanted}
+            return {id(p): p.gather.value(p, outs)[0] for p, outs
+                    in zip(self.params, received(self.params, layout, self._sizes, full))
+                    if id(p) in ids}
+        return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
+                for p, s in zip(wanted, layout.slots)}
+
     def full_value(self, p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
         """Parameter ``p``'s view of a full buffer such as ``gather_full()``'s."""
-        return full[p.slot.full_offset:p.slot.full_offset + p.numel].view(p.shape)
+        return p.gather.full_of(full)
 
     def local_from_full(self, full: torch.Tensor) -> None:
         """Take this rank's rows of every parameter from a full buffer (``full``'s
         layout), as when one rank's edits were broadcast."""
         with torch.no_grad():
             for p in self.params:
-                rows = p.slot.local_rows(self.comm.rank) * p.slot.row_numel
-                start = p.slot.full_offset + p.piece.param_offset
-                p.local.view(-1).copy_(full[start:start + rows])
+                p.local.view(-1).copy_(p.gather.mine_of(full, self.comm.rank))
         self.storage.release()
 
     # -- gather ----------------------------------------------------------------------
@@ -509,7 +616,11 @@ class FlatGroup:
         the wrapper's version counter, not its local tensor's; the plain step (Note
         [plain step] in engine/entry_points/plain_step.py) writes through the wrappers' local
         tensors, which have counters of their own; shardwise writes through ``local``. All count.
+        A group of tensor subclasses is written only through ``local`` (a load,
+        ``gathered(modifier_rank=)``): frozen, nothing steps them.
         """
+        if not self.by_rows:
+            return self.local._version
         return self.local._version + sum(
             p.shard._version + cast(DTensor, p.shard)._local_tensor._version
             for p in self.params)
@@ -524,16 +635,28 @@ class FlatGroup:
         if regathered is not None:
             self._gathered, self._gather_work = regathered
             return
-        src = self.storage.gather_source(version)
+        src = self._send(version)
         if self.comm.world_size == 1:
             # The rank-major buffer of a world of one is the shard itself: copied out as is.
             self._gathered = src
             return
-        self._gathered = torch.empty(self.layout.gathered_numel, dtype=self.compute_dtype,
-                                     device=self.device)
+        assert self.gather_layout is not None
+        self._gathered = torch.empty(self.gather_layout.gathered_numel,
+                                     dtype=self.compute_dtype, device=self.device)
         self._sending = src
         self._gather_work = self.comm.all_gather(
             self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
+
+    def _send(self, version: int) -> torch.Tensor:
+        """What this rank's all-gather sends (Note [one group type]): the shard itself,
+        every parameter's rows in place (in the compute dtype); or what each subclass's
+        strategy gives, as bytes."""
+        if self.by_rows:
+            return self.storage.gather_source(version)
+        send, self.gather_layout, self._sizes = send_bytes(
+            self.params, self.comm.world_size, self.device, self.gather_layout, self._sizes)
+        self.storage.release()  # Note [packed bytes offloaded]: read, so dropped
+        return send
 
     def publish_grad(self, p: ShardedParam, rows: torch.Tensor) -> None:
         """Hand ``p`` its reduced rows as its shard's ``.grad``, or add them to it (on the
@@ -561,12 +684,27 @@ class FlatGroup:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
                 version = self.full._version
                 self._alloc_full()
-                copy_out(self._gathered, self.layout, self.full)
+                assert self.gather_layout is not None
+                copy_out(self._gathered, self.gather_layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
                 self._full_version = version
+                if not self.by_rows:
+                    self._build_full()
                 if keep:
                     self.secondary.keep(self._gathered, self._gathered_version)
             self._gathered = None
+
+    def _build_full(self) -> None:
+        """Each subclass's full tensor from the gathered bytes: built at its first
+        gather, refilled in place after (Note [packed parameters])."""
+        assert self.gather_layout is not None
+        for p, outputs in zip(self.params, received(self.params, self.gather_layout,
+                                                    self._sizes, self.full)):
+            new = p.gather.after_gather(p, outputs, self.full)
+            if new is not None:
+                p.full = new
+                set_sharded_param(new, p)
+                self._extra += p.gather.allocated
 
     def drop_kept(self) -> None:
         """Forget the secondary shard (its backward ran, or never will)."""
@@ -608,8 +746,10 @@ class FlatGroup:
 
     @property
     def full_bytes(self) -> int:
-        """Bytes of the full parameters while gathered."""
-        return self.layout.full_numel * self.compute_dtype.itemsize
+        """Bytes of the full parameters while gathered (a subclass group's: the
+        gathered bytes and what the protocol allocated; 0 before its first gather)."""
+        gathered = self.gather_layout.full_numel if self.gather_layout is not None else 0
+        return gathered * self.compute_dtype.itemsize + sum(n for _, n in self._extra)
 
     @property
     def kept_bytes(self) -> int:
@@ -628,8 +768,10 @@ class FlatGroup:
 
     def may_be_held(self) -> bool:
         """Whether its full parameters may stay gathered across ``no_sync``
-        micro-batches (Note [residency] in engine/iteration/residency.py): not offloaded."""
-        return self.offload_description() is None
+        micro-batches (Note [residency] in engine/iteration/residency.py): not offloaded,
+        and not tensor subclasses (a quantized base would stay gathered for an adapter's
+        gradients)."""
+        return self.by_rows and self.offload_description() is None
 
     def grads_may_wait(self) -> bool:
         """Whether its gradients accumulated under ``no_sync`` may wait in the full
@@ -637,13 +779,21 @@ class FlatGroup:
         engine/iteration/state.py): autograd's sums there are its reduction's only where
         that adds in the same dtype, one micro-batch after the other, from empty. Not the
         reproducible mode's exact sums, nor another reduce dtype, nor once the reduction
-        holds part of the step."""
+        holds part of the step. Frozen tensor subclasses have no gradient to wait."""
+        if not self.by_rows:
+            return True
         return (not self.reduction.exact and not self.reduction.has_accumulated()
                 and self.reduce_dtype == self.compute_dtype)
 
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``GroupView`` (its parameters are read
-        there, one by one)."""
+        there, one by one), or, for tensor subclasses, its ``PackedView``."""
+        if not self.by_rows:
+            return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
+                    "types": tuple(p.gather.kind.__name__ for p in self.params),
+                    "numel": sum(p.numel for p in self.params),
+                    "shard_bytes": self.shard_bytes, "full_bytes": self.full_bytes,
+                    "full_allocated": self.full_is_allocated()}
         params_tier, optimizer_tier = self.storage.tiers()
         return {"kind": "flat", "dtype": self.dtype, "compute_dtype": self.compute_dtype,
                 "reduce_dtype": self.reduce_dtype, "requires_grad": self.requires_grad,
@@ -651,6 +801,18 @@ class FlatGroup:
                 "gathered_numel": self.layout.gathered_numel,
                 "full_allocated": self.full_is_allocated(),
                 "params_tier": params_tier, "optimizer_tier": optimizer_tier}
+
+
+def _rows_of(g: FlatGroup, params: list[ShardedParam]) -> tuple[ShardLayout, torch.Tensor]:
+    """Each rank's slot of each of ``params`` (some of ``g``'s), laid out as a group of
+    those parameters alone would be, and this rank's part of it."""
+    layout = build_layout([tuple(p.shape) for p in params], g.comm.world_size)
+    local = g.storage.readable()
+    send = torch.zeros(layout.shard_numel, dtype=g.dtype, device=g.device)
+    for p, s in zip(params, layout.slots):
+        send[s.offset:s.offset + s.chunk_numel].copy_(
+            local[p.slot.offset:p.slot.offset + p.slot.chunk_numel])
+    return layout, send
 
 
 def flat_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
@@ -678,6 +840,68 @@ def flat_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
         else GroupStorage(placement, layout.shard_numel, dtype, compute_dtype))
     return FlatGroup(members, topology, layout, storage, Precision(compute_dtype, reduce_dtype),
                      SecondaryShard(regather), ExactReduction if exact else GradReduction)
+
+
+def _plain(p: torch.Tensor) -> bool:
+    return type(p) is nn.Parameter and type(p.data) is torch.Tensor
+
+
+def gathers_bytes(p: torch.Tensor) -> bool:
+    """Whether parameter ``p`` is gathered as a tensor subclass's bytes (``SubclassBytes``)
+    rather than by rows (:class:`Rows`): the strategy of Note [one group type], decided
+    from the parameter, as FSDP2 decides between its plain path and the protocol."""
+    return not _plain(p) and uses_protocol(p)
+
+
+def refusal(name: str, p: torch.Tensor) -> str | None:
+    """Why parameter ``name`` cannot be sharded, or ``None``: a plain parameter is
+    gathered by rows; anything else must be a frozen tensor subclass implementing the
+    extension protocol (``subclass_refusal`` in engine/groups/packed.py says why not)."""
+    return None if _plain(p) else subclass_refusal(name, p)
+
+
+def subclass_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
+                   originals: list[torch.Tensor], topology: Topology, device: torch.device,
+                   compute_dtype: torch.dtype | None, src_rank: int, exact: bool = False,
+                   placement: Placement | None = None) -> FlatGroup:
+    """A :class:`FlatGroup` of frozen tensor subclasses (Note [packed parameters] in
+    engine/groups/packed.py), each gathered as bytes by its ``SubclassBytes``, holding
+    ``src_rank``'s values: the one place such a group is made. ``compute_dtype``:
+    MixedPrecision's ``param_dtype``, for the protocol; ``exact``: the model's reduction
+    (the same kind in every group, though this one reduces nothing); ``placement``: the
+    tiers of an offloaded model (Note [packed bytes offloaded])."""
+    cuts = cuts_agreed([n[0] for n in names], originals, topology, compute_dtype)
+    layout = store_layout(cuts)
+    firsts = [0]
+    for c in cuts:
+        firsts.append(firsts[-1] + len(c.names))
+
+    def make(g: FlatGroup, i: int, m: Member) -> ShardedParam:
+        c = cuts[i]
+        span, shard, gather = subclass_shard(
+            m.fqns, m.param, c, g.local, list(layout.slots[firsts[i]:firsts[i + 1]]),
+            topology, device, compute_dtype)
+        return ShardedParam(m.fqns, m.slots, m.param.shape, m.param.dtype, False, span,
+                            shard, not_gathered(m.param.dtype), gather, group=g)
+
+    members = [Member(n, s, p) for n, s, p in zip(names, slots, originals)]
+    g = FlatGroup(members, topology, layout, ByteStorage(layout.shard_numel, device),
+                  Precision(torch.uint8, torch.uint8), SecondaryShard(None),
+                  ExactReduction if exact else GradReduction, make)
+    g.fill_local(originals if topology.world.rank == src_rank else None, src_rank)
+    if placement is not None:
+        views = {id(t): t for p in g.params for t in [p.local, *p.gather.views()]}
+        g.storage.place(placement, list(views.values()))  # type: ignore[attr-defined]
+    return g
+
+
+def _subclass_twin(old: FlatGroup, g: FlatGroup, i: int, m: Member) -> ShardedParam:
+    """Parameter i of ``g``, a copy of the subclass group ``old`` (:meth:`FlatGroup.twin`)."""
+    p = old.params[i]
+    span, shard, gather = twin_shard(p.local, p.shard, p.gather, old.local, g.local,
+                                     old.topology)
+    return ShardedParam(list(p.fqns), p.slots, p.shape, p.dtype, False, span, shard,
+                        not_gathered(p.dtype), gather, group=g)
 
 
 def sharded_param(t: torch.Tensor) -> ShardedParam | None:

@@ -1,12 +1,13 @@
-"""The interface of a group of parameters, which flat and packed groups both implement.
+"""The interface of a group of parameters: what the rest of shardwise may ask of one.
 
 Note [one interface for a group]
 A unit gathers and releases its parameters in *groups*, each moved by one collective: a
-:class:`~shardwise.engine.groups.flat.FlatGroup` (plain parameters of one dtype and one
-``requires_grad``, in a flat buffer sharded by rows) or a
-:class:`~shardwise.engine.groups.packed.PackedGroup` (frozen tensor subclasses, gathered as
-bytes through FSDP2's extension protocol). :class:`ParamGroup` is what the rest of
-shardwise may ask of either:
+:class:`~shardwise.engine.groups.flat.FlatGroup` of plain parameters of one dtype and one
+``requires_grad`` (a flat buffer sharded by rows), or of frozen tensor subclasses
+(gathered as bytes through FSDP2's extension protocol): one group type, whose
+parameters' gather strategy decides how they move (Note [one group type] in
+engine/groups/flat.py). :class:`ParamGroup` is what the rest of shardwise may ask of a
+group:
 
 - the unit's transitions: ``start_gather`` / ``wait_gather``, ``expose`` (which form the
   modules hold: Note [what the module sees] in engine/iteration/unit.py), ``free``, ``drop_kept``,
@@ -18,13 +19,13 @@ shardwise may ask of either:
   reduction would);
 - a checkpoint's needs: ``page_release``, the callback that drops the group's pages from
   memory once a checkpoint has read or written them (``None`` when it keeps none: only a
-  disk tier does, Note [the disk tier]); a flat group also answers ``streams_state`` /
-  ``adopt_state`` for optimizer state that lives in its files (a packed group has none, so
-  they are not part of the protocol);
+  disk tier does, Note [the disk tier]); ``streams_state`` / ``adopt_state`` for
+  optimizer state that lives in its files;
 - what ``sw.inspect`` and the memory figures read: ``shard_bytes``, ``full_bytes``,
   ``kept_bytes``, ``bytes_by_tier`` (offloaded storage per tier), ``moved_bytes`` (Note
   [bytes moved]), ``offload_description`` and ``describe()`` (plain values only, its
-  ``"kind"`` among them: ``"flat"`` or ``"packed"``, which ``inspect`` shows apart).
+  ``"kind"`` among them: ``"flat"`` for plain rows or ``"packed"`` for tensor
+  subclasses, which ``inspect`` shows apart).
 
 A unit keeps one list of groups and walks it once per transition; how a group does each
 step (mixed precision, offload, the secondary shard, the reproducible reduction) is an
@@ -46,6 +47,7 @@ class ParamGroup(Protocol):
 
     unit_name: str        # the unit's name, for the group's collectives and messages
     requires_grad: bool   # its gradients are reduced after backward
+    by_rows: bool         # plain rows, else tensor subclasses (Note [one group type])
 
     @property
     def params(self) -> Sequence[Any]: ...
@@ -78,6 +80,11 @@ class ParamGroup(Protocol):
     def page_release(self) -> Callable[[], None] | None: ...
 
     def release_pages(self) -> None: ...
+
+    @property
+    def streams_state(self) -> bool: ...
+
+    def adopt_state(self, p: Any, key: str, value: Any) -> Any: ...
 
     # -- figures -----------------------------------------------------------------------
     @property

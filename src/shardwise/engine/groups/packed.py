@@ -1,4 +1,5 @@
-"""Frozen tensor subclasses gathered through FSDP2's extension protocol (QLoRA bases).
+"""Frozen tensor subclasses gathered through FSDP2's extension protocol (QLoRA bases):
+their gather strategy, ``SubclassBytes`` (Note [one group type] in engine/groups/flat.py).
 
 Note [packed parameters]
 A quantized weight such as torchao's ``NF4Tensor`` is a tensor subclass: it reports the
@@ -33,7 +34,8 @@ _fsdp_param.py``), so one subclass works under both. What it adds:
   Note [freeing full parameters] in engine/iteration/unit.py.
 
 Limits, each refused by name at ``shard``: the parameter must be frozen (a trainable
-subclass, float8 training, would need its gradients reduced through the protocol), its
+subclass, float8 training, would need its gradients reduced as rows: Note [one group
+type] in engine/groups/flat.py says what that would take), its
 inner tensors must be plain, and ``sharded_init`` and, on a GPU, ``Offload(params=...)``
 do not take it (Note [packed bytes offloaded]). Any other tensor subclass, and any
 ``nn.Parameter`` subclass (bitsandbytes' ``Params4bit`` keeps its quantization state
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import inspect as pyinspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,11 +56,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..._registry import PACKED, attach_to, attached, copy_all_attributes, copy_user_attributes
+from ..._registry import copy_user_attributes
 from ...comm.mesh import Topology
 from ...errors import ShardwiseError
-from .copies import copy_out
 from .layout import ShardLayout, build_layout, contiguous_stride
+from .parts import DeviceStorage
 
 
 def uses_protocol(t: torch.Tensor) -> bool:
@@ -67,7 +68,7 @@ def uses_protocol(t: torch.Tensor) -> bool:
     return hasattr(t, "fsdp_pre_all_gather") and hasattr(t, "fsdp_post_all_gather")
 
 
-def refusal(name: str, p: torch.Tensor) -> str | None:
+def subclass_refusal(name: str, p: torch.Tensor) -> str | None:
     """Why parameter ``name`` cannot be sharded, or ``None`` when it can (plain, or a
     frozen subclass with the protocol: Note [packed parameters])."""
     kind = f"{type(p).__module__}.{type(p).__qualname__}"
@@ -365,71 +366,139 @@ class ByteShard(torch.Tensor):
 
 
 @dataclass
-class PackedParam:
-    """One frozen subclass parameter: where it is registered, its shard, its full form."""
+class SubclassBytes:
+    """How a frozen tensor-subclass parameter is gathered: its bytes, through FSDP2's
+    extension protocol (Note [packed parameters]); one of the two gather strategies of
+    Note [one group type] in engine/groups/flat.py. The parameter's record is the one every
+    parameter has (``ShardedParam``); this is what only such a parameter has."""
 
-    fqns: list[str]
-    slots: list[tuple[nn.Module, str]]
-    shape: torch.Size
-    dtype: torch.dtype
     kind: type                     # the subclass
     cut: Cut                       # how it is divided among the ranks
     # This rank's chunk, the subclass over the group's bytes; None when divided by bytes
     # (Note [uneven packed parameters]): there is no chunk of the subclass then.
-    local: torch.Tensor | None
-    shard: nn.Parameter            # what the module holds while sharded: DTensor(local), or
-    #                                a ByteShard
+    chunk: torch.Tensor | None
     inner: list[str]               # names of the inner tensors
     # This rank's piece of each inner tensor, a view of the group's bytes: the chunk's
     # inner tensor, or the valid part of the slot (flat) when divided by bytes.
     pieces: dict[str, torch.Tensor]
     # Each inner tensor's slot in the group's bytes, padding included: what a load writes.
     stored: list[torch.Tensor]
+    offsets: list[int]             # where each slot starts in the group's bytes
+    rank: int                      # this rank, in the shard group
+    mesh: Any                      # the shard group's 1-D mesh, which the protocol is given
+    param_dtype: torch.dtype | None  # MixedPrecision's, for the protocol; None: its own
     # Each inner tensor's shape in the full tensor: a checkpoint records the full inner
     # tensors in pieces (Note [packed checkpoints]).
     full_inner: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # Why a checkpoint cannot hold this parameter, or None (Note [packed checkpoints]).
     unsaveable: str | None = None
-    group: PackedGroup | None = None
     # Divided by bytes: the original's __tensor_flatten__ context, size and stride, which
     # rebuild the full tensor (Note [uneven packed parameters]).
     ctx: Any = None
     stride: tuple[int, ...] = ()
-    full: nn.Parameter | None = None      # the full subclass, built at the first gather
     # Storage fsdp_post_all_gather allocated itself, with its size: freed and refilled
     # with the full buffer.
     allocated: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     metadata: Any = None           # fsdp_pre_all_gather's, until fsdp_post_all_gather
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+    # -- gather: what it sends, what it builds (Note [one group type]) -----------------
+    def inputs(self, sp: Any) -> list[torch.Tensor]:
+        """What parameter ``sp`` sends to the all-gather: its slots when divided by bytes
+        (Note [uneven packed parameters]), else what ``fsdp_pre_all_gather`` says, called
+        as FSDP2 calls it."""
+        if self.chunk is None:
+            return self.stored
+        fn = self.chunk.fsdp_pre_all_gather  # type: ignore[attr-defined]
+        if len(pyinspect.signature(fn).parameters) == 1:
+            inputs, self.metadata = fn(self.mesh)
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            inputs, self.metadata = fn(self.mesh, sp.shape, contiguous_stride(sp.shape),
+                                       sp.slots[0][0],
+                                       MixedPrecisionPolicy(param_dtype=self.param_dtype))
+        return list(inputs)
+
+    def outputs(self, gathered: list[torch.Tensor],
+                sizes: list[tuple[torch.Size, torch.dtype]]) -> tuple[torch.Tensor, ...]:
+        """Its all-gather outputs from ``gathered``, each input's bytes from every rank
+        one after another: viewed ``(-1, *size[1:])`` for the protocol, or, divided by
+        bytes, the full inner tensors (the slots, less the padding at the end)."""
+        views = []
+        for i, (t, (size, dtype)) in enumerate(zip(gathered, sizes)):
+            if self.chunk is None:
+                c = self.cut
+                n = math.prod(c.shapes[i]) * c.dtypes[i].itemsize
+                views.append(t[:n].view(c.dtypes[i]).view(c.shapes[i]))
+            else:
+                views.append(t.view(dtype).view(-1, *size[1:]))
+        return tuple(views)
+
+    def value(self, sp: Any, outputs: tuple[torch.Tensor, ...]
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A full tensor built from ``outputs``, and the storage the protocol allocated
+        for it: ``fsdp_post_all_gather``'s, or, divided by bytes, the original rebuilt
+        around the full inner tensors (Note [uneven packed parameters])."""
+        if self.chunk is None:
+            return self.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+                dict(zip(self.inner, outputs)), self.ctx, sp.shape, self.stride), []
+        fn = self.chunk.fsdp_post_all_gather  # type: ignore[attr-defined]
+        full, allocated = fn(outputs, self.metadata, self.param_dtype or sp.dtype)
+        self.metadata = None
+        return full, list(allocated)
+
+    def after_gather(self, sp: Any, outputs: tuple[torch.Tensor, ...],
+                     gathered: torch.Tensor) -> nn.Parameter | None:
+        """Its full parameter at its first gather (``sp.full`` still on the meta device:
+        :func:`not_gathered`), built from ``outputs``, which view the group's byte buffer
+        ``gathered``; at a later gather it is refilled in place and None is returned (a
+        weight divided by bytes needs nothing: its inner tensors view that buffer)."""
+        if not sp.full.is_meta:
+            if self.chunk is not None:
+                self.chunk.fsdp_post_all_gather(  # type: ignore[attr-defined]
+                    outputs, self.metadata, self.param_dtype or sp.dtype, out=sp.full)
+                self.metadata = None
+            return None
+        full, allocated = self.value(sp, outputs)
+        if self.chunk is not None and tuple(full.shape) != tuple(sp.shape):
+            raise ShardwiseError(
+                f"{sp.fqns[0]}: fsdp_post_all_gather built a tensor of shape "
+                f"{tuple(full.shape)}, not the parameter's {tuple(sp.shape)}")
+        param = nn.Parameter(full, requires_grad=False)
+        copy_user_attributes(sp.shard, param,
+                             besides=self.chunk if self.chunk is not None else param)
+        self.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
+                          if not _shares(t, gathered)]
+        return param
+
+    def views(self) -> list[torch.Tensor]:
+        """Every tensor of it viewing the group's bytes: the chunk's inner tensors, the
+        pieces, the slots."""
+        inner = [getattr(self.chunk, n) for n in self.inner] if self.chunk is not None else []
+        return [*inner, *self.pieces.values(), *self.stored]
+
+    def write_shares(self, buf: torch.Tensor, name: str, value: torch.Tensor) -> None:
+        """Write each rank's share of ``value`` (its full tensor) into that rank's row of
+        ``buf``, a ``(ranks, bytes)`` buffer of zeros, at its slots."""
+        for r, parts in enumerate(self.cut.shares(name, value)):
+            for at, b in zip(self.offsets, parts):
+                buf[r, at:at + b.numel()].copy_(b)
 
     def inner_piece(self, inner: str) -> tuple[int, int]:
         """(offset, count) of this rank's ``inner`` in the full inner tensor's flattened
         elements (Note [packed checkpoints]): its part, or all of it."""
-        assert self.group is not None
-        rank = self.group.comm.rank
         full = math.prod(self.full_inner[inner])
         if self.cut.by_bytes:
             i = self.inner.index(inner)
-            return min(rank * self.cut.per_rank(i), full), self.cut.held(i, rank)
+            return min(self.rank * self.cut.per_rank(i), full), self.cut.held(i, self.rank)
         k = self.pieces[inner].numel()
-        return (0, k) if k == full else (rank * k, k)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        # Reached only by a copy of part of a model: a whole model's copy maps each
-        # shard to its twin's (Note [deep copy] in engine/clone.py).
-        raise ShardwiseError(f"{self.fqns[0]} is a quantized parameter of a sharded model; "
-                             f"only the whole model can be deep-copied "
-                             f"(copy.deepcopy(model))")
+        return (0, k) if k == full else (self.rank * k, k)
 
     # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
-    def full_problem(self, value: object) -> str | None:
-        """Why ``value`` cannot be this parameter's full value, or None: it must be the
-        same subclass, of the same shape, with inner tensors of the full tensor's shapes
-        and dtypes (quantized with the same settings)."""
-        name = self.fqns[0]
+    def full_problem(self, name: str, shape: torch.Size, value: object) -> str | None:
+        """Why ``value`` cannot be the full value of parameter ``name`` (of ``shape``), or
+        None: it must be the same subclass, of the same shape, with inner tensors of the
+        full tensor's shapes and dtypes (quantized with the same settings)."""
         if self.unsaveable:
             return self.unsaveable
         kind = self.kind
@@ -444,9 +513,9 @@ class PackedParam:
                     f"shardwise writes quantized values only (a {kind.__qualname__} "
                     f"quantized with the model's settings); to quantize full-precision "
                     f"weights as they load, use sw.load_pretrained (docs/qlora.md)")
-        if tuple(value.shape) != tuple(self.shape):
+        if tuple(value.shape) != tuple(shape):
             return (f"{name}: the value has shape {tuple(value.shape)}, the parameter "
-                    f"{tuple(self.shape)}")
+                    f"{tuple(shape)}")
         names, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
         if sorted(names) != sorted(self.inner):
             return f"{name}: the value has inner tensors {sorted(names)}, not {sorted(self.inner)}"
@@ -472,479 +541,225 @@ class PackedParam:
                     mine.view(-1).copy_(piece)
 
 
-def packed_param(t: torch.Tensor) -> PackedParam | None:
-    """The packed parameter behind a shard or full tensor, or ``None``."""
-    return attached(t, PACKED)
+def not_gathered(dtype: torch.dtype) -> nn.Parameter:
+    """A subclass parameter's full form before its first gather: an empty parameter on
+    the meta device, without gradient (``SubclassBytes.after_gather`` builds the real one
+    then)."""
+    return nn.Parameter(torch.empty(0, dtype=dtype, device="meta"), requires_grad=False)
 
 
-class PackedGroup:
-    """A unit's frozen subclass parameters, gathered through the protocol with one
-    all-gather of bytes (Note [packed parameters]).
+# -- a group of subclass parameters ----------------------------------------------------
+def cuts_agreed(names: list[str], originals: list[torch.Tensor], topology: Topology,
+                compute_dtype: torch.dtype | None) -> list[Cut]:
+    """How each of ``originals`` is divided among the shard group's ranks, compared across
+    them: every rank must hold the same kinds of pieces, or the byte scatter would
+    misplace them (one comparison, failing on every rank alike)."""
+    comm = topology.shard
+    cuts = [cut(n, p, comm.world_size, compute_dtype) for n, p in zip(names, originals)]
+    sig = [(n, type(p).__qualname__, "bytes" if c.by_bytes else "chunks",
+            [(s, str(d)) for s, d in zip(c.shapes, c.dtypes)])
+           for n, p, c in zip(names, originals, cuts)]
+    everyone = comm.all_gather_object(sig, what="the quantized parameters' layout")
+    for r, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            bad = next((a, b) for a, b in zip(everyone[0], theirs) if a != b)
+            raise ShardwiseError(f"ranks hold different quantized parameters: rank 0 "
+                                 f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
+                                 f"same weights with the same settings on every rank")
+    return cuts
 
-    ``local`` is this rank's byte buffer holding its piece of every parameter's inner
-    tensors (a chunk's, or a slot of the full tensor's: Note [uneven packed parameters]);
-    ``full`` is the byte buffer of the all-gather outputs, parameter after parameter, whose
-    storage is empty while the group is sharded.
-    """
 
-    def __init__(self, names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
-                 originals: list[torch.Tensor], topology: Topology, device: torch.device,
-                 compute_dtype: torch.dtype | None, src_rank: int) -> None:
-        self.topology = topology
-        self.comm = comm = topology.shard
-        self.device = device
-        self.compute_dtype = compute_dtype  # MixedPrecision.param_dtype, or None
-        self.mesh = shard_mesh(topology)
-        self.unit_name = "?"
-        world, rank = comm.world_size, comm.rank
-        cuts = [cut(n[0], p, world, compute_dtype) for n, p in zip(names, originals)]
-        self.store_layout = build_layout([(b,) for c in cuts for b in c.slot_bytes()], 1)
-        self._agree([n[0] for n in names], originals, cuts)
-        self.local = torch.zeros(self.store_layout.shard_numel, dtype=torch.uint8,
-                                 device=device)
-        self._fill(list(zip([n[0] for n in names], originals, cuts))
-                   if topology.world.rank == src_rank else None, src_rank)
-        self.params: list[PackedParam] = []
-        k = 0
-        for fqns, where, orig, c in zip(names, slots, originals, cuts):
-            store, pieces = [], {}
-            for i, (n, nbytes, dtype) in enumerate(zip(c.names, c.slot_bytes(), c.dtypes)):
-                s = self.store_layout.slots[k]
-                k += 1
-                store.append(self.local[s.offset:s.offset + nbytes])
-                piece = store[-1][:c.held(i, rank) * dtype.itemsize].view(dtype)
-                pieces[n] = piece if c.by_bytes else piece.view(c.shapes[i])
-            self.params.append(self._param(fqns, where, orig, c, store, pieces))
-        self.full = torch.empty(0, dtype=torch.uint8, device=device)
-        self.gather_layout: ShardLayout | None = None
-        self._sizes: list[list[tuple[torch.Size, torch.dtype]]] = []
-        self._gathered: torch.Tensor | None = None
-        self._sending: torch.Tensor | None = None
-        self._gather_work: Any = None
+def store_layout(cuts: list[Cut]) -> ShardLayout:
+    """Where each inner tensor's slot lies in every rank's bytes (the same on each)."""
+    return build_layout([(b,) for c in cuts for b in c.slot_bytes()], 1)
 
-    # -- construction ------------------------------------------------------------------
-    def _param(self, fqns: list[str], where: list[tuple[nn.Module, str]],
-               orig: torch.Tensor, c: Cut, store: list[torch.Tensor],
-               pieces: dict[str, torch.Tensor]) -> PackedParam:
-        """The packed parameter over this rank's ``pieces`` of ``orig``, and its shard."""
-        rank, world = self.comm.rank, self.comm.world_size
-        names, ctx = orig.__tensor_flatten__()  # type: ignore[attr-defined]
-        if c.by_bytes:
-            # A fresh instance, whose own attributes (inner tensors, settings) are not the
-            # user's: the original's would keep the full weight alive.
-            fresh = type(orig).__tensor_unflatten__(  # type: ignore[attr-defined]
-                {n: getattr(orig, n) for n in names}, ctx, orig.size(), orig.stride())
-            about = (f"{fqns[0]} is a quantized weight ({type(orig).__qualname__} "
-                     f"{tuple(orig.shape)}) divided among {world} ranks by bytes, its rows "
-                     f"and blocks not splitting into {world} equal shards "
-                     f"(Note [uneven packed parameters] in engine/groups/packed.py)")
-            shard = nn.Parameter(ByteShard(orig.shape, orig.dtype, self.device, about),
-                                 requires_grad=False)
-            copy_user_attributes(orig, shard, besides=fresh)
-            del fresh
-            full_inner = dict(zip(c.names, c.shapes))
-            return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, None,
-                               shard, list(c.names), pieces, store, full_inner, None, self,
+
+def subclass_shard(fqns: list[str], orig: torch.Tensor, c: Cut, local: torch.Tensor,
+                   slots: list[Any], topology: Topology, device: torch.device,
+                   param_dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, nn.Parameter, SubclassBytes]:
+    """This rank's share of ``orig`` over its ``slots`` of the group's bytes ``local``: its
+    bytes (the slots, one after another), the shard the module holds (a DTensor of the
+    chunk, or a :class:`ByteShard`) and its gather strategy."""
+    rank, world = topology.shard.rank, topology.shard.world_size
+    store, pieces = [], {}
+    for i, (n, nbytes, dtype, s) in enumerate(zip(c.names, c.slot_bytes(), c.dtypes, slots)):
+        store.append(local[s.offset:s.offset + nbytes])
+        piece = store[-1][:c.held(i, rank) * dtype.itemsize].view(dtype)
+        pieces[n] = piece if c.by_bytes else piece.view(c.shapes[i])
+    span = local[slots[0].offset:slots[-1].offset + c.slot_bytes()[-1]]
+    offsets = [s.offset for s in slots]
+    mesh = shard_mesh(topology)
+    names, ctx = orig.__tensor_flatten__()  # type: ignore[attr-defined]
+    if c.by_bytes:
+        # A fresh instance, whose own attributes (inner tensors, settings) are not the
+        # user's: the original's would keep the full weight alive.
+        fresh = type(orig).__tensor_unflatten__(  # type: ignore[attr-defined]
+            {n: getattr(orig, n) for n in names}, ctx, orig.size(), orig.stride())
+        about = (f"{fqns[0]} is a quantized weight ({type(orig).__qualname__} "
+                 f"{tuple(orig.shape)}) divided among {world} ranks by bytes, its rows "
+                 f"and blocks not splitting into {world} equal shards "
+                 f"(Note [uneven packed parameters] in engine/groups/packed.py)")
+        shard = nn.Parameter(ByteShard(orig.shape, orig.dtype, device, about),
+                             requires_grad=False)
+        copy_user_attributes(orig, shard, besides=fresh)
+        del fresh
+        gather = SubclassBytes(type(orig), c, None, list(c.names), pieces, store, offsets,
+                               rank, mesh, param_dtype, dict(zip(c.names, c.shapes)), None,
                                ctx, tuple(orig.stride()))
-        mine = torch.chunk(orig.detach(), world, dim=0)[rank]
-        _, chunk_ctx = mine.__tensor_flatten__()  # type: ignore[attr-defined]
-        local = type(mine).__tensor_unflatten__(  # type: ignore[attr-defined]
-            pieces, chunk_ctx, mine.size(), mine.stride())
+        return span, shard, gather
+    mine = torch.chunk(orig.detach(), world, dim=0)[rank]
+    _, chunk_ctx = mine.__tensor_flatten__()  # type: ignore[attr-defined]
+    chunk = type(mine).__tensor_unflatten__(  # type: ignore[attr-defined]
+        pieces, chunk_ctx, mine.size(), mine.stride())
+    with torch.no_grad():
+        dt = DTensor.from_local(chunk, topology.mesh, topology.placements,
+                                run_check=False, shape=orig.shape, stride=orig.stride())
+    shard = nn.Parameter(dt, requires_grad=False)
+    # Not the original's inner tensors: they would keep the full weight alive.
+    copy_user_attributes(orig, shard, besides=mine)
+    full_inner, unsaveable = _inner_split(fqns[0], orig, mine, rank, world)
+    gather = SubclassBytes(type(orig), c, chunk, list(c.names), pieces, store, offsets, rank,
+                           mesh, param_dtype, full_inner, unsaveable)
+    return span, shard, gather
+
+
+def twin_shard(span: torch.Tensor, shard: nn.Parameter, sb: SubclassBytes,
+               old: torch.Tensor, new: torch.Tensor, topology: Topology
+               ) -> tuple[torch.Tensor, nn.Parameter, SubclassBytes]:
+    """What :func:`subclass_shard` made, for a copy of the group whose bytes ``new`` are
+    a copy of ``old`` (Note [deep copy] in engine/clone.py): the same views at the same
+    offsets of ``new``, a new shard around them, nothing gathered."""
+    def same_place(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(*_moved(t, old, new))
+
+    pieces = {n: same_place(t) for n, t in sb.pieces.items()}
+    chunk = None
+    if sb.chunk is None:  # divided by bytes: a ByteShard, no values
+        twin = nn.Parameter(shard.detach(), requires_grad=False)
+        copy_user_attributes(shard, twin)
+    else:
+        ctx = sb.chunk.__tensor_flatten__()[1]  # type: ignore[attr-defined]
+        chunk = sb.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
+            pieces, ctx, sb.chunk.size(), sb.chunk.stride())
         with torch.no_grad():
-            dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
-                                    run_check=False, shape=orig.shape, stride=orig.stride())
-        shard = nn.Parameter(dt, requires_grad=False)
-        # Not the original's inner tensors: they would keep the full weight alive.
-        copy_user_attributes(orig, shard, besides=mine)
-        full_inner, unsaveable = _inner_split(fqns[0], orig, mine, rank, world)
-        return PackedParam(fqns, where, orig.shape, orig.dtype, type(orig), c, local, shard,
-                           list(c.names), pieces, store, full_inner, unsaveable, self)
+            dt = DTensor.from_local(chunk, topology.mesh, topology.placements,
+                                    run_check=False, shape=shard.shape, stride=shard.stride())
+        twin = nn.Parameter(dt, requires_grad=False)
+        copy_user_attributes(shard, twin, besides=sb.chunk)
+    return same_place(span), twin, replace(
+        sb, chunk=chunk, pieces=pieces, stored=[same_place(t) for t in sb.stored],
+        allocated=[], metadata=None)
 
-    def _agree(self, names: list[str], originals: list[torch.Tensor],
-               cuts: list[Cut]) -> None:
-        """Every rank must hold the same kinds of pieces, or the byte scatter would
-        misplace them: compare once, and fail on every rank alike."""
-        sig = [(n, type(p).__qualname__, "bytes" if c.by_bytes else "chunks",
-                [(s, str(d)) for s, d in zip(c.shapes, c.dtypes)])
-               for n, p, c in zip(names, originals, cuts)]
-        everyone = self.comm.all_gather_object(sig, what="the quantized parameters' layout")
-        for r, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
-                bad = next((a, b) for a, b in zip(everyone[0], theirs) if a != b)
-                raise ShardwiseError(f"ranks hold different quantized parameters: rank 0 "
-                                     f"has {bad[0]}, rank {r} has {bad[1]}; quantize the "
-                                     f"same weights with the same settings on every rank")
 
-    def _fill(self, params: list[tuple[str, torch.Tensor, Cut]] | None,
-              src_rank: int) -> None:
-        """Every rank's bytes from ``src_rank``'s parameters (as ``FlatGroup.fill_local``),
-        each divided as its :class:`Cut` says, one parameter at a time (a placeholder's
-        bytes are made only as they are copied: Note [quantize while loading] in
-        engine/groups/quantize.py)."""
-        replica, shard_src = self.topology.source(src_rank)
-        n = self.comm.world_size
-        if self.topology.replica_index == replica:
-            send = None
-            if params is not None:
-                buf = torch.zeros(n, self.store_layout.shard_numel, dtype=torch.uint8,
-                                  device=self.device)
-                slots = iter(self.store_layout.slots)
-                for name, p, c in params:
-                    mine = [next(slots) for _ in c.names]
-                    for r, parts in enumerate(c.shares(name, p)):
-                        for s, b in zip(mine, parts):
-                            buf[r, s.offset:s.offset + b.numel()].copy_(b)
-                send = list(buf.unbind(0))
-            self.comm.scatter(self.local, send, shard_src,
-                              what="the scatter of quantized shards")
-        if self.topology.replicate is not None:
-            self.topology.replicate.broadcast(
-                self.local, replica, what="the broadcast of quantized shards to replicas")
+def send_bytes(params: list[Any], world: int, device: torch.device,
+               layout: ShardLayout | None, sizes: list[list[tuple[torch.Size, torch.dtype]]]
+               ) -> tuple[torch.Tensor, ShardLayout, list[list[tuple[torch.Size, torch.dtype]]]]:
+    """What this rank's all-gather sends for subclass parameters ``params``: every input
+    each one's strategy gives, as bytes, in slots of a layout made at the first gather
+    (``layout`` None) and the same afterwards; with that layout and the inputs' sizes.
 
-    def install(self) -> None:
-        """Register each shard in place of its parameter on every module holding it."""
-        for pp in self.params:
-            attach_to(pp.shard, PACKED, pp)
-            for m, attr in pp.slots:
-                m._parameters[attr] = pp.shard
+    Raises:
+        ShardwiseError: a parameter's inputs changed sizes or dtypes since the first.
+    """
+    per_param = [p.gather.inputs(p) for p in params]
+    now = [[(t.size(), t.dtype) for t in ts] for ts in per_param]
+    if layout is None:
+        sizes = now
+        layout = build_layout([(world * _as_bytes(t).numel(),) for ts in per_param
+                               for t in ts], world)
+    elif now != sizes:
+        changed = next(p.fqns[0] for p, a, b in zip(params, now, sizes) if a != b)
+        raise ShardwiseError(f"{changed}: fsdp_pre_all_gather returned tensors of other "
+                             f"sizes or dtypes than at its first gather")
+    send = torch.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
+    for s, t in zip(layout.slots, (t for ts in per_param for t in ts)):
+        send[s.offset:s.offset + s.chunk_rows].copy_(_as_bytes(t))
+    return send, layout, sizes
 
-    # -- as a group (Note [one interface for a group] in engine/groups/interface.py) --------------
-    requires_grad = False  # frozen: never reduced
-    unit: Any = None  # the engine's Unit holding the group, set by the Unit
 
-    def expose(self, full: bool) -> None:
-        """Register the full tensors (``full``) or the shards on their modules (Note
-        [what the module sees] in engine/iteration/unit.py)."""
-        for pp in self.params:
-            tensor = pp.full if full else pp.shard
-            assert tensor is not None, "a packed group's full tensors exist once gathered"
-            for module, attr in pp.slots:
-                module._parameters[attr] = tensor
+def received(params: list[Any], layout: ShardLayout,
+             sizes: list[list[tuple[torch.Size, torch.dtype]]], full: torch.Tensor
+             ) -> list[tuple[torch.Tensor, ...]]:
+    """Each parameter's all-gather outputs, as views of the byte buffer ``full`` (the
+    gathered bytes copied out in ``layout``)."""
+    slots = iter(layout.slots)
+    out = []
+    for p, mine in zip(params, sizes):
+        views = []
+        for _ in mine:
+            s = next(slots)
+            views.append(full[s.full_offset:s.full_offset + s.numel])
+        out.append(p.gather.outputs(views, mine))
+    return out
 
-    def free(self, keep_grads: bool = False) -> None:
-        """Free the gathered form (its tensors have no gradients)."""
-        self._free_full()
 
-    def drop_kept(self) -> None:
-        pass
+# Note [packed bytes offloaded]
+# Offload(params="disk") keeps this rank's packed bytes in a file of the rank's folder
+# (engine/groups/offload/disk.py), mapped: every tensor viewing the bytes (a chunk's inner
+# tensors; the pieces a load writes; a byte-divided weight's slots, Note [uneven
+# packed parameters]) is re-pointed at the mapping with ``set_``, so the chunks and
+# the shards the modules hold stay the same objects. A gather reads them (through
+# ``fsdp_pre_all_gather``, or the slots) as before, then drops
+# their pages, so memory holds the bytes of the units being gathered only (the page
+# cache keeps them; a later read maps them back). Frozen, they are written only by a
+# checkpoint load or ``gathered(modifier_rank=)``, through the mapping. With
+# ``params="cpu"`` on a CPU device they stay where they are, host memory. On a GPU the
+# protocol's inputs and metadata (NF4's scaler mean, lookup table) would be host
+# tensors: refused at ``sw.shard`` until they are staged on the device.
+class ByteStorage(DeviceStorage):
+    """Where a group of subclass parameters keeps this rank's bytes: on the device, or
+    on an offload tier (Note [packed bytes offloaded]). Frozen: nothing steps, reduces
+    or casts them."""
 
-    def read_ahead(self) -> None:
-        if self._disk is not None:
-            self._disk.prefetch()
-
-    def start_reduce(self, sync: bool) -> None:
-        pass
-
-    def is_stale(self) -> bool:
-        return False  # frozen: no optimizer step changes its shard
-
-    def page_release(self) -> Callable[[], None] | None:
-        return self._disk.release if self._disk is not None else None
-
-    def release_pages(self) -> None:
-        if self._disk is not None:
-            self._disk.release()
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, torch.uint8, torch.uint8, device)
+        self.tier = "device"
+        self._disk: Any = None  # the DiskBuffer holding ``master``, on the disk tier
 
     @property
-    def kept_bytes(self) -> int:
-        return 0
+    def steps_in_place(self) -> bool:
+        return False  # frozen: nothing for an optimizer to step (Note [plain step])
 
-    @property
-    def moved_bytes(self) -> int:
-        return 0
-
-    def bytes_by_tier(self) -> dict[str, int]:
-        return {} if self._tier == "device" else {self._tier: self.local.numel()}
-
-    def offload_description(self) -> str | None:
-        return None if self._tier == "device" else f"quantized bytes on {self._tier}"
-
-    def may_be_held(self) -> bool:
-        return False  # a quantized base would stay gathered for an adapter's gradients
-
-    def grads_may_wait(self) -> bool:
-        return True  # frozen: no gradient of it waits anywhere
-
-    def describe(self) -> dict[str, Any]:
-        """Plain values for ``sw.inspect``'s ``PackedView``."""
-        return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
-                "types": tuple(p.kind.__name__ for p in self.params),
-                "numel": sum(p.numel for p in self.params), "shard_bytes": self.shard_bytes,
-                "full_bytes": self.full_bytes, "full_allocated": self.full_is_allocated()}
-
-    # -- gather ------------------------------------------------------------------------
-    def _pre_all_gather(self, pp: PackedParam) -> list[torch.Tensor]:
-        """What ``pp`` sends to the all-gather: its slots when divided by bytes (Note
-        [uneven packed parameters]), else what the protocol says."""
-        if pp.local is None:
-            return pp.stored
-        fn = pp.local.fsdp_pre_all_gather  # type: ignore[attr-defined]
-        if len(pyinspect.signature(fn).parameters) == 1:
-            inputs, pp.metadata = fn(self.mesh)
-        else:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            module = pp.slots[0][0]
-            inputs, pp.metadata = fn(self.mesh, pp.shape, contiguous_stride(pp.shape),
-                                     module, MixedPrecisionPolicy(
-                                         param_dtype=self.compute_dtype))
-        return list(inputs)
-
-    def _send_buffer(self) -> torch.Tensor:
-        per_param = [self._pre_all_gather(pp) for pp in self.params]
-        sizes = [[(t.size(), t.dtype) for t in ts] for ts in per_param]
-        if self.gather_layout is None:
-            self._sizes = sizes
-            self.gather_layout = build_layout(
-                [(self.comm.world_size * _as_bytes(t).numel(),) for ts in per_param
-                 for t in ts], self.comm.world_size)
-        elif sizes != self._sizes:
-            changed = next(pp.fqns[0] for pp, a, b in zip(self.params, sizes, self._sizes)
-                           if a != b)
-            raise ShardwiseError(f"{changed}: fsdp_pre_all_gather returned tensors of other "
-                                 f"sizes or dtypes than at its first gather")
-        layout = self.gather_layout
-        send = torch.zeros(layout.shard_numel, dtype=torch.uint8, device=self.device)
-        for s, t in zip(layout.slots, (t for ts in per_param for t in ts)):
-            send[s.offset:s.offset + s.chunk_rows].copy_(_as_bytes(t))
-        return send
-
-    def start_gather(self) -> None:
-        send = self._send_buffer()
-        self.release_pages()  # Note [packed bytes offloaded]: read, so dropped
-        if self.comm.world_size == 1:
-            self._gathered = send
-            return
-        assert self.gather_layout is not None
-        self._gathered = torch.empty(self.gather_layout.gathered_numel, dtype=torch.uint8,
-                                     device=self.device)
-        self._sending = send
-        self._gather_work = self.comm.all_gather(
-            self._gathered, send, async_op=True,
-            what=f"the all-gather of unit {self.unit_name!r}'s quantized parameters")
-
-    def wait_gather(self, fill: bool = True, keep: bool = False) -> None:
-        """Wait for the all-gather and, if ``fill``, rebuild (or refill) every full
-        tensor through ``fsdp_post_all_gather``."""
-        if self._gather_work is not None:
-            self._gather_work.settle(use=fill)
-            self._gather_work = None
-        self._sending = None
-        if self._gathered is None:
-            return
-        if fill:
-            layout = self.gather_layout
-            assert layout is not None
-            version = self.full._version
-            if self.full.numel() == 0:
-                self.full = torch.empty(layout.full_numel, dtype=torch.uint8,
-                                        device=self.device)
-            self._alloc_full()
-            copy_out(self._gathered, layout, self.full)
-            # Note [freeing full parameters] in engine/iteration/unit.py: autograd may hold views.
-            torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
-            self._post_all_gather()
-        self._gathered = None
-
-    def _post_all_gather(self) -> None:
-        for pp, outputs in zip(self.params, self._outputs(self.full)):
-            if pp.local is None:  # refilled in place: its inner tensors view self.full
-                if pp.full is None:
-                    pp.full = nn.Parameter(self._rebuild(pp, outputs), requires_grad=False)
-                    copy_user_attributes(pp.shard, pp.full, besides=pp.full)
-                    attach_to(pp.full, PACKED, pp)
-                continue
-            fn = pp.local.fsdp_post_all_gather  # type: ignore[attr-defined]
-            dtype = self.compute_dtype or pp.dtype
-            if pp.full is None:
-                full, allocated = fn(outputs, pp.metadata, dtype)
-                if tuple(full.shape) != tuple(pp.shape):
-                    raise ShardwiseError(
-                        f"{pp.fqns[0]}: fsdp_post_all_gather built a tensor of shape "
-                        f"{tuple(full.shape)}, not the parameter's {tuple(pp.shape)}")
-                pp.full = nn.Parameter(full, requires_grad=False)
-                copy_user_attributes(pp.shard, pp.full, besides=pp.local)
-                attach_to(pp.full, PACKED, pp)
-                pp.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
-                                if not _shares(t, self.full)]
-            else:
-                fn(outputs, pp.metadata, dtype, out=pp.full)
-            pp.metadata = None
-
-    def gather_full(self) -> list[torch.Tensor]:
-        """Every parameter's full tensor, freshly gathered into memory of its own (a
-        collective over the shard group); the unit's own gathered form is untouched."""
-        send = self._send_buffer()
-        layout = self.gather_layout
-        assert layout is not None
-        gathered = send
-        if self.comm.world_size > 1:
-            gathered = torch.empty(layout.gathered_numel, dtype=torch.uint8,
-                                   device=self.device)
-            self.comm.all_gather(gathered, send,
-                                 what="the all-gather of quantized parameters' values")
-        full = torch.empty(layout.full_numel, dtype=torch.uint8, device=self.device)
-        copy_out(gathered, layout, full)
-        out = []
-        for pp, outputs in zip(self.params, self._outputs(full)):
-            if pp.local is None:
-                out.append(self._rebuild(pp, outputs))
-                continue
-            value, _ = pp.local.fsdp_post_all_gather(  # type: ignore[attr-defined]
-                outputs, pp.metadata, self.compute_dtype or pp.dtype)
-            pp.metadata = None
-            out.append(value)
-        return out
-
-    def _outputs(self, full: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-        """Each parameter's all-gather outputs, as views of the byte buffer ``full``: the
-        full inner tensors of one divided by bytes (its slots, rank after rank, less the
-        padding at the end)."""
-        assert self.gather_layout is not None
-        slots = iter(self.gather_layout.slots)
-        out = []
-        for pp, sizes in zip(self.params, self._sizes):
-            views = []
-            for i, (size, dtype) in enumerate(sizes):
-                s = next(slots)
-                gathered = full[s.full_offset:s.full_offset + s.numel]
-                if pp.local is None:
-                    c = pp.cut
-                    n = math.prod(c.shapes[i]) * c.dtypes[i].itemsize
-                    views.append(gathered[:n].view(c.dtypes[i]).view(c.shapes[i]))
-                else:
-                    views.append(gathered.view(dtype).view(-1, *size[1:]))
-            out.append(tuple(views))
-        return out
-
-    @staticmethod
-    def _rebuild(pp: PackedParam, inner: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The full tensor of ``pp`` (divided by bytes) around its full ``inner`` tensors,
-        as the original was (Note [uneven packed parameters])."""
-        return pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
-            dict(zip(pp.inner, inner)), pp.ctx, pp.shape, pp.stride)
-
-    # -- storage -----------------------------------------------------------------------
-    def _storages(self) -> list[tuple[torch.Tensor, int]]:
-        return [(self.full, self.full.numel())] + [a for pp in self.params
-                                                    for a in pp.allocated]
-
-    def _alloc_full(self) -> None:
-        for t, nbytes in self._storages():
-            if t.untyped_storage().size() != nbytes:
-                t.untyped_storage().resize_(nbytes)
-
-    def _free_full(self) -> None:
-        for t, _ in self._storages():
-            t.untyped_storage().resize_(0)
-
-    # Note [packed bytes offloaded]
-    # Offload(params="disk") keeps this rank's packed bytes in a file of the rank's folder
-    # (engine/groups/offload/disk.py), mapped: every tensor viewing the bytes (a chunk's inner
-    # tensors; the pieces a load writes; a byte-divided weight's slots, Note [uneven
-    # packed parameters]) is re-pointed at the mapping with ``set_``, so the chunks and
-    # the shards the modules hold stay the same objects. A gather reads them (through
-    # ``fsdp_pre_all_gather``, or the slots) as before, then drops
-    # their pages, so memory holds the bytes of the units being gathered only (the page
-    # cache keeps them; a later read maps them back). Frozen, they are written only by a
-    # checkpoint load or ``gathered(modifier_rank=)``, through the mapping. With
-    # ``params="cpu"`` on a CPU device they stay where they are, host memory. On a GPU the
-    # protocol's inputs and metadata (NF4's scaler mean, lookup table) would be host
-    # tensors: refused at ``sw.shard`` until they are staged on the device.
-    _tier = "device"
-    _disk: Any = None  # the DiskBuffer holding ``local``, on the disk tier
-
-    def place(self, placement: Any) -> None:
-        """Move this rank's bytes to ``placement``'s parameter tier (an
-        ``engine.groups.offload.Placement``; Note [packed bytes offloaded]); call before
-        ``install``."""
+    def place(self, placement: Any, views: list[torch.Tensor]) -> None:
+        """Move the bytes to ``placement``'s parameter tier (an
+        ``engine.groups.offload.Placement``), re-pointing ``views`` (every tensor viewing
+        them, once each) at their new home."""
         tier = placement.params
         if tier == "device" or self.device.type != "cpu":
             return
-        self._tier = tier
+        self.tier = tier
         if tier != "disk":
             return
-        self._disk = placement.folder.buffer(self.local.numel(), torch.uint8, "quantized")
+        self._disk = placement.folder.buffer(self.master.numel(), torch.uint8, "quantized")
+        self.on_disk = True
         mapped = self._disk.tensor
-        mapped.copy_(self.local)
+        mapped.copy_(self.master)
         # The same tensor objects, re-pointed (set_) at the mapping: the shards the
         # modules hold, the pieces a load writes, the slots a byte-divided weight sends.
         with torch.no_grad():
-            for t in self._views():
-                t.set_(*_moved(t, self.local, mapped))
-        self.local = mapped
-        self.release_pages()
+            for t in views:
+                t.set_(*_moved(t, self.master, mapped))
+        self.master = mapped
+        self.release()
 
-    def _views(self) -> list[torch.Tensor]:
-        """Every tensor viewing this rank's bytes ``local``, once each: the chunks' inner
-        tensors, each parameter's pieces and slots."""
-        seen: dict[int, torch.Tensor] = {}
-        for pp in self.params:
-            inner = [getattr(pp.local, n) for n in pp.inner] if pp.local is not None else []
-            for t in [*inner, *pp.pieces.values(), *pp.stored]:
-                seen.setdefault(id(t), t)
-        return list(seen.values())
+    def release(self) -> None:
+        if self._disk is not None:
+            self._disk.release()
 
-    def leave_full(self) -> None:
-        """Leave the gathered bytes and full tensors to whatever still references them,
-        and gather next into new ones (Note [full parameters held after gathered()] in
-        gather.py): a full weight kept past a ``gathered()`` block keeps its values."""
-        self.full = torch.empty(0, dtype=torch.uint8, device=self.device)
-        for pp in self.params:
-            pp.full, pp.allocated = None, []
+    def prefetch(self, gather: bool = False) -> None:
+        if self._disk is not None:
+            self._disk.prefetch()
 
-    def twin(self) -> PackedGroup:
-        """An independent copy of the group (``copy.deepcopy`` of the model, Note [deep
-        copy] in engine/clone.py): its own copy of this rank's bytes, with new shards
-        viewing it at the same offsets, the same slots until the caller remaps them, and
-        nothing gathered. No communication."""
-        new = object.__new__(PackedGroup)
-        copy_all_attributes(self, new)
-        new.local = self.local.clone()
+    def bytes_by_tier(self) -> dict[str, int]:
+        return {} if self.tier == "device" else {self.tier: self.master.numel()}
 
-        def same_place(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                *_moved(t, self.local, new.local))
-        new._tier, new._disk = "device", None  # a copy's bytes live in memory
-        new.full = torch.empty(0, dtype=torch.uint8, device=self.device)
-        new._gathered = new._sending = new._gather_work = None
-        new.params = []
-        for pp in self.params:
-            pieces = {n: same_place(t) for n, t in pp.pieces.items()}
-            stored = [same_place(t) for t in pp.stored]
-            local = None
-            if pp.local is None:  # divided by bytes: a ByteShard, no values
-                shard = nn.Parameter(pp.shard.detach(), requires_grad=False)
-                copy_user_attributes(pp.shard, shard)
-            else:
-                ctx = pp.local.__tensor_flatten__()[1]  # type: ignore[attr-defined]
-                local = pp.kind.__tensor_unflatten__(  # type: ignore[attr-defined]
-                    pieces, ctx, pp.local.size(), pp.local.stride())
-                with torch.no_grad():
-                    dt = DTensor.from_local(local, self.topology.mesh,
-                                            self.topology.placements, run_check=False,
-                                            shape=pp.shard.shape, stride=pp.shard.stride())
-                shard = nn.Parameter(dt, requires_grad=False)
-                copy_user_attributes(pp.shard, shard, besides=pp.local)
-            new.params.append(replace(pp, slots=list(pp.slots), local=local, shard=shard,
-                                      pieces=pieces, stored=stored, group=new, full=None,
-                                      allocated=[], metadata=None))
-        return new
+    def describe(self) -> str | None:
+        return None if self.tier == "device" else f"quantized bytes on {self.tier}"
 
-    def full_is_allocated(self) -> bool:
-        return self.full.untyped_storage().size() > 0
-
-    @property
-    def shard_bytes(self) -> int:
-        """Bytes this rank keeps for the group (its chunks' inner tensors)."""
-        return self.local.numel()
-
-    @property
-    def full_bytes(self) -> int:
-        """Bytes of the gathered form while the group is gathered (0 before the first
-        gather): the all-gather outputs, plus what the subclass allocated."""
-        extra = sum(n for pp in self.params for _, n in pp.allocated)
-        return (self.gather_layout.full_numel if self.gather_layout else 0) + extra
+    def like(self) -> ByteStorage:
+        """Storage for a copy of the group, in memory (``copy.deepcopy``)."""
+        return ByteStorage(self.numel, self.device)
 
 
 def _moved(t: torch.Tensor, old: torch.Tensor, new: torch.Tensor

@@ -106,7 +106,7 @@ def lends(unit: Any, output: Any, tensors: list[torch.Tensor], unsearched: bool)
     """Whether a forward's ``output`` views the full parameters of ``unit`` (which then
     stays gathered). ``tensors``: those ``output_tensors`` found in it; ``unsearched``:
     whether it met something it could not open, searched here."""
-    if not unit.groups:
+    if not any(g.by_rows for g in unit.groups):
         return False
     fulls = full_owners([unit])
     if any(storage_key(t) in fulls for t in tensors):
@@ -263,8 +263,9 @@ def _holder(output: Any, t: torch.Tensor) -> str:
 
 
 def full_owners(units: Iterable[Any]) -> dict[int, Any]:
-    """The flat groups of ``units``, by the storage key of their full buffer."""
-    return {g.full.untyped_storage()._cdata: g for u in units for g in u.groups}
+    """The groups of ``units`` whose full parameters view their full buffer (plain
+    rows), by the storage key of that buffer."""
+    return {g.full.untyped_storage()._cdata: g for u in units for g in u.groups if g.by_rows}
 
 
 def _name(owners: dict[int, Any], t: torch.Tensor) -> str:

@@ -7,12 +7,12 @@ that backward.
 from __future__ import annotations
 
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..._args import some_names
 from ...errors import ShardwiseError
-from ..groups.packed import packed_param
 from .residency import Residencies
-from .unit import ShardedParam, Unit, sharded_param
+from .unit import FlatGroup, ShardedParam, Unit, sharded_param
 
 # Shared with the refusal of casts (engine/entry_points/casts.py): what to do instead.
 CAST_ADVICE = ("Cast or move the model before sw.shard, or keep fp32 master weights and "
@@ -34,9 +34,9 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
     is then settled again (``residency``, Note [residency] in
     engine/iteration/residency.py).
     """
-    moved = [n for u in units for g in u.groups for n in g.detached()]
+    moved = [n for u in units for g in u.groups for n in detached(g)]
     # Note [freezing after shard]: every change is checked before any is taken up.
-    changes = [(g, *g.freezing_changes()) for u in units for g in u.groups] \
+    changes = [(g, *freezing_changes(g)) for u in units for g in u.groups] \
         if follow_flags else []
     refused = [(p.fqns[0], why) for _, ch, why in changes if why for p, _ in ch]
     flipped = [n for n, _ in refused]
@@ -64,7 +64,7 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
             f"before sw.shard(model, offload=...) (Note [freezing after shard])")
     for g, ch, _ in changes:
         if ch:
-            g.follow_freezing(ch)
+            follow_freezing(g, ch)
             residency.unsettle()
     # A shard moved out of its slot: nn.utils.parametrize registered after shard moves
     # the weight into module.parametrizations, whose property then computes with the
@@ -77,8 +77,7 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
             f"sw.shard registered them: torch.nn.utils.parametrize registered after "
             f"sw.shard moves a weight into module.parametrizations, where the unit's "
             f"gathers cannot reach it. Register parametrizations before sw.shard(model)")
-    added = [n for n, p in root.named_parameters()
-             if sharded_param(p) is None and packed_param(p) is None]
+    added = [n for n, p in root.named_parameters() if sharded_param(p) is None]
     if added:
         raise ShardwiseError(
             f"{len(added)} parameter(s) ({some_names(added)}) are not the shards sw.shard "
@@ -114,3 +113,67 @@ class FrozenForBackward:
         for p in self.params:
             p.full.requires_grad_(p.requires_grad)
         self.params = []
+
+
+def detached(g: FlatGroup) -> list[str]:
+    """Names of parameters whose shard no longer views ``local``.
+
+    ``model.to(dtype)``, ``.half()``, ``.cuda()`` and ``p.data = ...`` replace a shard's
+    storage: the optimizer would then update a tensor that is never gathered.
+    Nothing for tensor subclasses: frozen, no optimizer steps them.
+    """
+    if not g.by_rows:
+        return []
+    home = g.local.untyped_storage().data_ptr()
+    out = []
+    for p in g.params:
+        mine = p.shard._local_tensor if isinstance(p.shard, DTensor) else p.shard
+        if (p.shard.dtype != g.dtype or mine.device != g.local.device
+                or mine.untyped_storage().data_ptr() != home):
+            out.append(p.fqns[0])
+    return out
+
+
+def freezing_changes(g: FlatGroup) -> tuple[list[tuple[ShardedParam, bool]], str]:
+    """Note [freezing after shard]: the ``requires_grad`` changes made since the last
+    root forward, as (parameter, new value), and why they cannot be followed ("" when
+    they can: :func:`follow_freezing`). A group of tensor subclasses is frozen for
+    good (Note [one group type])."""
+    changed: list[tuple[ShardedParam, bool]] = []
+    if not g.by_rows:
+        return changed, ""
+    for p in g.params:
+        wanted = p.shard.requires_grad
+        if wanted == p.requires_grad:
+            wanted = p.full.requires_grad  # set while the unit was gathered
+        if wanted != p.requires_grad:
+            changed.append((p, wanted))
+    # Gradients accumulated under no_sync wait in the reduction, or in the full
+    # parameters of a held unit (Note [gathered across micro-batches]). A parameter
+    # frozen while it holds one of them is refused: its part of the step's sum has no
+    # meaning DDP's would share. Anything else is followed (Note [freezing after
+    # shard]): a parameter unfrozen gets the later micro-batches' gradients, one
+    # frozen without a gradient so far gets none.
+    if changed and (g.reduction.has_accumulated()
+                    or any(p.full.grad is not None for p in g.params)):
+        index = {id(p): i for i, p in enumerate(g.params)}
+        if any(not wanted and (g.reduction.used[index[id(p)]]
+                               or p.full.grad is not None) for p, wanted in changed):
+            return changed, "no_sync"
+    if changed:
+        return changed, g.storage.freezing_refusal(len(changed), len(g.params),
+                                                   g.trainable_at_build)
+    return changed, ""
+
+
+def follow_freezing(g: FlatGroup, changes: list[tuple[ShardedParam, bool]]) -> None:
+    """Take up ``changes`` (from :func:`freezing_changes`, which allowed them)."""
+    for p, wanted in changes:
+        p.requires_grad = wanted
+        p.shard.requires_grad_(wanted)
+        p.full.requires_grad_(wanted)
+        if wanted:
+            p.hook_end_of_backward()
+    g.requires_grad = any(p.requires_grad for p in g.params)
+    if not g.requires_grad:  # no gradient of it waits (freezing_changes): drop it
+        g.reduction.clear(list(range(len(g.params))))

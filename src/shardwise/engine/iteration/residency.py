@@ -108,7 +108,7 @@ def may_be_held(unit: Unit) -> bool:
     [gathered across micro-batches] in engine/iteration/state.py): every group may be
     held, and its frozen parameters are no larger than its trainable ones, whose
     accumulated gradients are held anyway."""
-    groups = unit.all_groups
+    groups = unit.groups
     if not groups or not all(g.may_be_held() for g in groups):
         return False
     trainable = sum(g.full_bytes for g in groups if g.requires_grad)
@@ -130,7 +130,7 @@ def release(unit: Unit, keep_grads: bool = False) -> None:
         unit.residency = unit.settled
     if unit.deferred:  # to the accumulator, not away
         unit.deferred = False
-        for g in unit.all_groups:
+        for g in unit.groups:
             g.start_reduce(False)
     unit.reshard(keep_grads)
 
@@ -215,7 +215,7 @@ class Residencies:
                          and unit.call_index == self._last_index)
             # Without a hooked output nothing would gather the unit again before its
             # backward: a frozen one may go, a trainable one stays until backward ends.
-            if not runs_last and (hooked or not any(g.requires_grad for g in unit.all_groups)):
+            if not runs_last and (hooked or not any(g.requires_grad for g in unit.groups)):
                 release(unit)
                 return
         # Stays gathered: the part kept for a backward gather (Note [secondary shards])
@@ -232,7 +232,7 @@ class Residencies:
         if sync or unit.residency not in (Residency.HOLDING, Residency.HELD) \
                 or not unit.is_gathered():
             return False
-        if all(g.grads_may_wait() for g in unit.all_groups if g.requires_grad):
+        if all(g.grads_may_wait() for g in unit.groups if g.requires_grad):
             unit.deferred = unit.reduced = True
         else:
             unit.start_reduce(False)

@@ -16,8 +16,8 @@ A unit holds one list of groups (Note [one interface for a group] in engine/grou
 each gathered by one collective, and walks it once per transition: one
 :class:`~shardwise.engine.groups.flat.FlatGroup` per (dtype, requires_grad) of its plain
 parameters, so a frozen base weight next to a trainable adapter is never reduce-scattered
-and parameters of different dtypes never share a buffer, and one
-:class:`~shardwise.engine.groups.packed.PackedGroup` for its frozen tensor subclasses.
+and parameters of different dtypes never share a buffer, and one for its frozen tensor
+subclasses (Note [one group type] in engine/groups/flat.py).
 
 Note [what the module sees]
 While a unit is SHARDED or GATHERING, each of its parameters is registered on its
@@ -32,8 +32,7 @@ computes with plain tensors; ``reshard`` swaps the shards back. The swap is a di
 assignment in ``module._parameters``, and which of the two a sharded model's module holds
 is decided in ``_swap`` only (each group's ``expose``). Five other places write
 ``module._parameters``, none of them choosing between shard and full:
-``FlatGroup.install``, and ``PackedGroup.install`` for tensor-subclass parameters
-(engine/groups/packed.py), register the shards once, in place of the originals (``shard``) or of
+``FlatGroup.install`` registers the shards once, in place of the originals (``shard``) or of
 the copied ones (a deep copy); ``sharded_init`` registers its stand-ins before there is a
 shard; a move or cast that changes nothing (engine/entry_points/guards.py) takes the shards out of
 torch's reach for the call and puts the same objects back; and ``gathered()`` puts the
@@ -135,12 +134,10 @@ from ..._registry import UNIT, attach_to, attached
 from ...comm.collectives import Comm
 from ...comm.mesh import Topology
 from ..groups.flat import FlatGroup, ShardedParam, set_sharded_param, sharded_param
-from ..groups.interface import ParamGroup
-from ..groups.packed import PackedGroup
 
 # Re-exported: the engine's records of a parameter are reached through the unit.
-__all__ = ["FlatGroup", "Model", "PackedGroup", "Residency", "ShardedParam", "Unit",
-           "UnitState", "set_sharded_param", "set_unit", "sharded_param", "unit_of"]
+__all__ = ["FlatGroup", "Model", "Residency", "ShardedParam", "Unit", "UnitState",
+           "set_sharded_param", "set_unit", "sharded_param", "unit_of"]
 
 
 class Model(Protocol):
@@ -196,24 +193,21 @@ class Residency(enum.Enum):
 class Unit:
     """A module whose parameters are gathered and released together.
 
-    ``all_groups`` is its one list of groups (Note [one interface for a group]); it may be
-    empty (a module with no parameters of its own), and its hooks still run so that the
-    order of units is known. ``groups`` are the flat ones and ``packed`` the packed ones,
-    for the engine code that works on one kind's buffers.
+    ``groups`` is its one list of groups (Note [one group type] in
+    engine/groups/flat.py); it may be empty (a module with no parameters of its own),
+    and its hooks still run so that the order of units is known.
     """
 
-    def __init__(self, module: nn.Module, name: str, groups: list[ParamGroup],
+    def __init__(self, module: nn.Module, name: str, groups: list[FlatGroup],
                  reshard_after_forward: bool | int, is_root: bool,
                  cast_inputs: torch.dtype | None = None) -> None:
         self.module = module
         self.name = name or "<root>"
-        self.all_groups = groups
+        self.groups = groups
         for g in groups:
             g.unit_name = self.name
-            if isinstance(g, PackedGroup):
-                g.unit = self  # gathered() finds a quantized parameter's unit through it
-        for p in self.params:
-            p.unit = self
+            for p in g.params:
+                p.unit = self
         self.reshard_after_forward = reshard_after_forward
         self.is_root = is_root
         self.model: Model = None  # type: ignore[assignment]  # set by ModelState
@@ -264,7 +258,7 @@ class Unit:
     def is_stale(self) -> bool:
         """Whether a shard changed (an optimizer step, a load) since the unit was
         gathered: its full parameters hold old values."""
-        return any(g.is_stale() for g in self.all_groups)
+        return any(g.is_stale() for g in self.groups)
 
     def pin(self) -> None:
         """A ``gathered()`` block holds the unit gathered until :meth:`unpin`."""
@@ -274,24 +268,13 @@ class Unit:
         self.pins -= 1
 
     @property
-    def groups(self) -> list[FlatGroup]:
-        """Its flat groups (plain parameters): what the reduction, ``gathered()`` and a
-        checkpoint's rows work on."""
-        return [g for g in self.all_groups if isinstance(g, FlatGroup)]
-
-    @property
-    def packed(self) -> list[PackedGroup]:
-        """Its packed groups (frozen tensor subclasses, Note [packed parameters])."""
-        return [g for g in self.all_groups if isinstance(g, PackedGroup)]
-
-    @property
     def params(self) -> list[ShardedParam]:
         return [p for g in self.groups for p in g.params]
 
     @property
     def holds_params(self) -> bool:
-        """Whether the unit gathers anything (plain or packed parameters)."""
-        return bool(self.all_groups)
+        """Whether the unit gathers anything."""
+        return bool(self.groups)
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -310,7 +293,7 @@ class Unit:
         """SHARDED -> GATHERING: issue the all-gathers without waiting (prefetch)."""
         if self.state is not UnitState.SHARDED:
             return
-        for g in self.all_groups:
+        for g in self.groups:
             g.start_gather()
         self.state = UnitState.GATHERING
 
@@ -321,20 +304,20 @@ class Unit:
         if self.state is UnitState.GATHERED:
             return
         self.start_gather()
-        for g in self.all_groups:
+        for g in self.groups:
             g.wait_gather(keep=keep)
         self._swap(full=True)
         self.state = UnitState.GATHERED
 
     def drop_kept(self) -> None:
         """Forget the parts kept for a backward gather (Note [secondary shards])."""
-        for g in self.all_groups:
+        for g in self.groups:
             g.drop_kept()
 
     def read_ahead(self) -> None:
         """Start reading offloaded shards from disk, without waiting, for a gather soon
         (Note [the disk tier]); nothing for shards in memory."""
-        for g in self.all_groups:
+        for g in self.groups:
             g.read_ahead()
 
     def reshard(self, keep_grads: bool = False) -> None:
@@ -348,22 +331,22 @@ class Unit:
             return
         assert not self.deferred and self.residency is not Residency.HELD, (
             "a held unit is released through engine/iteration/residency.py's release")
-        for g in self.all_groups:
+        for g in self.groups:
             g.wait_gather(fill=False)  # never free memory a collective still writes
         self._swap(full=False)
-        for g in self.all_groups:
+        for g in self.groups:
             g.free(keep_grads)
         self.state = UnitState.SHARDED
 
     def start_reduce(self, sync: bool) -> None:
         """Hand this backward's full gradients to the reduction; see GradReduction.start."""
-        for g in self.all_groups:
+        for g in self.groups:
             g.start_reduce(sync)
         self.reduced = True
 
     def _swap(self, full: bool) -> None:
         # Note [what the module sees]
-        for g in self.all_groups:
+        for g in self.groups:
             g.expose(full)
 
     def __repr__(self) -> str:

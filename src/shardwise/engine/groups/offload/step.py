@@ -58,7 +58,7 @@ def _buckets(optimizer: torch.optim.Optimizer
                 continue
             key = (unit.model.number, unit.index)
             if key not in by_unit:
-                stores = [s for g in unit.all_groups
+                stores = [s for g in unit.groups
                           if isinstance(s := getattr(g, "storage", None), GroupStorage)]
                 by_unit[key] = (stores, set())
             by_unit[key][1].add(id(p))
