@@ -158,7 +158,8 @@ class ShardedParam:
     local: torch.Tensor
     shard: nn.Parameter   # what the module and the optimizer hold while sharded
     # The full parameter while gathered; a tensor subclass's is built at its first gather
-    # (None until then, and again after ``leave_full``).
+    # (until then, and again after ``leave_full``, an empty one on the meta device:
+    # ``not_gathered`` in engine/groups/packed.py).
     full: nn.Parameter
     # Its gather strategy: :class:`Rows`, or a tensor subclass's ``SubclassBytes``
     # (engine/groups/packed.py).
