@@ -781,10 +781,8 @@ class FlatGroup:
         that adds in the same dtype, one micro-batch after the other, from empty. Not the
         reproducible mode's exact sums, nor another reduce dtype, nor once the reduction
         holds part of the step. Frozen tensor subclasses have no gradient to wait."""
-        if not self.by_rows:
-            return True
-        return (not self.reduction.exact and not self.reduction.has_accumulated()
-                and self.reduce_dtype == self.compute_dtype)
+        return not self.by_rows or (not self.reduction.exact and self.reduce_dtype ==
+                                    self.compute_dtype and not self.reduction.has_accumulated())
 
     def describe(self) -> dict[str, Any]:
         """Plain values for ``sw.inspect``'s ``GroupView`` (its parameters are read
