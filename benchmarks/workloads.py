@@ -53,7 +53,11 @@ from step_time import GPTConfig, System, build, call_model, compare, report, run
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
-from shardwise.engine.iteration.state import model_state
+
+try:
+    from shardwise.engine.iteration.state import model_state
+except ImportError:  # a tree from before the engine's rooms (table.py --before)
+    from shardwise.engine.state import model_state  # type: ignore[no-redef]
 from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
