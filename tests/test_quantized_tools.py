@@ -236,6 +236,16 @@ def _loads(rank, world):
             model.load_state_dict({"0.weight": value}, strict=False)
     assert _nf4_bytes(model) == before
     sw.check_consistency(model)
+    # Unfreezing a quantized weight after shard is refused at the next forward that
+    # records a graph (it was silently ignored: no gradient, no training).
+    model[0].weight.requires_grad_(True)
+    with torch.no_grad():
+        model(x)  # records nothing: the flag is not taken up here
+    with pytest.raises(sw.ShardwiseError, match=r"1 quantized .*\(0\.weight\) were set to "
+                                                r"require gradients after sw\.shard"):
+        model(x)
+    model[0].weight.requires_grad_(False)
+    model(x).sum().backward()
     return True
 
 

@@ -47,6 +47,19 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
             f"(p.data = ..., or a cast of the parameter itself), so their shards left "
             f"shardwise's storage and training would silently use the old values. "
             + CAST_ADVICE)
+    # A frozen tensor subclass (a quantized base) unfrozen after shard: its group gathers
+    # bytes and reduces nothing (Note [one group type]), so it would train silently not at
+    # all; refused as sw.shard refuses a trainable one.
+    thawed = [p.fqns[0] for u in units for g in u.groups if not g.by_rows
+              for p in g.params if p.shard.requires_grad or p.full.requires_grad] \
+        if follow_flags else []
+    if thawed:
+        raise ShardwiseError(
+            f"{len(thawed)} quantized (tensor subclass) parameter(s) ({some_names(thawed)}) "
+            f"were set to require gradients after sw.shard: shardwise shards them frozen, "
+            f"so they would get no gradient and never train. Freeze them again "
+            f"(requires_grad_(False)); train adapters beside them (LoRA), or a "
+            f"full-precision copy of the weight")
     if flipped and why == "no_sync":
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({some_names(flipped)}) changed while "
