@@ -10,7 +10,6 @@ tests/test_checkpoint_protocol.py, reached here on the save's thread.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
+from test_checkpoint import full_disk
 from test_checkpoint_protocol import _assert_same, _base, _contents, _loaded, _named, _trained
 from test_offload import _plain
 from test_offload import _state as _rows
@@ -306,17 +306,7 @@ def _write_fails_on_rank_1(rank, world, folder):
     model, opt = _trained(2)
     sw.save_checkpoint(folder, model, opt, extra={"v": 1})
     sw.save_checkpoint(folder, model, opt, extra={"v": 2})
-    real = save.Writer.write
-    written = [0]
-
-    def full_disk(self, name, tensor):
-        written[0] += 1
-        if rank == 1 and written[0] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, name, tensor)
-
-    save.Writer.write = full_disk
-    try:
+    with full_disk(rank):
         handle = sw.save_checkpoint(folder, model, opt, extra={"v": 3}, background=True)
         _train_more(model, opt, 1)
         with pytest.raises(sw.ShardwiseError) as err:
@@ -330,8 +320,6 @@ def _write_fails_on_rank_1(rank, world, folder):
         sw.save_checkpoint(folder, model, opt, extra={"v": 5}, background=True)  # a load too
         with pytest.raises(sw.ShardwiseError, match="(?s)load_checkpoint.*no wait\\(\\) took"):
             sw.load_checkpoint(folder, model, opt)
-    finally:
-        save.Writer.write = real
     assert sw.load_checkpoint(folder, model, opt) == {"v": 2}  # nothing half-committed
     data, other = _contents(folder)
     assert other == [] and data == {_named(folder)}, (data, other)  # the failed ones' gone

@@ -1,11 +1,14 @@
 """load_pretrained, save/load_checkpoint, consolidate: every rank right, atomic, reshardable."""
 
+import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -522,11 +525,29 @@ def test_load_pretrained_refuses_a_key_stored_in_two_files(tmp_path):
         sw.load_pretrained(SmallCNN(), str(tmp_path))
 
 
-def _save_failures(rank, world, root):
-    import errno
-
+@contextlib.contextmanager
+def full_disk(rank: int, failing: int = 1, after: int = 3) -> Iterator[None]:
+    """On rank ``failing``, a data file's writes fail with ENOSPC after ``after`` tensors
+    reached it (the file half written, Note [streamed save])."""
     import shardwise.checkpoint.save as save
 
+    real = save.Writer.write
+    written = [0]
+
+    def write(self, name, tensor):
+        written[0] += 1
+        if rank == failing and written[0] > after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, name, tensor)
+
+    save.Writer.write = write
+    try:
+        yield
+    finally:
+        save.Writer.write = real
+
+
+def _save_failures(rank, world, root):
     model = sw.shard(_gpt(0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _steps(model, opt, range(1))
@@ -543,22 +564,9 @@ def _save_failures(rank, world, root):
     messages["extra"] = str(err.value)
     # A full disk on rank 1: its data file, streamed a tensor at a time (Note [streamed
     # save]), fails half-way, after some tensors reached the file.
-    real = save.Writer.write
-    written = [0]
-
-    def full_disk(self, name, tensor):
-        written[0] += 1
-        if rank == 1 and written[0] > 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, name, tensor)
-
-    save.Writer.write = full_disk
-    try:
-        with pytest.raises(sw.ShardwiseError) as err:
-            sw.save_checkpoint(good, model, opt, extra={"step": 2})
-        messages["disk"] = str(err.value)
-    finally:
-        save.Writer.write = real
+    with full_disk(rank), pytest.raises(sw.ShardwiseError) as err:
+        sw.save_checkpoint(good, model, opt, extra={"step": 2})
+    messages["disk"] = str(err.value)
     torch.distributed.barrier()
     # The last good checkpoint is intact and alone: the failed save left no data folder.
     assert sw.load_checkpoint(good, model, opt) == {"step": 1}
