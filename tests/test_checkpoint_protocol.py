@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from harness import forking, run_ranks
 
 import shardwise as sw
+import shardwise.checkpoint._files as files
 import shardwise.checkpoint.save as save
 from shardwise.checkpoint._lock import LOCK, FolderLock
 from shardwise.models import SmallCNN
@@ -248,3 +249,27 @@ def test_concurrent_writers_and_a_reader(tmp_path, keep_previous):
     assert saved > 0 and saved + refused == 30 and loads > 0, results
     data, other = _contents(folder)
     assert other == [] and len(data) == (2 if keep_previous else 1), (data, other)
+
+
+def test_a_data_file_removed_between_the_check_and_the_read(tmp_path, monkeypatch):
+    """A save with ``keep_previous=False`` commits and removes the data folder a load is
+    checking, between the load seeing a data file and opening it to hash it: the load
+    starts again and reads the new checkpoint (before: a bare FileNotFoundError, seen
+    once by test_concurrent_writers_and_a_reader in CI)."""
+    folder = str(tmp_path / "ck")
+    sw.save_checkpoint(folder, *_trained(1, shard=False), extra={"state": 1})
+    newer = _trained(2, shard=False)
+    real, raced = files.sha256_file, []
+
+    def racing(path, *args, **kwargs):
+        if not raced:  # the first data file the load hashes: the other job saves now
+            raced.append(path)
+            sw.save_checkpoint(folder, *newer, extra={"state": 2}, keep_previous=False)
+            assert not os.path.exists(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(files, "sha256_file", racing)
+    got = _loaded(folder)
+    assert raced and got[0] == {"state": 2}
+    _assert_same(got, ({"state": 2}, newer[0].state_dict(), newer[1].state_dict()),
+                 "after the load started again")

@@ -113,7 +113,14 @@ def file_problem(path: str, expected: dict[str, Any]) -> str | None:
     message, or None when it is intact."""
     if not os.path.isfile(path):
         return f"{path}: missing"
-    size, digest = sha256_file(path)
+    try:
+        size, digest = sha256_file(path)
+    except FileNotFoundError:
+        # A save with keep_previous=False removed it since the line above: a load sees
+        # the checkpoint replaced and starts again (Note [save protocol] in save.py).
+        return f"{path}: missing"
+    except OSError as e:
+        return f"{path}: unreadable ({e})"
     if size != expected["bytes"]:
         return f"{path}: truncated or resized ({size} bytes, expected {expected['bytes']})"
     if digest != expected["sha256"]:

@@ -121,7 +121,7 @@ def _read_checkpoint(path: str, module: nn.Module, optimizer, rank: int, world: 
     ck = VerifiedCheckpoint(path, expect=len(params) + len(buffers))
     try:
         return ck.digest, _read_values(ck, params, buffers, optimizer, rank, world)
-    except ShardwiseError:
+    except (ShardwiseError, OSError):
         if ck.replaced():  # e.g. its data folder was removed by the save that replaced it
             return None
         raise
