@@ -49,8 +49,9 @@ On optimizers:
   reproducible mode's groups among the shards;
 - ``_shardwise_warned_clip``: set once the warning about gradients rescaled outside
   ``sw.clip_grad_norm_`` in the reproducible mode was given;
-- ``_shardwise_offload_grads``: the gradients set aside between a unit-by-unit step of
-  disk-offloaded state and the optimizer's own call (Note [stepping unit by unit]);
+- ``_shardwise_set_aside_grads``: the gradients set aside between a step run unit by
+  unit and the optimizer's own call, which then finds none (Note [stepping unit by unit]
+  in engine/groups/offload/step.py);
 - ``_shardwise_plain_step``: the parameter groups swapped to local tensors for the step
   under way, and ``_shardwise_plain_step_hooked``, set once the optimizer's
   ``state_dict`` hooks that undo such a swap are registered (Note [plain step]).
@@ -78,7 +79,7 @@ _RETIRED = "_shardwise_retired"
 _SYNCED = "_shardwise_synchronised"
 LOOSE_PARAMS = "_shardwise_loose"
 WARNED_CLIP = "_shardwise_warned_clip"
-OFFLOAD_GRADS = "_shardwise_offload_grads"
+SET_ASIDE_GRADS = "_shardwise_set_aside_grads"
 PLAIN_STEP = "_shardwise_plain_step"
 PLAIN_STEP_HOOKED = "_shardwise_plain_step_hooked"
 OPTIMIZER_HOOKED = "_shardwise_state_dict_hooked"  # Note [optimizers meet shards]

@@ -376,6 +376,6 @@ def inspect(module: nn.Module) -> ModelView:
             None)) is None else _comm_view(regather.backend, regather.stats)),
         kept_bytes=sum(g.kept_bytes for g in groups),
         unmanaged=tuple(n for n, p in module.named_parameters() if id(p) not in managed),
-        offload=next(filter(None, (g.offload_description() for g in groups)), None),
+        offload=next(filter(None, (g.storage.describe() for g in groups)), None),
         tier_bytes=tier_totals(groups),
         moved_bytes=sum(g.moved_bytes for g in groups), units=units)

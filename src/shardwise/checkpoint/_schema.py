@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import ShardwiseError
 from ._format import BUFFERS_FILE, DATA_DIR, FORMAT, FORMAT_VERSION, STORABLE, rank_file
-from ._names import dtype_name
+from ._names import SUBCLASSES, dtype_name
 
 CHECKSUM = "meta_sha256"
 _DTYPES = {dtype_name(d) for d in STORABLE}
@@ -124,10 +124,10 @@ def validate(meta: Any, path: str, signed: bool = True) -> None:
     _files(c, meta, world)
     seen: set[str] = set()
     shapes = _params(c, meta, world, seen)
-    if "packed" in meta:
-        _packed(c, meta, world, seen)
-        # An optimizer may hold the frozen quantized parameters too (without state).
-        shapes.update({main: tuple(e["shape"]) for main, e in meta["packed"].items()})
+    if SUBCLASSES in meta:
+        _subclasses(c, meta, world, seen)
+        # An optimizer may hold the frozen tensor subclasses too (without state).
+        shapes.update({main: tuple(e["shape"]) for main, e in meta[SUBCLASSES].items()})
     buffers = c.dict_(meta.get("buffers", {}), "buffers")
     for name, e in buffers.items():
         e = c.dict_(e, f"buffers.{name}")
@@ -168,11 +168,12 @@ def _params(c: _Checker, meta: dict, world: int,
     return shapes
 
 
-def _packed(c: _Checker, meta: dict, world: int, seen: set[str]) -> None:
-    """Quantized parameters (Note [packed checkpoints] in engine/groups/packed.py): each inner
-    tensor's pieces tile its full shape, as a parameter's do."""
-    for main, e in c.dict_(meta.get("packed"), "packed").items():
-        f = f"packed.{main}"
+def _subclasses(c: _Checker, meta: dict, world: int, seen: set[str]) -> None:
+    """Parameters held as a tensor subclass's inner tensors (Note [packed checkpoints] in
+    engine/groups/packed.py): each inner tensor's pieces tile its full shape, as a
+    parameter's do."""
+    for main, e in c.dict_(meta.get(SUBCLASSES), SUBCLASSES).items():
+        f = f"{SUBCLASSES}.{main}"
         e = c.dict_(e, f)
         _names(c, f, main, e, seen)
         c.str_(e.get("type"), f"{f}.type")

@@ -11,7 +11,7 @@ from ..errors import ShardwiseError
 from ._files import write_json_atomic
 from ._format import Writer, checkpoint_entry
 from ._lock import LOCK
-from ._names import dtype_from_name, param_key
+from ._names import SUBCLASSES, dtype_from_name, param_key
 from ._progress import Progress
 from ._schema import CHECKSUM, canonical_sha256
 from .verify import VerifiedCheckpoint
@@ -19,10 +19,10 @@ from .verify import VerifiedCheckpoint
 
 def _entries(ck: VerifiedCheckpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], str, str]]:
     """(output name, dtype, shape, kind, source key) for every tensor, tied names included."""
-    if ck.meta.get("packed"):
+    if ck.meta.get(SUBCLASSES):
         raise ShardwiseError(
             f"{ck.path} holds quantized (tensor subclass) weights "
-            f"({', '.join(list(ck.meta['packed'])[:3])}, ...), which plain safetensors "
+            f"({', '.join(list(ck.meta[SUBCLASSES])[:3])}, ...), which plain safetensors "
             f"cannot represent: load it with sw.load_checkpoint, or export the trainable "
             f"weights with sw.full_state_dict (docs/qlora.md)")
     out = []

@@ -20,7 +20,7 @@ from ..comm.order_check import operation
 from ..engine.groups.alloc import freed
 from ..errors import ShardwiseError
 from ._messages import by_rank, summary
-from ._names import dtype_from_name, dtype_name, optim_key
+from ._names import SUBCLASSES, dtype_from_name, dtype_name, optim_key
 from ._paths import path_argument
 from ._rng import RankRng, read_rank_rng
 from ._targets import (
@@ -131,8 +131,8 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget],
                  buffers: dict[str, torch.Tensor], optimizer, rank: int, world: int) -> tuple:
     """Everything this rank will write into the module, optimizer and RNGs, read and
     checked; nothing is changed. A parameter held by rows or whole is matched in the
-    metadata's ``params``, a tensor subclass in its ``packed`` (Note [packed
-    checkpoints]); then every part of each is read alike."""
+    metadata's ``params``, a tensor subclass in its section of them (``SUBCLASSES``,
+    Note [packed checkpoints]); then every part of each is read alike."""
     saved = {main: (tuple(e["shape"]), e["dtype"]) for main, e in ck.meta["params"].items()}
     saved.update({n: (tuple(e["shape"]), e["dtype"])
                   for n, e in ck.meta.get("buffers", {}).items()})
@@ -146,7 +146,7 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget],
     matched = [(t, main, ck.meta["params"][main]) for t, main in match.params]
 
     check_files(ck)
-    matched += _match_packed(ck, [t for t in params if t.kind is not None])
+    matched += _match_subclasses(ck, [t for t in params if t.kind is not None])
     values: list[tuple[Part, Value]] = []
     for t, main, entry in matched:
         for part in t.parts(rank):
@@ -171,12 +171,13 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget],
     return values, buffer_values, (opt_sd, deferred), rng, ck.meta.get("extra")
 
 
-def _match_packed(ck: VerifiedCheckpoint, subclasses: list[ParamTarget]
-                  ) -> list[tuple[ParamTarget, str, dict]]:
-    """The tensor subclasses (quantized weights) each with its saved name and record
-    (Note [packed checkpoints]), checked against the model's: the same type, shape and
-    dtype, inner tensors of the same full shapes and dtypes."""
-    saved = ck.meta.get("packed", {})
+def _match_subclasses(ck: VerifiedCheckpoint, subclasses: list[ParamTarget]
+                      ) -> list[tuple[ParamTarget, str, dict]]:
+    """The tensor subclasses each with its saved name and record (Note [packed
+    checkpoints]), checked against the model's: the same type, shape and dtype, inner
+    tensors of the same full shapes and dtypes (the subclass's strategy phrases a
+    difference: what it suggests is the mode's)."""
+    saved = ck.meta.get(SUBCLASSES, {})
     key_of = {n: main for main, e in saved.items() for n in e["names"]}
     problems: list[str] = []
     matched: list[tuple[ParamTarget, str, dict]] = []
@@ -184,7 +185,7 @@ def _match_packed(ck: VerifiedCheckpoint, subclasses: list[ParamTarget]
     for t in subclasses:
         present = [n for n in t.names if n in key_of]
         if not present:
-            problems.append(f"{t.names[0]}: not among the checkpoint's quantized parameters")
+            problems.append(f"{t.names[0]}: not among the checkpoint's tensor subclasses")
             continue
         main = key_of[present[0]]
         e, parts = saved[main], t.parts(0)
@@ -203,16 +204,15 @@ def _match_packed(ck: VerifiedCheckpoint, subclasses: list[ParamTarget]
         for part in parts:
             ie = e["inner"][part.inner]
             if (tuple(ie["shape"]), ie["dtype"]) != (part.shape, dtype_name(part.dtype)):
-                wrong.append(f"{t.names[0]}: its {part.inner} is {ie['dtype']} "
-                             f"{ie['shape']} in the checkpoint, {dtype_name(part.dtype)} "
-                             f"{list(part.shape)} in the model (quantized with other "
-                             f"settings?)")
+                wrong.append(t.record.gather.inner_mismatch(
+                    t.names[0], part.inner, f"{ie['dtype']} {ie['shape']}",
+                    f"{dtype_name(part.dtype)} {list(part.shape)}"))
         problems += wrong
         if not wrong:
             matched.append((t, main, e))
     unexpected = [m for m in saved if m not in taken]
     if unexpected:
-        problems.append(f"quantized parameters the model does not have: {summary(unexpected)}")
+        problems.append(f"tensor subclasses the model does not have: {summary(unexpected)}")
     if problems:
         raise ShardwiseError(f"{ck.path}: " + "; ".join(problems))
     return matched
@@ -246,8 +246,8 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched,
             t, main, entry = target_of[id(p)]
             saved_state = meta["state"].get(main)
             if saved_state and t.kind is not None:
-                raise ShardwiseError(f"{ck.path}: optimizer state for the quantized "
-                                     f"parameter {main}, which is frozen")
+                raise ShardwiseError(f"{ck.path}: optimizer state for the tensor "
+                                     f"subclass {main}, which is frozen")
             if saved_state:
                 lo, n = t.local_range()
                 st = {}

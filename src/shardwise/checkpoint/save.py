@@ -54,7 +54,7 @@ from ._format import (
 )
 from ._lock import FolderLock
 from ._messages import by_rank
-from ._names import dtype_name, optim_key, parameter_of, part_key
+from ._names import SUBCLASSES, dtype_name, optim_key, parameter_of, part_key
 from ._paths import path_argument
 from ._rng import python_rng_state, rank_rng_tensors
 from ._schema import CHECKSUM, canonical_sha256
@@ -567,9 +567,9 @@ def _metadata(module: nn.Module, params: list[ParamTarget],
         "extra": extra,
         "files": None,
     }
-    packed = {t.names[0]: _packed_entry(t) for t in params if t.kind is not None}
-    if packed:  # Note [packed checkpoints]; absent otherwise, as before it existed
-        meta["packed"] = packed
+    subclasses = {t.names[0]: _subclass_entry(t) for t in params if t.kind is not None}
+    if subclasses:  # Note [packed checkpoints]; absent otherwise, as before it existed
+        meta[SUBCLASSES] = subclasses
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
         meta["hf_config"] = json.loads(config.to_json_string())
@@ -583,17 +583,17 @@ def _complete_metadata(base: dict, everyone: list[dict]) -> dict:
             "files": {name: info for e in everyone for name, info in e["files"].items()}}
     meta["params"] = {main: {**entry, "pieces": [e["pieces"][main] for e in everyone]}
                       for main, entry in base["params"].items()}
-    if "packed" in base:
-        meta["packed"] = {
+    if SUBCLASSES in base:
+        meta[SUBCLASSES] = {
             main: {**entry, "inner": {
                 inner: {**record, "pieces": [e["pieces"][part_key(main, inner)]
                                              for e in everyone]}
                 for inner, record in entry["inner"].items()}}
-            for main, entry in base["packed"].items()}
+            for main, entry in base[SUBCLASSES].items()}
     return meta
 
 
-def _packed_entry(t: ParamTarget) -> dict:
+def _subclass_entry(t: ParamTarget) -> dict:
     """A tensor subclass's record: its type, shape and dtype, and each inner tensor's
     full shape and dtype; the pieces come from the reports (Note [packed checkpoints])."""
     return {"names": t.names, "type": t.kind, "shape": list(t.shape),

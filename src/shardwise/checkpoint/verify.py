@@ -32,9 +32,10 @@ from ._names import (
     RNG_CUDA,
     RNG_PREFIX,
     RNG_TORCH,
+    SUBCLASSES,
     dtype_from_name,
+    inner_key,
     optim_key,
-    packed_key,
     param_key,
 )
 from ._paths import inside, path_argument
@@ -244,10 +245,10 @@ def check_files(ck: VerifiedCheckpoint) -> None:
     (a deleted optimizer-state entry would silently reset it)."""
     meta = ck.meta
     pieces = {main: e["pieces"] for main, e in meta["params"].items()}
-    packed = {packed_key(main, inner): (ie["dtype"], ie["pieces"])
-              for main, e in meta.get("packed", {}).items()
-              for inner, ie in e["inner"].items()}
-    pieces.update({key: p for key, (_, p) in packed.items()})
+    inner = {inner_key(main, name): (ie["dtype"], ie["pieces"])
+             for main, e in meta.get(SUBCLASSES, {}).items()
+             for name, ie in e["inner"].items()}
+    pieces.update({key: p for key, (_, p) in inner.items()})
     state = (meta.get("optimizer") or {}).get("state") or {}
     for r in range(ck.world_size):
         expected: dict[str, tuple[str, list[int]]] = {}
@@ -259,7 +260,7 @@ def check_files(ck: VerifiedCheckpoint) -> None:
                     expected[optim_key(name, k)] = (info["dtype"], [pieces[name][r][1]])
                 elif info["kind"] == "replicated":
                     expected[optim_key(name, k)] = (info["dtype"], info["shape"])
-        for key, (dtype, inner_pieces) in packed.items():
+        for key, (dtype, inner_pieces) in inner.items():
             expected[key] = (dtype, [inner_pieces[r][1]])
         f = ck.rank(r)
         where = f.path

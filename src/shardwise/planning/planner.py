@@ -274,11 +274,11 @@ def build_on_meta(spec: str, kwargs: dict | None = None,
 # is the gathered units' dtype, ``MixedPrecision(param_dtype=...)``, as for any model.
 def _build_hf(spec: str) -> nn.Module:
     _check_config_folder(spec)
-    from ..engine.groups.quantize import _quiet_import
+    from .._log import quiet_imports
 
     # transformers imports torchao when it is installed, which logs every CUDA library it
     # cannot load: a command's output must begin with its own lines.
-    with _quiet_import():
+    with quiet_imports():
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(spec)

@@ -67,11 +67,12 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
     probes: dict[tuple, torch.dtype | bool] = {}
     casts: dict[int, tuple[Any, torch.dtype]] = {}  # id(ShardedParam) -> (it, dtype)
     changed: dict[str, None] = {}
-    quantized: dict[str, None] = {}  # packed parameters a cast would reach
+    # Tensor subclasses a cast would reach (gathered as bytes: their strategy refuses).
+    subclasses: dict[str, Any] = {}
     for _, _, t in shards():
         sp = sharded_param(t)
         assert sp is not None
-        # Probed as the dtype it stands for: a tensor subclass (quantized) too, so that a
+        # Probed as the dtype it stands for: a tensor subclass too, so that a
         # no-op leaves it alone (held out below); torch would otherwise rebuild it as a
         # parameter shardwise does not know, and a cast would dequantize it.
         key = (sp.dtype, sp.local.device, len(sp.shape))
@@ -79,7 +80,7 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
             probes[key] = _probe(fn, *key)
         change = probes[key]
         if isinstance(change, torch.dtype) and not sp.by_rows:
-            quantized[sp.fqns[0]] = None
+            subclasses[sp.fqns[0]] = sp
         elif isinstance(change, torch.dtype):
             casts[id(sp)] = (sp, change)
         elif change:
@@ -92,12 +93,9 @@ def _apply(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
             f"old values. Nothing was changed; a move that changes nothing (.to('cpu') on "
             f"CPU) is allowed, and so is a cast to another floating dtype (.to(torch."
             f"float64), .half()). Move the model before sw.shard")
-    if quantized:
-        raise ShardwiseError(
-            f"{len(quantized)} quantized parameter(s) ({some_names(list(quantized))}) cannot be "
-            f"cast after sw.shard: a cast would dequantize them into full precision. "
-            f"Nothing was changed. Cast the model before quantizing it, or compute in "
-            f"another dtype with MixedPrecision(param_dtype=...)")
+    if subclasses:
+        first = next(iter(subclasses.values()))
+        raise ShardwiseError(first.gather.cast_refusal(list(subclasses)))
     if casts:
         for g, dtype in _cast_groups(module, list(casts.values())):
             recast(g, dtype)
@@ -154,8 +152,9 @@ def _cast_groups(module: nn.Module, casts: list[tuple[Any, torch.dtype]]
                             f"sw.no_sync")
         elif (why := g.cast_refusal()) is not None:
             problems.append(why)
-        if any(not g.by_rows for g in unit.groups):
-            problems.append(f"unit {unit.name} holds quantized parameters")
+        # A group of tensor subclasses in the unit is never cast: it says why.
+        problems += [why for o in unit.groups
+                     if not o.by_rows and (why := o.cast_refusal()) is not None]
     if problems:
         raise ShardwiseError(
             f"the parameters of {type(module).__name__} cannot be cast now: "

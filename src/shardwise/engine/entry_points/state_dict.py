@@ -79,7 +79,7 @@ def install_state_dict_hooks(root: nn.Module) -> None:
             m.register_state_dict_post_hook(_saveable_values)
             m.register_load_state_dict_pre_hook(_take_rows)
         if _sharded(m, by_rows=False):
-            m.register_load_state_dict_pre_hook(_load_packed)
+            m.register_load_state_dict_pre_hook(_load_subclasses)
     root.register_load_state_dict_post_hook(_sync_buffers)
     _hook_optimizers()
 
@@ -241,58 +241,26 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         state_dict[key] = _rows(sp, value, key)
 
 
-def _load_packed(module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                 *args: Any) -> None:
-    """A quantized parameter's value is loaded when it is its full value (the same
-    subclass, quantized with the same settings: what ``sw.full_state_dict`` gives), of
-    which this rank keeps its share (Note [packed checkpoints] in engine/groups/packed.py), or
-    this rank's chunk in a DTensor (what ``model.state_dict()`` gives at the same world
-    size); anything else, a full-precision weight first, is refused by name before this
-    module's values are written."""
+def _load_subclasses(module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                     *args: Any) -> None:
+    """A tensor subclass's value is loaded when its gather strategy takes it (Note
+    [packed checkpoints] in engine/groups/packed.py): its full value (the same subclass
+    with the same settings: what ``sw.full_state_dict`` gives), of which this rank keeps
+    its share, or this rank's chunk in a DTensor (what ``model.state_dict()`` gives at
+    the same world size); anything else, a full-precision weight first, is refused by
+    name, in the strategy's words, before this module's values are written."""
     targets = [(prefix + name, pp) for name, _, pp in _sharded(module, by_rows=False)
                if prefix + name in state_dict]
-    problems = [why for key, pp in targets if (why := _packed_problem(pp, state_dict[key]))]
+    problems = [why for key, pp in targets
+                if (why := pp.gather.value_problem(pp.fqns[0], pp.shape, state_dict[key]))]
     if problems:
-        raise ShardwiseError(f"load_state_dict cannot load the quantized parameters of a "
-                             f"sharded model from these values: {'; '.join(problems)}. "
+        raise ShardwiseError(f"load_state_dict cannot load the tensor-subclass parameters of "
+                             f"a sharded model from these values: {'; '.join(problems)}. "
                              f"This module's values were not loaded")
-    with torch.no_grad():
-        for key, pp in targets:
-            value = state_dict[key]
-            if isinstance(value, DTensor):
-                chunk = pp.gather.chunk
-                assert chunk is not None  # else refused (_packed_problem)
-                theirs = value.to_local()
-                for n in pp.gather.inner:
-                    mine = getattr(chunk, n)
-                    if mine.data_ptr() != getattr(theirs, n).data_ptr():
-                        mine.copy_(getattr(theirs, n))
-            else:
-                pp.gather.take_full(value)
-            # Loaded: what torch copies into the parameter is the shard itself (a no-op).
-            state_dict[key] = pp.shard
-
-
-def _packed_problem(pp: ShardedParam, value: object) -> str | None:
-    if not isinstance(value, DTensor):
-        return pp.gather.full_problem(pp.fqns[0], pp.shape, value)
-    local, mine = value.to_local(), pp.gather.chunk
-    if mine is None:
-        return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} chunk, but "
-                f"at this world size the weight is divided by bytes, not into chunks (Note "
-                f"[uneven packed parameters] in engine/groups/packed.py): load its full value "
-                f"(sw.full_state_dict)")
-    same = (type(local) is type(mine) and tuple(value.shape) == tuple(pp.shape)
-            and tuple(local.shape) == tuple(mine.shape)
-            and all((tuple(getattr(local, n).shape), getattr(local, n).dtype)
-                    == (tuple(getattr(mine, n).shape), getattr(mine, n).dtype)
-                    for n in pp.gather.inner))
-    if same:
-        return None
-    return (f"{pp.fqns[0]} is a DTensor holding a {type(local).__qualname__} of shape "
-            f"{tuple(local.shape)}, not this rank's {type(mine).__qualname__} chunk of shape "
-            f"{tuple(mine.shape)}: load the full value (sw.full_state_dict), or a "
-            f"state_dict() saved at the same world size with the same settings")
+    for key, pp in targets:
+        pp.gather.take_value(state_dict[key])
+        # Loaded: what torch copies into the parameter is the shard itself (a no-op).
+        state_dict[key] = pp.shard
 
 
 def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:

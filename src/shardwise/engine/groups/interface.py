@@ -23,9 +23,13 @@ group:
   optimizer state that lives in its files;
 - what ``sw.inspect`` and the memory figures read: ``shard_bytes``, ``full_bytes``,
   ``kept_bytes``, ``bytes_by_tier`` (offloaded storage per tier), ``moved_bytes`` (Note
-  [bytes moved]), ``offload_description`` and ``describe()`` (plain values only, its
-  ``"kind"`` among them: ``"flat"`` for plain rows or ``"packed"`` for tensor
-  subclasses, which ``inspect`` shows apart).
+  [bytes moved]) and ``describe()`` (plain values only, its ``"kind"`` among them:
+  ``"flat"`` for plain rows or ``"packed"`` for tensor subclasses, which ``inspect``
+  shows apart);
+- ``storage``, the part it was given for where its shard lives
+  (engine/groups/parts.py's ``ShardStorage``), which answers for its mode: its
+  ``describe()`` (``None`` on the device, else the tiers in words), its tiers, its
+  refusals of casts and of ``requires_grad`` changes.
 
 A unit keeps one list of groups and walks it once per transition; how a group does each
 step (mixed precision, offload, the secondary shard, the reproducible reduction) is an
@@ -41,11 +45,14 @@ from typing import Any, Protocol
 
 import torch
 
+from .parts import ShardStorage
+
 
 class ParamGroup(Protocol):
     """One collective's worth of a unit's parameters (Note [one interface for a group])."""
 
     unit_name: str        # the unit's name, for the group's collectives and messages
+    storage: ShardStorage  # where its shard lives: a part it was given
     requires_grad: bool   # its gradients are reduced after backward
     by_rows: bool         # plain rows, else tensor subclasses (Note [one group type])
 
@@ -100,8 +107,6 @@ class ParamGroup(Protocol):
     def moved_bytes(self) -> int: ...
 
     def bytes_by_tier(self) -> dict[str, int]: ...
-
-    def offload_description(self) -> str | None: ...
 
     def describe(self) -> dict[str, Any]: ...
 

@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..._args import some_names
 from ..._registry import copy_user_attributes
 from ...comm.mesh import Topology
 from ...errors import ShardwiseError
@@ -494,6 +495,33 @@ class SubclassBytes:
         k = self.pieces[inner].numel()
         return (0, k) if k == full else (self.rank * k, k)
 
+    @staticmethod
+    def gradient_refusal(names: list[str]) -> str:
+        """The refusal of parameters ``names``, gathered as bytes, set to require
+        gradients after ``shard``: their group reduces nothing (Note [one group type] in
+        engine/groups/flat.py), so they would train silently not at all."""
+        return (f"{len(names)} quantized (tensor subclass) parameter(s) ({some_names(names)}) "
+                f"were set to require gradients after sw.shard: shardwise shards them frozen, "
+                f"so they would get no gradient and never train. Freeze them again "
+                f"(requires_grad_(False)); train adapters beside them (LoRA), or a "
+                f"full-precision copy of the weight")
+
+    @staticmethod
+    def cast_refusal(names: list[str]) -> str:
+        """The refusal of a cast (``model.half()``, ``model.to(dtype)``) reaching
+        parameters ``names``, gathered as bytes (Note [casting after shard] in
+        engine/entry_points/casts.py)."""
+        return (f"{len(names)} quantized parameter(s) ({some_names(names)}) cannot be cast "
+                f"after sw.shard: a cast would dequantize them into full precision. Nothing "
+                f"was changed. Cast the model before quantizing it, or compute in another "
+                f"dtype with MixedPrecision(param_dtype=...)")
+
+    def inner_mismatch(self, name: str, inner: str, saved: str, here: str) -> str:
+        """Parameter ``name``'s inner tensor ``inner`` is ``saved`` (dtype and shape) in
+        a checkpoint and ``here`` in the model: the load's refusal, with its likely cause."""
+        return (f"{name}: its {inner} is {saved} in the checkpoint, {here} in the model "
+                f"(quantized with other settings?)")
+
     # -- whole values in, this rank's share kept (Note [packed checkpoints]) ------------
     def full_problem(self, name: str, shape: torch.Size, value: object) -> str | None:
         """Why ``value`` cannot be the full value of parameter ``name`` (of ``shape``), or
@@ -539,6 +567,45 @@ class SubclassBytes:
                 mine = self.pieces[n]  # the group's bytes, which the chunk's inner views
                 if mine.data_ptr() != piece.data_ptr():
                     mine.view(-1).copy_(piece)
+
+
+    # -- a state dict's values: whole, or this rank's chunk ------------------------------
+    def value_problem(self, name: str, shape: torch.Size, value: object) -> str | None:
+        """Why ``value``, from a state dict, cannot be loaded into parameter ``name`` (of
+        ``shape``), or None: a full value (:meth:`full_problem`), or a DTensor holding
+        this rank's chunk (what ``model.state_dict()`` gives at the same world size)."""
+        if not isinstance(value, DTensor):
+            return self.full_problem(name, shape, value)
+        local, mine = value.to_local(), self.chunk
+        if mine is None:
+            return (f"{name} is a DTensor holding a {type(local).__qualname__} chunk, but at "
+                    f"this world size the weight is divided by bytes, not into chunks (Note "
+                    f"[uneven packed parameters] in engine/groups/packed.py): load its full "
+                    f"value (sw.full_state_dict)")
+        same = (type(local) is type(mine) and tuple(value.shape) == tuple(shape)
+                and tuple(local.shape) == tuple(mine.shape)
+                and all((tuple(getattr(local, n).shape), getattr(local, n).dtype)
+                        == (tuple(getattr(mine, n).shape), getattr(mine, n).dtype)
+                        for n in self.inner))
+        if same:
+            return None
+        return (f"{name} is a DTensor holding a {type(local).__qualname__} of shape "
+                f"{tuple(local.shape)}, not this rank's {type(mine).__qualname__} chunk of "
+                f"shape {tuple(mine.shape)}: load the full value (sw.full_state_dict), or a "
+                f"state_dict() saved at the same world size with the same settings")
+
+    def take_value(self, value: torch.Tensor) -> None:
+        """Write ``value`` (checked by :meth:`value_problem`) into this rank's shard."""
+        if not isinstance(value, DTensor):
+            self.take_full(value)
+            return
+        assert self.chunk is not None  # else refused (value_problem)
+        theirs = value.to_local()
+        with torch.no_grad():
+            for n in self.inner:
+                mine = getattr(self.chunk, n)
+                if mine.data_ptr() != getattr(theirs, n).data_ptr():
+                    mine.copy_(getattr(theirs, n))
 
 
 def not_gathered(dtype: torch.dtype) -> nn.Parameter:
@@ -756,6 +823,9 @@ class ByteStorage(DeviceStorage):
 
     def describe(self) -> str | None:
         return None if self.tier == "device" else f"quantized bytes on {self.tier}"
+
+    def cast_refusal(self, unit_name: str) -> str | None:
+        return f"unit {unit_name} holds quantized parameters"
 
     def like(self) -> ByteStorage:
         """Storage for a copy of the group, in memory (``copy.deepcopy``)."""

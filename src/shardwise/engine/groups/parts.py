@@ -62,7 +62,10 @@ class ShardStorage(Protocol):
 
     def full_freed(self, nbytes: int) -> None: ...
 
-    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str: ...
+    def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
+        """Why ``changed`` of the group's ``total`` parameters cannot change
+        ``requires_grad`` now (Note [freezing after shard] in engine/iteration/unit.py), as
+        what follows "changed after sw.shard" in the refusal; "" when it is followed."""
 
     def cast_refusal(self, unit_name: str) -> str | None: ...
 

@@ -47,12 +47,8 @@ source does not hold. So:
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,33 +56,11 @@ import torch
 import torch.nn as nn
 import torch.nn.modules.module as torch_module
 
+from ..._log import quiet_imports
 from ..._registry import is_sharded_root
 from ...errors import ShardwiseError
 
 Rule = Callable[[str, nn.Module], bool]
-
-
-@contextlib.contextmanager
-def _quiet_import() -> Iterator[None]:
-    # torchao logs each CUDA library it fails to load, and torch's pytree logs a
-    # deprecation for an enum torchao registers: neither concerns the user.
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    skip = "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"
-    forced = skip not in os.environ and not torch.cuda.is_available()
-    if forced:
-        os.environ[skip] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-        if forced:
-            del os.environ[skip]
 
 
 def nf4_module() -> Any:
@@ -99,7 +73,7 @@ def nf4_module() -> Any:
         >>> to_nf4 = nf4_module().to_nf4
     """
     try:
-        with _quiet_import():
+        with quiet_imports():
             from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError as err:
         raise ShardwiseError("quantized bases need torchao: pip install 'shardwise[quant]' "

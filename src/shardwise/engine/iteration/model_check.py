@@ -29,10 +29,10 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
     a parameter added later would be neither sharded nor kept identical across ranks.
     Each would train silently wrong. ``requires_grad`` changes are taken up here when
     ``follow_flags`` (a forward that records a graph, Note [flags of a forward without
-    gradients] in engine/iteration/unit.py), except while ``no_sync`` gradients wait and,
-    in part, for offloaded units (Note [freezing after shard]); what keeps units gathered
-    is then settled again (``residency``, Note [residency] in
-    engine/iteration/residency.py).
+    gradients] in engine/iteration/unit.py), except while ``no_sync`` gradients wait and
+    where a group's storage refuses them (an offloaded unit's, in part: Note [freezing
+    after shard]); what keeps units gathered is then settled again (``residency``, Note
+    [residency] in engine/iteration/residency.py).
     """
     moved = [n for u in units for g in u.groups for n in detached(g)]
     # Note [freezing after shard]: every change is checked before any is taken up.
@@ -47,19 +47,14 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
             f"(p.data = ..., or a cast of the parameter itself), so their shards left "
             f"shardwise's storage and training would silently use the old values. "
             + CAST_ADVICE)
-    # A frozen tensor subclass (a quantized base) unfrozen after shard: its group gathers
-    # bytes and reduces nothing (Note [one group type]), so it would train silently not at
-    # all; refused as sw.shard refuses a trainable one.
-    thawed = [p.fqns[0] for u in units for g in u.groups if not g.by_rows
+    # A frozen tensor subclass unfrozen after shard: its group gathers bytes and reduces
+    # nothing (Note [one group type]), so it would train silently not at all; refused as
+    # sw.shard refuses a trainable one, in its gather strategy's words.
+    thawed = [p for u in units for g in u.groups if not g.by_rows
               for p in g.params if p.shard.requires_grad or p.full.requires_grad] \
         if follow_flags else []
     if thawed:
-        raise ShardwiseError(
-            f"{len(thawed)} quantized (tensor subclass) parameter(s) ({some_names(thawed)}) "
-            f"were set to require gradients after sw.shard: shardwise shards them frozen, "
-            f"so they would get no gradient and never train. Freeze them again "
-            f"(requires_grad_(False)); train adapters beside them (LoRA), or a "
-            f"full-precision copy of the weight")
+        raise ShardwiseError(thawed[0].gather.gradient_refusal([p.fqns[0] for p in thawed]))
     if flipped and why == "no_sync":
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({some_names(flipped)}) changed while "
@@ -68,13 +63,10 @@ def check_model(root: nn.Module, units: list[Unit], residency: Residencies,
             f"of an earlier micro-batch: a part of the step's sum for a parameter that no "
             f"longer trains. Change requires_grad between steps, after the synced "
             f"backward (Note [freezing after shard])")
-    if flipped:
+    if flipped:  # ``why``: the group's storage says (Note [freezing after shard])
         raise ShardwiseError(
             f"requires_grad of {len(flipped)} parameter(s) ({some_names(flipped)}) changed after "
-            f"sw.shard in an offloaded unit: its tiers were laid out for the frozen and "
-            f"trainable parameters at sw.shard, so only freezing or unfreezing all of a "
-            f"unit's parameters that were trainable then is followed. Set requires_grad "
-            f"before sw.shard(model, offload=...) (Note [freezing after shard])")
+            f"sw.shard {why}")
     for g, ch, _ in changes:
         if ch:
             follow_freezing(g, ch)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ...._registry import OFFLOAD_GRADS, PARAM, attach_to, attached, detach_from
+from ...._registry import PARAM, SET_ASIDE_GRADS, attach_to, attached, detach_from
 from ....errors import ShardwiseError
 from ..alloc import trim
 from .storage import OPTIMIZER_TIERS_USED, GroupStorage
@@ -144,7 +144,7 @@ def step_by_unit(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
             if p.grad is not None:
                 stash[p] = p.grad
                 p.grad = None
-    attach_to(optimizer, OFFLOAD_GRADS, stash)
+    attach_to(optimizer, SET_ASIDE_GRADS, stash)
     return (optimizer,), {"closure": (lambda: loss)} if closure is not None else {}
 
 
@@ -152,14 +152,14 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = N
     """After the optimizer's own call: give the parameters their gradients back (after a
     unit-by-unit step, whose traffic was counted then), or count what the step of state
     in host memory read and wrote (Note [bytes moved])."""
-    stash = attached(optimizer, OFFLOAD_GRADS)
+    stash = attached(optimizer, SET_ASIDE_GRADS)
     if stash is None:
         if "cpu" not in OPTIMIZER_TIERS_USED:
             return
         _count(optimizer, [p for g in optimizer.param_groups for p in g["params"]],
                tier="cpu")
         return
-    detach_from(optimizer, OFFLOAD_GRADS)
+    detach_from(optimizer, SET_ASIDE_GRADS)
     for p, grad in stash.items():
         p.grad = grad
 

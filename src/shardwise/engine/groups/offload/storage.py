@@ -97,7 +97,12 @@ class GroupStorage:
     def freezing_refusal(self, changed: int, total: int, trainable_at_build: bool) -> str:
         """Note [freezing after shard]: its tiers were planned for a group trainable
         at ``shard``; only freezing or unfreezing all of such a group is followed."""
-        return "offload" if changed < total or not trainable_at_build else ""
+        if changed == total and trainable_at_build:
+            return ""
+        return ("in an offloaded unit: its tiers were laid out for the frozen and trainable "
+                "parameters at sw.shard, so only freezing or unfreezing all of a unit's "
+                "parameters that were trainable then is followed. Set requires_grad before "
+                "sw.shard(model, offload=...) (Note [freezing after shard])")
 
     def cast_refusal(self, unit_name: str) -> str | None:
         return f"unit {unit_name} is offloaded (sw.Offload)"
