@@ -5,8 +5,8 @@ Under ``reproducible=True`` the gradients of a step do not depend on the world s
 (Note [reproducible reduction] in exact/reduce.py), but BatchNorm's running statistics
 would: each rank's kernel folds in only the micro-batches that rank ran, in its order.
 So for every BatchNorm module that tracks them, each training forward also records the
-micro-batch's own statistics (mean and unbiased variance per channel, computed from that
-micro-batch alone, in fp32), and the statistics at the step's first micro-batch. When
+micro-batch's own statistics (mean and unbiased variance per channel, from that
+micro-batch alone), and the statistics at the step's first micro-batch. When
 the step's gradients are reduced (the first backward outside ``no_sync``), ranks exchange
 their records, put them in micro-batch order (``order``: "contiguous", rank r holding
 micro-batches r*k..(r+1)*k-1 as ``sw.micro_batches`` hands them out, or "round robin",
@@ -16,6 +16,17 @@ every rank replays BatchNorm's update
 that order, then counts them in ``num_batches_tracked``: the same arithmetic on the same
 values at every world size, including one. The kernel's own updates in between are
 overwritten. Cumulative averaging (``momentum=None``) is refused.
+
+The record is read from the kernel rather than computed again: the forward's pre-hook
+hands the module zeroed running statistics of its own, so that the kernel's update leaves
+``momentum * mean`` and ``momentum * variance`` of the micro-batch in them, which are
+recorded (the replay adds them as they are); the forward hook then gives the module its
+own statistics back, updated as the kernel would have updated them. These products
+depend on the micro-batch alone, as the replay needs. Fresh tensors, not the module's
+zeroed in place: the kernel saves the statistics it was given for its backward, so they
+must not change after the forward. Computing the mean and variance again read the
+activation twice more: 11 ms of a 60 ms forward and backward of the CNN of
+benchmarks/workloads.py, one rank.
 """
 
 from __future__ import annotations
@@ -37,10 +48,16 @@ _OWNER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HOOKED = "_shardwise_running_stats_hook"
 
 
-def _record(module: nn.Module, args: tuple) -> None:
+def _before(module: nn.Module, args: tuple) -> None:
     stats = _OWNER.get(module)
     if stats is not None:
-        stats.record(module, args)
+        stats.before(module, args)
+
+
+def _after(module: nn.Module, args: tuple, output: object) -> None:
+    stats = _OWNER.get(module)
+    if stats is not None:
+        stats.after(module, output)
 
 
 class RunningStats:
@@ -57,18 +74,22 @@ class RunningStats:
                     f"average) is not supported; give it a momentum")
             _OWNER[m] = self
             if not getattr(m, _HOOKED, False):
-                m.register_forward_pre_hook(_record)
+                m.register_forward_pre_hook(_before)
+                # always_call: a forward that raises gets its statistics back too.
+                m.register_forward_hook(_after, always_call=True)
                 setattr(m, _HOOKED, True)
         self.order = "contiguous"  # or "round robin" (ShardwiseTrainer)
         self._start: dict[nn.Module, tuple[torch.Tensor, ...]] = {}
         self._seen: dict[nn.Module, list[torch.Tensor]] = {}
+        self._held: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pending(self) -> bool:
         """Whether records wait for the next reduction."""
         return bool(self._start)
 
-    def record(self, module: nn.Module, args: tuple) -> None:
-        """A forward pre-hook of ``module``: note the micro-batch's statistics."""
+    def before(self, module: nn.Module, args: tuple) -> None:
+        """A forward pre-hook of ``module``: hand it zeroed running statistics, in which
+        the kernel leaves the micro-batch's (read by :meth:`after`)."""
         # A recomputation inside backward (activation checkpointing) is not a new
         # micro-batch.
         if not module.training or in_backward() or not args:
@@ -80,17 +101,36 @@ class RunningStats:
             self._start[bn] = (bn.running_mean.detach().clone(),
                                bn.running_var.detach().clone(),
                                bn.num_batches_tracked.detach().clone())
-        x = args[0].detach().float()
-        dims = [0, *range(2, x.dim())]
-        self._seen.setdefault(bn, []).append(
-            torch.stack([x.mean(dim=dims), x.var(dim=dims, unbiased=True)]).cpu())
+        self._held[bn] = (bn.running_mean, bn.running_var)
+        bn.running_mean = torch.zeros_like(bn.running_mean)
+        bn.running_var = torch.zeros_like(bn.running_var)
+
+    def after(self, module: nn.Module, output: object) -> None:
+        """A forward hook of ``module``: record ``momentum`` times the micro-batch's mean
+        and variance, and give it back its own statistics, updated as the kernel updates
+        them (unchanged when the forward raised: ``output`` is then None)."""
+        held = self._held.pop(module, None)
+        if held is None:
+            return
+        bn = module
+        assert isinstance(bn, _BatchNorm) and bn.momentum is not None
+        assert bn.running_mean is not None and bn.running_var is not None
+        products = torch.stack([bn.running_mean, bn.running_var]).float()
+        bn.running_mean, bn.running_var = held
+        if output is None:
+            return
+        self._seen.setdefault(bn, []).append(products.cpu())
+        with torch.no_grad():
+            for own, product in zip(held, products):
+                own.mul_(1.0 - bn.momentum).add_(product.to(own.dtype))
 
     def replay(self) -> None:
         """Set every recorded module's statistics from all ranks' records, in
         micro-batch order (a collective, when the model has BatchNorm modules)."""
         if not self.modules:
             return
-        recorded = [m for m in self.modules if m in self._start]
+        # A module whose forwards all raised recorded nothing (its statistics are back).
+        recorded = [m for m in self.modules if m in self._seen]
         mine = [torch.stack(self._seen[m]) for m in recorded]
         everyone = ([mine] if self.comm.world_size == 1 else self.comm.all_gather_object(
             mine, what="the exchange of BatchNorm statistics (reproducible mode)"))
@@ -108,9 +148,9 @@ class RunningStats:
                 else:
                     steps = torch.cat([r[j] for r in everyone])
                 keep = 1.0 - bn.momentum
-                for s in steps:
-                    mean = keep * mean + bn.momentum * s[0]
-                    var = keep * var + bn.momentum * s[1]
+                for s in steps:  # s: momentum times the micro-batch's statistics
+                    mean = keep * mean + s[0]
+                    var = keep * var + s[1]
                 assert bn.running_mean is not None and bn.running_var is not None
                 assert bn.num_batches_tracked is not None
                 bn.running_mean.copy_(mean)
