@@ -54,6 +54,10 @@ class Topology:
     replicate: Comm | None
     mesh: DeviceMesh  # the DTensor parameters' mesh
     placements: tuple[Placement, ...]
+    # The mesh ``shard`` was given, 1-D or 2-D (``None`` for a group): tensor-parallel
+    # parameters' sibling (Note [tensor-parallel parameters] in
+    # engine/groups/tensor_parallel.py).
+    given: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         # One stream of order checks over every rank of the model (Note [checks ride
@@ -96,7 +100,9 @@ def topology(group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Topolo
         raise ShardwiseError(f"mesh={mesh!r} is not a torch.distributed.device_mesh."
                              f"DeviceMesh: build one with init_device_mesh(device, (R, S))")
     if mesh.ndim == 1:
-        return topology(mesh.get_group(), None)
+        flat = topology(mesh.get_group(), None)
+        flat.given = mesh
+        return flat
     if mesh.ndim != 2:
         raise ShardwiseError(f"mesh has {mesh.ndim} dimensions; sw.shard takes a 1-D mesh "
                              f"(flat sharding) or a 2-D one, dims (replicate, shard)")
@@ -112,7 +118,7 @@ def topology(group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Topolo
                              f"ranks increasing along each dimension")
     world = _world(mesh, shard, replicate)
     mark(mesh)  # Note [rank-local scalars] in comm/scalars.py
-    return Topology(world, shard, replicate, mesh, (Replicate(), Shard(0)))
+    return Topology(world, shard, replicate, mesh, (Replicate(), Shard(0)), mesh)
 
 
 def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
