@@ -183,11 +183,135 @@ def _parity(rank: int, world: int, dp: int, tp: int, sequence_parallel: bool):
             sorted(full_sd) == sorted(ref_sd))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_parity_with_fsdp2_at_2x2(sequence_parallel):
-    for out in run_ranks(_parity, 4, 2, 2, sequence_parallel, timeout=300):
+@pytest.mark.parametrize("world,dp,tp,sequence_parallel",
+                         [(4, 2, 2, False), (4, 2, 2, True), (8, 4, 2, False), (8, 4, 2, True)])
+def test_parity_with_fsdp2(world, dp, tp, sequence_parallel):
+    """Losses, clipped norms, parameters and sw.full_state_dict after three AdamW steps,
+    against FSDP2 with the same TP plan.
+
+    At dp=2 bit-equal (measured, with and without sequence-parallel norms): the same dp
+    sum of the same local gradients, the same steps on the same local rows. At dp=4 the
+    four gradients are summed in another order than FSDP2's reduce-scatter sums them
+    (Note [hybrid sharding] in comm/mesh.py says the same of DDP), which Adam's
+    normalised steps carry into the last bits; measured at (4, 2): losses within
+    4.8e-7, clip norms within 6e-8, parameters and full_state_dict within 2.4e-7
+    (values near 1, so 2 ulps). The bound, 2e-6, is 4x that, far below the ~1e-2 a
+    wrong gradient would move a parameter by in one step of lr=1e-2."""
+    bound = 0.0 if dp == 2 else 2e-6
+    for out in run_ranks(_parity, world, dp, tp, sequence_parallel, timeout=300):
         losses, ref_losses, norms, ref_norms, params, sd, same_keys = out
-        print(losses, ref_losses, norms, ref_norms, max(params.values()), max(sd.values()))
         assert same_keys
-        assert losses == ref_losses and norms == ref_norms
-        assert max(params.values()) == 0 and max(sd.values()) == 0, (params, sd)
+        assert len(norms) == len(ref_norms) == (3 if sequence_parallel else 0)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= bound, (losses, ref_losses)
+        assert max([abs(a - b) for a, b in zip(norms, ref_norms)] or [0]) <= bound, norms
+        assert max(params.values()) <= bound and max(sd.values()) <= bound, (params, sd)
+
+
+def _shard_llama(sequence_parallel: bool = True, **kwargs):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = tensor_parallel(Llama(), mesh["tp"], sequence_parallel)
+    return mesh, sw.shard(model, mesh=mesh["dp"], **kwargs)
+
+
+def _entry_points(rank: int, world: int, tmp: str):
+    mesh, model = _shard_llama()
+    dp_rank = mesh["dp"].get_local_rank()
+    _train(model, dp_rank, 1, clip=False)
+    full = sw.full_state_dict(model, rank0_only=False)
+    # full_parameters: the same full tensors, unit by unit.
+    streamed = dict(sw.full_parameters(model))
+    assert sorted(streamed) == sorted(n for n, _ in model.named_parameters())
+    for n, v in streamed.items():
+        assert torch.equal(v, full[n]), n
+    # sw.inspect sees the parameters as they are: this rank's rows of the local tensor.
+    view = sw.inspect(model)
+    assert sum(len(u.param_names) for u in view.units) == len(full)
+    # state_dict(): DTensors on the (dp, tp) mesh, which load_state_dict takes back.
+    sd = model.state_dict()
+    q = "blocks.0.attn.q.weight"
+    assert sd[q].placements[1] == Shard(0) and sd[q].shape == full[q].shape
+    with torch.no_grad():
+        changed = {k: v * 2 if isinstance(v, DTensor) else v for k, v in sd.items()}
+    model.load_state_dict(changed)
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert torch.equal(after[q], 2 * full[q])
+    # A full state dict of plain tensors: each rank takes its rows of its local tensor.
+    model.load_state_dict(full)
+    after = sw.full_state_dict(model, rank0_only=False)
+    assert all(torch.equal(after[k], v) for k, v in full.items())
+    # Refused by name, on every rank, before anything changes.
+    refusals = {
+        "sw.save_checkpoint": lambda: sw.save_checkpoint(tmp, model),
+        "sw.load_checkpoint": lambda: sw.load_checkpoint(tmp, model),
+        "sw.load_pretrained": lambda: sw.load_pretrained(model, full),
+        "sw.full_optimizer_state_dict": lambda: sw.full_optimizer_state_dict(
+            model, torch.optim.AdamW(model.parameters())),
+        "sw.clip_grad_norm_": lambda: sw.clip_grad_norm_(model, 1.0),
+        "sw.gathered": lambda: sw.gathered(model).__enter__(),
+    }
+    for name, call in refusals.items():
+        with pytest.raises(sw.ShardwiseError, match=rf"{name} does not take "
+                                                    rf"tensor-parallel parameters yet"):
+            call()
+    assert torch.equal(sw.full_state_dict(model, rank0_only=False)[q], full[q])
+    # A deep copy trains as the original does.
+    twin = copy.deepcopy(model)
+    a, _ = _train(model, dp_rank, 1, clip=False)
+    b, _ = _train(twin, dp_rank, 1, clip=False)
+    assert a == b
+    return True
+
+
+def test_entry_points_work_or_refuse_by_name(tmp_path):
+    run_ranks(_entry_points, 4, str(tmp_path / "ckpt"), timeout=300)
+
+
+def _refusals(rank: int, world: int):
+    from torch.distributed.tensor import Partial
+
+    for kwargs, match in [({"offload": sw.Offload(optimizer="cpu")}, "offload="),
+                          ({"reproducible": True}, "reproducible=True")]:
+        with pytest.raises(sw.ShardwiseError, match=f"{match} does not take tensor-parallel"):
+            _shard_llama(**kwargs)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def mlp(width: int = 32) -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 16))
+
+    def colwise(m: nn.Sequential, tp_mesh=mesh["tp"]) -> nn.Sequential:
+        return parallelize_module(m, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    # Sharded over a process group instead of the sibling mesh.
+    with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*given a process group"):
+        sw.shard(colwise(mlp()), group=mesh["dp"].get_group())
+    # A tp mesh that is not a sibling of the dp mesh: one over every rank, or the dp dim.
+    # (Another init_device_mesh of the same shape over the same ranks lays out the same
+    # groups: DeviceMesh takes its dims as siblings of this one's, rightly.)
+    world_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*not a sibling"):
+        sw.shard(colwise(mlp(), world_mesh), mesh=mesh["dp"])
+    with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*not a sibling"):
+        sw.shard(colwise(mlp(), mesh["dp"]), mesh=mesh["dp"])
+    # A tp size that does not divide a sharded dim (heads that tp does not divide).
+    with pytest.raises(sw.ShardwiseError, match=r"0\.weight .*tp=2 does not divide its dim 0 "
+                                                r"\(size 33\).*number of heads"):
+        sw.shard(colwise(mlp(33)), mesh=mesh["dp"])
+    # Placements other than Shard and Replicate.
+    odd = mlp()
+    odd[0].weight = nn.Parameter(DTensor.from_local(odd[0].weight.detach(), mesh["tp"],
+                                                    [Partial()]))
+    with pytest.raises(sw.ShardwiseError, match=r"placements Shard\(d\) and Replicate\(\) only"):
+        sw.shard(odd, mesh=mesh["dp"])
+    # A TP plan applied after sw.shard: torch's parallel styles refuse to distribute the
+    # shards (DTensors on the dp mesh) before changing anything; loud, in torch's words.
+    late = sw.shard(mlp(), mesh=mesh["dp"])
+    with pytest.raises(ValueError, match="Cannot distribute a DTensor with device mesh"):
+        colwise(late)
+    late(torch.ones(2, 16)).sum().backward()  # still the sharded model it was
+    return True
+
+
+def test_what_is_not_supported_is_refused_by_name():
+    run_ranks(_refusals, 4, timeout=300)

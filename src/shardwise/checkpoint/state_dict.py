@@ -14,6 +14,7 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
+from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.tensor_parallel import tp_of
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
@@ -191,6 +192,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         raise ShardwiseError(f"full_optimizer_state_dict: optimizer must be a "
                              f"torch.optim.Optimizer, got {type(optimizer).__name__}")
     require_bool(rank0_only, "full_optimizer_state_dict", "rank0_only")
+    refuse_tensor_parallel(module, "sw.full_optimizer_state_dict")
     state = owning_state(module)
     sd = optimizer.state_dict()
     if state is None:

@@ -83,6 +83,14 @@ class TpSpec:
             return DTensor.from_local(rows, mesh, dp + self.placements, run_check=False,
                                       shape=self.shape, stride=self.stride)
 
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor of a global tensor ``full`` (a view; tp divides every
+        sharded dim: :func:`refusal`)."""
+        for i, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                full = full.chunk(self.mesh.size(i), dim=p.dim)[self.mesh.get_local_rank(i)]
+        return full
+
     def full_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """The global tensor from every tp rank's ``local`` (a collective over tp)."""
         return self.compute_form(local).full_tensor()
@@ -139,8 +147,20 @@ def refusal(spec: TpSpec, dp_mesh: DeviceMesh | None, local: torch.Tensor) -> st
         return (f"{where}, not a sibling of sw.shard's mesh {dp_mesh} ({e}): the tp mesh "
                 f"and the dp mesh must be disjoint dims of one init_device_mesh, such as "
                 f"mesh['tp'] and mesh['dp'] (or mesh['replicate', 'shard'])")
+    if type(local.data) is not torch.Tensor:
+        return (f"{where} whose local tensor is a {type(local.data).__name__}: shardwise "
+                f"shards plain local tensors only")
     if local.is_meta or not local.is_contiguous():
-        return f"{where} with a {'meta' if local.is_meta else 'non-contiguous'} local tensor"
+        return (f"{where} with a {'meta' if local.is_meta else 'non-contiguous'} local "
+                f"tensor: materialise it (contiguous) before sw.shard")
+    size = spec.mesh.size()
+    uneven = [p.dim for p in spec.placements
+              if isinstance(p, Shard) and spec.shape[p.dim] % size]
+    if uneven:
+        return (f"{where}: tp={size} does not divide its dim {uneven[0]} (size "
+                f"{spec.shape[uneven[0]]}), so tp ranks would hold local tensors of "
+                f"different shapes. Choose a tp that divides it (for attention: the "
+                f"number of heads)")
     return None
 
 
