@@ -147,28 +147,41 @@ def _train(model: nn.Module, dp_rank: int, steps: int, clip: bool) -> tuple[list
     return losses, norms
 
 
-def _parity(rank: int, world: int, dp: int, tp: int, sequence_parallel: bool):
+def _meshes(dp: int, tp: int, replicas: int):
+    """The (dp, tp) mesh, or with ``replicas`` > 1 the 3-D (replicate, shard, tp) one of
+    hybrid sharding; its dp mesh and this rank's place among the dp ranks."""
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return mesh, mesh["dp"], mesh["dp"].get_local_rank()
+    shards = dp // replicas
+    mesh = init_device_mesh("cpu", (replicas, shards, tp),
+                            mesh_dim_names=("replicate", "shard", "tp"))
+    place = mesh["replicate"].get_local_rank() * shards + mesh["shard"].get_local_rank()
+    return mesh, mesh["replicate", "shard"], place
+
+
+def _parity(rank: int, world: int, dp: int, tp: int, sequence_parallel: bool,
+            replicas: int = 1):
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh["dp"].get_local_rank()
+    mesh, dp_mesh, dp_rank = _meshes(dp, tp, replicas)
     torch.manual_seed(0)
     base = Llama()
     clip = sequence_parallel  # torch's clip takes gradients on one mesh only
 
     ref = tensor_parallel(copy.deepcopy(base), mesh["tp"], sequence_parallel)
     for block in ref.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(ref, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(ref, mesh=dp_mesh)
     ref_losses, ref_norms = _train(ref, dp_rank, 3, clip)
     ref_params = {n: _full(p) for n, p in ref.named_parameters()}
 
     ours = tensor_parallel(copy.deepcopy(base), mesh["tp"], sequence_parallel)
-    ours = sw.shard(ours, mesh=mesh["dp"])
+    ours = sw.shard(ours, mesh=dp_mesh)
     for n, p in ours.named_parameters():
         assert isinstance(p, nn.Parameter) and isinstance(p, DTensor), n
         assert p.shape == base.get_parameter(n).shape, n
-        if isinstance(ref.get_parameter(n), DTensor) and ref.get_parameter(n).device_mesh.ndim == 2:
+        if ref.get_parameter(n).device_mesh.ndim == mesh.ndim:
             # The dp shard on dim 0, the tp placement kept: FSDP2's placements.
             assert p.placements == ref.get_parameter(n).placements, (n, p.placements)
             assert p.to_local().shape == ref.get_parameter(n).to_local().shape, n
@@ -205,6 +218,16 @@ def test_parity_with_fsdp2(world, dp, tp, sequence_parallel):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= bound, (losses, ref_losses)
         assert max([abs(a - b) for a, b in zip(norms, ref_norms)] or [0]) <= bound, norms
         assert max(params.values()) <= bound and max(sd.values()) <= bound, (params, sd)
+
+
+def test_hybrid_sharding_with_tensor_parallelism():
+    """A 3-D mesh (replicate, shard, tp) = (2, 2, 2), sharded over mesh["replicate",
+    "shard"]: placements (Replicate(), dp shard, tp placement) as FSDP2's HSDP with TP.
+    Measured: bit-equal to FSDP2 (losses, clip norms, parameters, full_state_dict)."""
+    for out in run_ranks(_parity, 8, 4, 2, True, 2, timeout=300):
+        losses, ref_losses, norms, ref_norms, params, sd, same_keys = out
+        assert same_keys and losses == ref_losses and norms == ref_norms
+        assert max(params.values()) == 0 and max(sd.values()) == 0, (params, sd)
 
 
 def _shard_llama(sequence_parallel: bool = True, **kwargs):

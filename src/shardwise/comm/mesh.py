@@ -132,6 +132,11 @@ def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
         return shard
     if shard.world_size == 1:
         return replicate
+    if mesh.mesh_dim_names is not None and mesh._get_root_mesh() is not mesh:
+        # Dims of a larger named mesh (mesh["replicate", "shard"] of a 3-D mesh whose
+        # third dim is tensor-parallel): torch's flattening makes every such group, each
+        # rank of the root taking part, as every rank calls shard.
+        return Comm(mesh._flatten().get_group())
     raise ShardwiseError(
         f"the mesh {mesh.mesh.tolist()} spans {mesh.size()} of the "
         f"{dist.get_world_size()} ranks with both dimensions above 1; hybrid sharding "
