@@ -545,7 +545,7 @@ def _check_tensor_parallel(records: list[ParamRecord], given: DeviceMesh | None,
         if why is not None:
             raise ShardwiseError(why)
     name = specs[0][1].name
-    modes = [(offload is not None, "offload="), (reproducible, "reproducible=True"),
+    modes = [(offload is not None, "offload="),
              (any(init_piece(r.param) is not None for r in records), "sw.sharded_init")]
     for on, mode in modes:
         if on:
