@@ -284,11 +284,26 @@ def _entry_points(rank: int, world: int, tmp: str):
     a, _ = _train(model, dp_rank, 1, clip=False)
     b, _ = _train(twin, dp_rank, 1, clip=False)
     assert a == b
-    return True
+    # Mixed precision: the gathered local tensors in bf16, as FSDP2's param_dtype.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    base = Llama()
+    ref = tensor_parallel(copy.deepcopy(base), mesh["tp"], True)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in ref.blocks:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(ref, mesh=mesh["dp"], mp_policy=policy)
+    ours = sw.shard(tensor_parallel(copy.deepcopy(base), mesh["tp"], True), mesh=mesh["dp"],
+                    mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
+    return _train(ours, dp_rank, 3, clip=True), _train(ref, dp_rank, 3, clip=True)
 
 
 def test_entry_points_work_or_refuse_by_name(tmp_path):
-    run_ranks(_entry_points, 4, str(tmp_path / "ckpt"), timeout=300)
+    for (losses, norms), (ref_losses, ref_norms) in run_ranks(
+            _entry_points, 4, str(tmp_path / "ckpt"), timeout=300):
+        # Measured bit-equal to FSDP2's MixedPrecisionPolicy(bf16, fp32 reduce).
+        assert [float(v) for v in losses + norms] == [float(v) for v in ref_losses + ref_norms]
 
 
 def _refusals(rank: int, world: int):
@@ -327,6 +342,11 @@ def _refusals(rank: int, world: int):
                                                     [Partial()]))
     with pytest.raises(sw.ShardwiseError, match=r"placements Shard\(d\) and Replicate\(\) only"):
         sw.shard(odd, mesh=mesh["dp"])
+    # Quantizing tensor-parallel weights (torchao would fail part-way through).
+    from shardwise.integrations.quant import quantize_nf4
+
+    with pytest.raises(sw.ShardwiseError, match="quantize_nf4 does not take tensor-parallel"):
+        quantize_nf4(colwise(mlp(256)))
     # A TP plan applied after sw.shard: torch's parallel styles refuse to distribute the
     # shards (DTensors on the dp mesh) before changing anything; loud, in torch's words.
     late = sw.shard(mlp(), mesh=mesh["dp"])

@@ -157,7 +157,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             (Note [hybrid sharding] in comm/mesh.py): parameters sharded within each row of
             the mesh and replicated across rows, placed ``(Replicate(), Shard(0))``;
             gradients reduce-scattered within a row, then summed across rows.
-            ``src_rank`` is then a rank of the whole mesh.
+            ``src_rank`` is then a rank of the whole mesh. Tensor parallelism: a model
+            placed by torch's ``parallelize_module`` over ``mesh["tp"]`` is sharded
+            over ``mesh=mesh["dp"]`` (or ``mesh["replicate", "shard"]``), each
+            parameter's local tensor by rows (Note [tensor-parallel parameters] in
+            engine/groups/tensor_parallel.py).
         units: submodules gathered together: a class, tuple of classes, or a callable
             ``(qualified_name, module) -> bool``; every match becomes a unit, nested
             matches too (each owns the parameters no inner unit owns). ``()`` makes the
@@ -214,7 +218,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             ``Offload`` or its folder cannot be taken, a parameter is 0-dim, a parameter
             is a tensor subclass or an ``nn.Parameter`` subclass without FSDP2's
             extension protocol, or one with it requires grad, does not split into equal
-            shards, or is given with ``offload``,
+            shards, or is given with ``offload``, a tensor-parallel DTensor parameter
+            cannot be sharded over ``mesh`` or comes with ``offload`` or
+            ``sharded_init`` (:func:`~shardwise.engine.groups.tensor_parallel.refusal`),
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
             ``units=``): then every rank raises the same error.

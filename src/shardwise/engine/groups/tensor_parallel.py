@@ -29,8 +29,16 @@ tensor of its tp coordinate, and shardwise shards that local tensor, never the g
   rows included), and ``clip_grad_norm_`` over such gradients is the global norm.
 
 ``ShardedParam.shape`` is the local tensor's shape (what the group shards); the global
-shape is the shard's (``TpSpec.shape``). What is not built yet for such parameters is
-refused by name, at ``shard`` or at the entry point (:func:`refuse`; docs/status.md).
+shape is the shard's (``TpSpec.shape``). Consolidation (``full_state_dict``,
+``full_parameters``) gathers the local tensor over dp, then over tp
+(:meth:`TpSpec.full_tensor`); a full tensor loaded with ``load_state_dict`` is cut to the
+local tensor first (:meth:`TpSpec.local_of`). The reproducible mode sums each local
+gradient exactly over the dp ranks, so its bits do not depend on dp; a tp size changes
+each micro-batch's gradient (tp's own sums), so bits across tp sizes are not promised.
+What is not built yet for such parameters (checkpoints among them: a checkpoint's pieces
+are ranges of the flattened global tensor, which a ``Shard(1)`` local tensor's rows are
+not) is refused by name, at ``shard`` or at the entry point (:func:`refuse`,
+``refuse_tensor_parallel`` in engine/entry_points/guards.py; docs/status.md).
 """
 
 from __future__ import annotations
