@@ -346,8 +346,9 @@ def _bad_meshes(rank, world):
     line = init_device_mesh("cpu", (4,))
     sharded = sw.shard(model, mesh=line)
     assert sw.inspect(sharded).replicas == 1 and sw.inspect(sharded).shard_size == 4
-    # Tensor parallelism first, then sharding over "dp" (FSDP2's 2-D recipe) is not built
-    # yet: refused by name, saying so (it was refused as an unknown tensor subclass).
+    # Tensor parallelism first, then sharding over "dp" (FSDP2's 2-D recipe) composes
+    # (tests/test_tensor_parallel.py); sharding such a model over a process group instead
+    # of the sibling mesh is refused by name, saying what to pass.
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -356,9 +357,9 @@ def _bad_meshes(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     parallelize_module(mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    with pytest.raises(sw.ShardwiseError, match=r"0\.weight, 0\.bias, 2\.weight, \.\.\.\) are "
-                                                r"DTensors already.*tensor parallelism yet"):
-        sw.shard(mlp, mesh=mesh["dp"])
+    with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor on .*given a "
+                                                r"process group.*mesh=mesh\['dp'\]"):
+        sw.shard(mlp, group=mesh["dp"].get_group())
 
 
 def test_bad_meshes_are_refused():

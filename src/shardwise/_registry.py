@@ -39,6 +39,8 @@ On tensors:
 - ``_shardwise_partitioned_as``: the stand-in that replaced an original under
   ``sharded_init``;
 - ``_shardwise_retired``: the name of an original parameter ``shard`` replaced;
+- ``_shardwise_tensor_parallel``: the ``TpSpec`` of a tensor-parallel parameter's
+  stand-in (Note [tensor-parallel parameters] in ``engine/groups/tensor_parallel.py``);
 - ``_shardwise_synchronised``: what keeps a plain parameter identical across ranks
   (``"DistributedDataParallel"``, ``"sw.per_rank"``: Note [parameters nothing
   synchronises] in ``engine/entry_points/guards.py``).
@@ -77,6 +79,7 @@ INIT = "_shardwise_init"
 _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
 _SYNCED = "_shardwise_synchronised"
+TENSOR_PARALLEL = "_shardwise_tensor_parallel"
 LOOSE_PARAMS = "_shardwise_loose"
 WARNED_CLIP = "_shardwise_warned_clip"
 SET_ASIDE_GRADS = "_shardwise_set_aside_grads"

@@ -30,6 +30,7 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
+from .engine.groups.tensor_parallel import refuse
 from .engine.iteration.buffers import named_buffers
 from .engine.iteration.residency import release
 from .engine.iteration.unit import ShardedParam, Unit, sharded_param
@@ -222,6 +223,8 @@ class _GatherSession:
             names = {id(p): sp.fqns[0] if (sp := sharded_param(p)) is not None else
                      f"tensor {i}" for i, p in enumerate(self.params)}
         self.single = isinstance(target, torch.Tensor)
+        refuse((sp for p in self.params if (sp := sharded_param(p)) is not None),
+               "sw.gathered", "its full parameters would be tensor-parallel local tensors")
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
+from .engine.entry_points.guards import refuse_tensor_parallel
 from .engine.groups.reduce import GradReduction
 from .engine.iteration.state import model_state
 from .errors import ShardwiseError
@@ -84,6 +85,10 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     state = model_state(module)
     if state is None:
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)
+    refuse_tensor_parallel(module, "sw.clip_grad_norm_", "its norm is summed over the "
+                           "data-parallel ranks only; torch.nn.utils.clip_grad_norm_("
+                           "model.parameters(), ...) gives the global norm when every "
+                           "parameter is a DTensor on the (dp, tp) mesh")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")

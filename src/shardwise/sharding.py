@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from ._args import require_group, require_module, require_rank, some_names
+from ._args import require_group, require_module, require_rank
 from ._log import logger
 from .comm.agree import agreed
 from .comm.collectives import Comm
@@ -37,6 +36,8 @@ from .engine.build import build
 from .engine.groups.flat import gathers_bytes, refusal
 from .engine.groups.offload import Offload
 from .engine.groups.packed import cut, shard_mesh
+from .engine.groups.tensor_parallel import refusal as tp_refusal
+from .engine.groups.tensor_parallel import tp_spec
 from .engine.iteration.buffers import BufferPolicy, buffer_policy
 from .engine.iteration.state import Settings, model_state
 from .engine.iteration.unit import sharded_param, unit_of
@@ -156,7 +157,11 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             (Note [hybrid sharding] in comm/mesh.py): parameters sharded within each row of
             the mesh and replicated across rows, placed ``(Replicate(), Shard(0))``;
             gradients reduce-scattered within a row, then summed across rows.
-            ``src_rank`` is then a rank of the whole mesh.
+            ``src_rank`` is then a rank of the whole mesh. Tensor parallelism: a model
+            placed by torch's ``parallelize_module`` over ``mesh["tp"]`` is sharded
+            over ``mesh=mesh["dp"]`` (or ``mesh["replicate", "shard"]``), each
+            parameter's local tensor by rows (Note [tensor-parallel parameters] in
+            engine/groups/tensor_parallel.py).
         units: submodules gathered together: a class, tuple of classes, or a callable
             ``(qualified_name, module) -> bool``; every match becomes a unit, nested
             matches too (each owns the parameters no inner unit owns). ``()`` makes the
@@ -213,7 +218,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             ``Offload`` or its folder cannot be taken, a parameter is 0-dim, a parameter
             is a tensor subclass or an ``nn.Parameter`` subclass without FSDP2's
             extension protocol, or one with it requires grad, does not split into equal
-            shards, or is given with ``offload``,
+            shards, or is given with ``offload``, a tensor-parallel DTensor parameter
+            cannot be sharded over ``mesh`` or comes with ``offload`` or
+            ``sharded_init`` (:func:`~shardwise.engine.groups.tensor_parallel.refusal`),
             or ``src_rank`` holds meta tensors; also when ranks disagree (one rank failed
             any of these, or ranks built different models or passed different
             ``units=``): then every rank raises the same error.
@@ -237,7 +244,8 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
     plan = agreed(topo.world, f"sw.shard({type(module).__name__}) failed",
                   functools.partial(_plan, module, topo, device, units, budget,
                                     memory_budget is not None, prefetch,
-                                    reshard_after_forward, mp, src_rank, offload, buffers))
+                                    reshard_after_forward, mp, src_rank, offload, buffers,
+                                    reproducible))
     settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
                         src_rank, offload)
     _agree_structure(topo.world, plan.units, _compared(settings, plan.buffers, topo.world, mp))
@@ -278,7 +286,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
           budget: int | None, budget_given: bool, prefetch: int,
           reshard_after_forward: bool | int,
           mp: MixedPrecision, src_rank: int, offload: Offload | None,
-          buffers: str | BufferPolicy) -> Plan:
+          buffers: str | BufferPolicy, reproducible: bool = False) -> Plan:
     """Choose the units, the parameters each owns and their groups (``planning/``), say
     what was chosen, then check that the engine can take them (``engine/``); nothing
     changes yet."""
@@ -302,7 +310,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
     # Each group releases its originals as it is built (engine/build.py): only the plan
     # may hold the records.
     _check_params(records, topo.world.rank, src_rank, offload, shards, mp.param_dtype,
-                  device)
+                  device, topo.given, reproducible)
     if any(gathers_bytes(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     # Laid out once the parameters passed their checks (a 0-dim one is refused by name).
@@ -495,18 +503,9 @@ def _agree_structure(comm: Comm, units: list[UnitPlan], settings: dict[str, obje
 
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
                   offload: Offload | None, shards: int,
-                  compute_dtype: torch.dtype | None, device: torch.device) -> None:
-    placed = [r.fqns[0] for r in records
-              if isinstance(r.param, DTensor) and sharded_param(r.param) is None]
-    if placed:
-        # Tensor parallelism (issue 53) is not built yet: a DTensor parameter would be
-        # refused below as a tensor subclass, which says nothing of what to do instead.
-        raise ShardwiseError(
-            f"{len(placed)} parameter(s) ({some_names(placed)}) are DTensors already: "
-            f"placed by torch's parallelize_module (tensor parallelism), "
-            f"distribute_tensor or FSDP2's fully_shard. sw.shard does not compose with "
-            f"tensor parallelism yet (docs/status.md): shard a model whose parameters are "
-            f"plain tensors, or use FSDP2 for 2-D (data x tensor) parallelism")
+                  compute_dtype: torch.dtype | None, device: torch.device,
+                  given: DeviceMesh | None = None, reproducible: bool = False) -> None:
+    _check_tensor_parallel(records, given, offload, reproducible)
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -536,6 +535,29 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
             raise ShardwiseError(f"rank {src_rank} (src_rank) holds meta parameters "
                                  f"{meta[:5]}: materialise them first, or build the model "
                                  f"under sw.sharded_init()")
+
+
+def _check_tensor_parallel(records: list[ParamRecord], given: DeviceMesh | None,
+                           offload: Offload | None, reproducible: bool) -> None:
+    """Refuse, by name, tensor-parallel parameters (DTensors placed by torch's
+    ``parallelize_module``: Note [tensor-parallel parameters] in
+    engine/groups/tensor_parallel.py) that ``given`` (the mesh ``shard`` was given) cannot
+    shard, and the modes not built for them yet."""
+    specs = [(r, spec) for r in records if (spec := tp_spec(r.param)) is not None]
+    if not specs:
+        return
+    for r, spec in specs:
+        why = tp_refusal(spec, given, r.param)
+        if why is not None:
+            raise ShardwiseError(why)
+    name = specs[0][1].name
+    modes = [(offload is not None, "offload="),
+             (any(init_piece(r.param) is not None for r in records), "sw.sharded_init")]
+    for on, mode in modes:
+        if on:
+            raise ShardwiseError(f"{mode} does not take tensor-parallel parameters yet "
+                                 f"({name}, ...; docs/status.md): shard the tensor-parallel "
+                                 f"model without it")
 
 
 def _refuse_scalars(names: list[str]) -> None:

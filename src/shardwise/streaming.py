@@ -49,6 +49,7 @@ from .comm.collectives import Comm
 from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .engine.groups.flat import ShardedParam
+from .engine.groups.tensor_parallel import tp_of
 from .engine.iteration.state import ModelState, Phase, owning_state
 from .engine.iteration.unit import Unit, sharded_param
 from .errors import ShardwiseError
@@ -231,6 +232,9 @@ def _gathered(run: _Run, keep: bool, dequantize: bool) -> list[tuple[str, torch.
                                     f"parameters"))
         if not keep:
             return []
+        for e in run.entries:  # Note [tensor-parallel parameters]: a collective over tp
+            if e.sharded is not None and (tp := tp_of(e.sharded)) is not None:
+                values[id(e.sharded)] = tp.full_tensor(values[id(e.sharded)])
         out = []
         for e in run.entries:
             if e.sharded is not None:

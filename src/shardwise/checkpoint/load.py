@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from ..comm.agree import agreed
 from ..comm.order_check import operation
+from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.alloc import freed
 from ..errors import ShardwiseError
 from ._messages import by_rank, summary
@@ -72,6 +73,7 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
     """
     path = path_argument(path, "load_checkpoint")
+    refuse_tensor_parallel(module, "sw.load_checkpoint", "sw.save_checkpoint refuses them too")
     comm = comm_of(module)
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"

@@ -13,6 +13,7 @@ from .._args import require_bool
 from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
+from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.alloc import freed
 from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.quantize import (
@@ -423,6 +424,8 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> model = sw.shard(LlamaForCausalLM(config))
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
+    refuse_tensor_parallel(module, "sw.load_pretrained", "a full weight would have to be "
+                           "cut into each tp rank's local tensor first")
     require_bool(strict, "load_pretrained", "strict")
     require_bool(allow_nonfinite, "load_pretrained", "allow_nonfinite")
     comm = comm_of(module)

@@ -33,6 +33,7 @@ from .._fs import open_dir, remove_own_files
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
+from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.iteration.buffers import BufferPolicy
 from ..engine.iteration.state import model_state
 from ..errors import ShardwiseError
@@ -66,6 +67,10 @@ from ._targets import (
     module_targets,
 )
 from .background import SaveHandle, finish_previous, side_comm, start
+
+# Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py.
+_TP_WHY = ("a checkpoint records rows of each parameter's global tensor, which "
+           "tensor-parallel local tensors are not; save sw.full_state_dict(model) instead")
 
 
 def _json_ok(obj: Any, what: str, round_trip: bool = False) -> None:
@@ -223,6 +228,7 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = path_argument(path, "save_checkpoint")
     require_bool(keep_previous, "save_checkpoint", "keep_previous")
     require_bool(background, "save_checkpoint", "background")
+    refuse_tensor_parallel(module, "sw.save_checkpoint", _TP_WHY)
     comm = comm_of(module)
     what = f"save_checkpoint({path!r}) failed"
     previous = finish_previous(comm)  # Note [background saves]: one in flight

@@ -14,6 +14,8 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
+from ..engine.entry_points.guards import refuse_tensor_parallel
+from ..engine.groups.tensor_parallel import tp_of
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..errors import ShardwiseError
@@ -80,6 +82,9 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
                 # A tensor subclass (a quantized weight) comes back as it is: the full
                 # subclass, its bytes gathered as they are (Note [packed parameters]).
                 values = g.gather_values()
+                for p in g.params:  # Note [tensor-parallel parameters]: a collective over tp
+                    if (tp := tp_of(p)) is not None:
+                        values[id(p)] = tp.full_tensor(values[id(p)])
                 if keep:
                     for p in g.params:
                         v = values[id(p)]
@@ -101,7 +106,8 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         else:
             out[key] = value
         if isinstance(value, torch.Tensor):
-            _check_full(key, out[key], sp.shape if sp is not None else value.shape)
+            _check_full(key, out[key], value.shape if sp is None
+                        else tp.shape if (tp := tp_of(sp)) is not None else sp.shape)
     return out
 
 
@@ -186,6 +192,7 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         raise ShardwiseError(f"full_optimizer_state_dict: optimizer must be a "
                              f"torch.optim.Optimizer, got {type(optimizer).__name__}")
     require_bool(rank0_only, "full_optimizer_state_dict", "rank0_only")
+    refuse_tensor_parallel(module, "sw.full_optimizer_state_dict")
     state = owning_state(module)
     sd = optimizer.state_dict()
     if state is None:

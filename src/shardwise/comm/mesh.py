@@ -54,6 +54,10 @@ class Topology:
     replicate: Comm | None
     mesh: DeviceMesh  # the DTensor parameters' mesh
     placements: tuple[Placement, ...]
+    # The mesh ``shard`` was given, 1-D or 2-D (``None`` for a group): tensor-parallel
+    # parameters' sibling (Note [tensor-parallel parameters] in
+    # engine/groups/tensor_parallel.py).
+    given: DeviceMesh | None = None
 
     def __post_init__(self) -> None:
         # One stream of order checks over every rank of the model (Note [checks ride
@@ -96,7 +100,9 @@ def topology(group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Topolo
         raise ShardwiseError(f"mesh={mesh!r} is not a torch.distributed.device_mesh."
                              f"DeviceMesh: build one with init_device_mesh(device, (R, S))")
     if mesh.ndim == 1:
-        return topology(mesh.get_group(), None)
+        flat = topology(mesh.get_group(), None)
+        flat.given = mesh
+        return flat
     if mesh.ndim != 2:
         raise ShardwiseError(f"mesh has {mesh.ndim} dimensions; sw.shard takes a 1-D mesh "
                              f"(flat sharding) or a 2-D one, dims (replicate, shard)")
@@ -112,7 +118,7 @@ def topology(group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> Topolo
                              f"ranks increasing along each dimension")
     world = _world(mesh, shard, replicate)
     mark(mesh)  # Note [rank-local scalars] in comm/scalars.py
-    return Topology(world, shard, replicate, mesh, (Replicate(), Shard(0)))
+    return Topology(world, shard, replicate, mesh, (Replicate(), Shard(0)), mesh)
 
 
 def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
@@ -126,6 +132,11 @@ def _world(mesh: DeviceMesh, shard: Comm, replicate: Comm) -> Comm:
         return shard
     if shard.world_size == 1:
         return replicate
+    if mesh.mesh_dim_names is not None and mesh._get_root_mesh() is not mesh:
+        # Dims of a larger named mesh (mesh["replicate", "shard"] of a 3-D mesh whose
+        # third dim is tensor-parallel): torch's flattening makes every such group, each
+        # rank of the root taking part, as every rank calls shard.
+        return Comm(mesh._flatten().get_group())
     raise ShardwiseError(
         f"the mesh {mesh.mesh.tolist()} spans {mesh.size()} of the "
         f"{dist.get_world_size()} ranks with both dimensions above 1; hybrid sharding "

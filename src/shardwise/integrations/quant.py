@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..engine.groups.quantize import NF4, default_choice, nf4_module
 from ..engine.iteration.unit import sharded_param
@@ -68,6 +69,15 @@ def quantize_nf4(module: nn.Module, *, block_size: int = 64, scaler_block_size: 
             f"each rank holds some rows, and the NF4 blocks and scales are computed over "
             f"whole weights). Nothing was changed. Quantize before sharding: "
             f"quantize_nf4(model), then sw.shard(model) (docs/qlora.md)")
+    placed = [f"{name}.weight" for name, mod in picked
+              if isinstance(mod.weight, DTensor) and sharded_param(mod.weight) is None]
+    if placed:
+        # Tensor parallelism (Note [tensor-parallel parameters] in
+        # engine/groups/tensor_parallel.py): torchao fails on DTensors part-way through.
+        raise ShardwiseError(
+            f"quantize_nf4 does not take tensor-parallel weights ({', '.join(placed[:3])}"
+            f"{', ...' if len(placed) > 3 else ''} are DTensors placed by "
+            f"parallelize_module; docs/status.md). Nothing was changed")
     done = []
     for name, mod in picked:
         w = mod.weight

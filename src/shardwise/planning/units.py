@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._registry import partitioned_as
 from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.layout import build_layout
+from ..engine.groups.tensor_parallel import stand_in
 from ..engine.plan import (  # the records a plan is made of: the engine builds from them
     GroupSpec,
     ParamRecord,
@@ -140,7 +141,12 @@ def discover_params(root: nn.Module, unit_names: list[str]) -> list[ParamRecord]
             twin = partitioned_as(p)
             if twin is not None:
                 p = twin
-            rec = records.setdefault(id(p), ParamRecord(p))
+            if id(p) not in records:
+                # Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py:
+                # a DTensor is planned as its local tensor.
+                fqn0 = f"{mod_path}.{pname}" if mod_path else pname
+                records[id(p)] = ParamRecord(stand_in(fqn0, p))
+            rec = records[id(p)]
             if (mod, pname) not in rec.slots:
                 rec.slots.append((mod, pname))
             fqn = f"{mod_path}.{pname}" if mod_path else pname

@@ -53,6 +53,7 @@ from ..._registry import OPTIMIZER_HOOKED, attach_to, attached
 from ...comm.agree import agree
 from ...comm.order_check import announce
 from ...errors import ShardwiseError
+from ..groups.tensor_parallel import tp_of
 from ..iteration.buffers import BufferPolicy
 from ..iteration.state import model_state, owning_state
 from ..iteration.unit import Residency, ShardedParam, sharded_param
@@ -270,7 +271,7 @@ def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
     if isinstance(value, DTensor):
         if (tuple(value.placements) == tuple(mine.placements)
                 and value.device_mesh.shape == mine.device_mesh.shape
-                and tuple(value.shape) == tuple(sp.shape)
+                and tuple(value.shape) == tuple(mine.shape)
                 and tuple(value.to_local().shape) == tuple(sp.local.shape)):
             return sp.as_dtensor(value.to_local().to(sp.local.device))
         raise ShardwiseError(
@@ -283,8 +284,10 @@ def _rows(sp: ShardedParam, value: torch.Tensor, key: str) -> torch.Tensor:
             f"with sw.load_checkpoint, or use torch.distributed.checkpoint (dcp.save / "
             f"dcp.load), or load a full state dict (sw.full_state_dict(model, "
             f"rank0_only=False)) with model.load_state_dict on every rank")
-    if tuple(value.shape) != tuple(sp.shape):
+    if tuple(value.shape) != tuple(mine.shape):
         return value
+    if (tp := tp_of(sp)) is not None:  # Note [tensor-parallel parameters]
+        value = tp.local_of(value)
     rows = sp.slot.local_rows(comm.rank)
     start = min(comm.rank * sp.slot.chunk_rows, sp.slot.rows)
     return sp.as_dtensor(value.detach().narrow(0, start, rows).to(sp.local.device))
@@ -378,7 +381,8 @@ def _tag_optimizer_rows(optimizer: torch.optim.Optimizer,
 
 
 def _shaped_like(v: Any, sp: ShardedParam) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(sp.shape)
+    return (isinstance(v, torch.Tensor) and v.dim() > 0
+            and tuple(v.shape) == tuple(sp.shard.shape))
 
 
 def _optimizer_rows(optimizer: torch.optim.Optimizer,

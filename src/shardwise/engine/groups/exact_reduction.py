@@ -24,6 +24,7 @@ from ...exact.partial import Exchange, Partial, add_pieces, exchange
 from ...exact.reduce import exact_total
 from .copies import row_regions, write_rank_major
 from .reduce import GradReduction, Group, Reduction
+from .tensor_parallel import local_grad
 
 
 class ExactReduction(GradReduction):
@@ -55,7 +56,7 @@ class ExactReduction(GradReduction):
         g = self.group
         grads: list[tuple[int, torch.Tensor]] = []
         for i, p in enumerate(g.params):
-            grad = p.full.grad
+            grad = local_grad(p.full.grad, p.full)  # Note [tensor-parallel parameters]
             p.full.grad = None
             if grad is not None:
                 grads.append((i, grad.detach().float()))

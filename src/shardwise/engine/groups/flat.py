@@ -81,7 +81,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..._registry import PARAM, attach_to, attached, copy_all_attributes, copy_user_attributes
+from ..._registry import (
+    PARAM,
+    TENSOR_PARALLEL,
+    attach_to,
+    attached,
+    copy_all_attributes,
+    copy_user_attributes,
+)
 from ...comm.collectives import Comm
 from ...comm.mesh import Topology
 from ...errors import ShardwiseError
@@ -104,6 +111,7 @@ from .packed import (
 )
 from .parts import DeviceStorage, Precision, SecondaryShard, ShardStorage
 from .reduce import GradReduction, Group
+from .tensor_parallel import TpSpec, tp_spec
 
 
 @dataclass
@@ -124,6 +132,9 @@ class Rows:
 
     slot: Slot
     piece: Piece
+    # A tensor-parallel parameter's: its slot holds its local tensor (Note
+    # [tensor-parallel parameters] in engine/groups/tensor_parallel.py).
+    tp: TpSpec | None = None
 
     def local_of(self, shard: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows, a view of a group's shard buffer ``shard``."""
@@ -134,7 +145,8 @@ class Rows:
     def full_of(self, full: torch.Tensor) -> torch.Tensor:
         """The full parameter's view of a group's full buffer ``full``."""
         s = self.slot
-        return full[s.full_offset:s.full_offset + s.numel].view(s.shape)
+        view = full[s.full_offset:s.full_offset + s.numel].view(s.shape)
+        return view if self.tp is None else self.tp.compute_form(view)
 
     def mine_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows in a group's full buffer ``full``, flat."""
@@ -243,7 +255,7 @@ class ShardedParam:
                 # requires_grad as from_local gives it under no_grad: False.
                 return DTensor(local.view_as(local), spec, requires_grad=False)
             return DTensor.from_local(local, dt.device_mesh, dt.placements, run_check=False,
-                                      shape=self.shape, stride=self.shard.stride())
+                                      shape=self.shard.shape, stride=self.shard.stride())
 
 
 # Note [tensor hooks on shards]
@@ -388,18 +400,25 @@ class FlatGroup:
 
     def _make_param(self, i: int, m: Member) -> ShardedParam:
         orig = m.param
-        rows = Rows(self.layout.slots[i], self.layout.piece(i, self.comm.rank))
+        tp = tp_spec(orig)
+        rows = Rows(self.layout.slots[i], self.layout.piece(i, self.comm.rank), tp)
         local = rows.local_of(self.local, self.comm.rank)
         with torch.no_grad():
-            dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
-                                    run_check=False, shape=orig.shape,
-                                    stride=contiguous_stride(orig.shape))
+            if tp is None:
+                dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
+                                        run_check=False, shape=orig.shape,
+                                        stride=contiguous_stride(orig.shape))
+            else:
+                assert self.topology.given is not None, "refused at shard otherwise"
+                dt = tp.shard_form(local, self.topology.given, self.topology.placements)
         shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
         full = nn.Parameter(rows.full_of(self.full), requires_grad=orig.requires_grad)
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
         copy_user_attributes(orig, shard, full)
-        return ShardedParam(m.fqns, m.slots, orig.shape, orig.dtype, orig.requires_grad,
-                            local, shard, full, rows, group=self)
+        if tp is not None:
+            attach_to(shard, TENSOR_PARALLEL, tp)  # for a deep copy's group (twin)
+        return ShardedParam(m.fqns, m.slots, torch.Size(rows.slot.shape), orig.dtype,
+                            orig.requires_grad, local, shard, full, rows, group=self)
 
     # -- storage ---------------------------------------------------------------------
     def _alloc_full(self) -> None:

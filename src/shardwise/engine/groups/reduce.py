@@ -25,6 +25,7 @@ from ...comm.collectives import Comm
 from ...errors import ShardwiseError
 from .copies import rank_major, row_regions, write_rank_major
 from .layout import ShardLayout
+from .tensor_parallel import local_grad
 
 
 class Group(Protocol):
@@ -123,7 +124,7 @@ class GradReduction:
             buf = rank_major(g.layout, g.gaps, g.reduce_dtype, g.device)
         with torch.no_grad():
             for i, p in enumerate(g.params):
-                grad = p.full.grad
+                grad = local_grad(p.full.grad, p.full)  # Note [tensor-parallel parameters]
                 p.full.grad = None
                 self._take(buf, i, grad, seen=self.used[i] and accumulating, sync=sync)
                 self.used[i] |= grad is not None
