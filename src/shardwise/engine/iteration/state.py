@@ -166,11 +166,11 @@ from ...comm.order_check import ModelChecks
 from ...comm.peers import ACTIVITY
 from ...comm.step_log import StepLog
 from ...errors import ShardwiseError
-from . import lent, mixed
+from . import mixed
 from .autograd import AsideBackward, in_backward, output_tensors, prepare_inputs
 from .exact_checks import DropoutWarning, LossSeeds
 from .model_check import FrozenForBackward, check_model
-from .residency import Residencies, release
+from .residency import Residencies, copy_lent, full_owners, lends, release
 from .running_stats import RunningStats
 from .unit import Unit, sharded_param
 
@@ -201,9 +201,9 @@ class ModelState:
     drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
     engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
     step log (comm/step_log.py), the dropout warning
-    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py),
-    what keeps units gathered (``Residencies``, engine/iteration/residency.py), a backward
-    set aside (``AsideBackward``, engine/iteration/autograd.py)."""
+    (engine/iteration/exact_checks.py), what keeps units gathered and the parameters a
+    forward returns (``Residencies``, engine/iteration/residency.py), a backward set aside
+    (``AsideBackward``, engine/iteration/autograd.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
                  buffer_sync: Any, settings: Settings) -> None:
@@ -373,7 +373,7 @@ class ModelState:
                         module: nn.Module | None = None) -> Any:
         """A unit's forward ended: hook its outputs for backward, reshard what may go.
         Returns what replaces the output, or ``None`` (Note [returned parameters] in
-        engine/iteration/lent.py). ``module``: as for :meth:`on_pre_forward`."""
+        engine/iteration/residency.py). ``module``: as for :meth:`on_pre_forward`."""
         if in_backward():  # Note [recompute]
             return None
         if module is not None and module is not self._entry_module:
@@ -395,7 +395,7 @@ class ModelState:
                 self.loss_seeds.watch(output)  # Note [a divided loss]
             return self._end_forward(unit, hooked, opaque, output)
         # Note [residency] in engine/iteration/residency.py
-        self.residency.after_forward(unit, lent.lends(unit, output, tensors, unsearched),
+        self.residency.after_forward(unit, lends(unit, output, tensors, unsearched),
                                      hooked)
         if unit is self._entry:
             return self._end_forward(unit, hooked, opaque, output)
@@ -480,9 +480,9 @@ class ModelState:
                                     f"backward")
             if self._pinned:
                 return None
-            # Note [returned parameters] in engine/iteration/lent.py: the backward's end frees them
+            # Note [returned parameters] in engine/iteration/residency.py: the backward frees
             try:
-                return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                return copy_lent(output, full_owners(self.units), entry.name,
                                       None)
             except ShardwiseError:
                 if not self._joins_pending:  # the caller gets no output to run backward on
@@ -494,8 +494,8 @@ class ModelState:
             if self._pinned:
                 self.residency.release_all()
                 return None
-            # Note [returned parameters] in engine/iteration/lent.py; refuses after releasing
-            return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+            # Note [returned parameters] in engine/iteration/residency.py; refuses after releasing
+            return copy_lent(output, full_owners(self.units), entry.name,
                                   self.residency.release_all)
         finally:
             self.buffers.step_ended()
