@@ -203,6 +203,11 @@ class GradReduction:
         or ``None``."""
         return None
 
+    def in_flight(self) -> bool:
+        """Whether a reduction was started and not waited for yet (by the model's schedule,
+        Note [communication owner] in engine/iteration/state.py)."""
+        return self.state in (Reduction.REDUCING, Reduction.REPLICATING)
+
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
         across replicas without waiting for it."""
@@ -256,12 +261,17 @@ class GradReduction:
         self._out = None
 
     def finish(self, used_anywhere: list[bool]) -> None:
-        """Accumulate the reduced rows into each parameter's DTensor ``.grad``.
+        """Accumulate the reduced rows into each parameter's DTensor ``.grad``, once the
+        model's schedule waited for them (:meth:`wait`; Note [communication owner] in
+        engine/iteration/state.py).
 
         A parameter no rank computed a gradient for keeps its ``.grad`` untouched, as under
         DistributedDataParallel with ``find_unused_parameters=True``.
         """
-        self.wait()
+        if self.in_flight():
+            raise ShardwiseError(f"internal: the gradients of unit {self.group.unit_name!r} "
+                                 f"were to be published before their reduction was waited "
+                                 f"for; please report this with your model")
         if self.state is not Reduction.REDUCED:
             return
         self._move(Reduction.IDLE)
