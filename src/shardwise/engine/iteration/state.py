@@ -310,13 +310,13 @@ class CommSchedule:
     def _issue(self, unit: Unit) -> None:
         if unit.is_sharded():  # else gathered already, or its gather is in flight
             unit.start_gather()
-            self._ahead.append(unit)
+            self._ahead = self.in_flight() + [unit]
 
     def in_flight(self) -> list[Unit]:
         """The units whose gathers were issued ahead and not waited for yet, in the order
-        they were issued (a unit resharded meanwhile waited for its own)."""
-        self._ahead = [u for u in self._ahead if u.state is UnitState.GATHERING]
-        return list(self._ahead)
+        they were issued. A unit resharded meanwhile (its forward abandoned, or its
+        backward never came) waited for its own in ``Unit.reshard``."""
+        return [u for u in self._ahead if u.state is UnitState.GATHERING]
 
     # -- reductions ------------------------------------------------------------------------
     def reduce(self, unit: Unit, sync: bool) -> None:
