@@ -97,10 +97,11 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
 # Code inside a block may keep a full parameter, or a view of one, past its end:
 # ``w = model.head.weight``, ``p.detach()`` (``.cpu()`` of a CPU tensor is the tensor
 # itself), a unit's forward returning ``self.bias`` (Note [returned parameters] in
-# engine/iteration/lent.py). The unit's resharding resized their storage to zero (Note [freeing
-# full parameters] in engine/iteration/unit.py) and the next read was a segmentation fault. So at
-# the end of the block each unit it gathered leaves its full buffer, values and all,
-# to whatever still references it, and takes a new, empty one with new full parameter
+# engine/iteration/residency.py). The unit's resharding resized their storage to zero (Note
+# [freeing full parameters] in engine/iteration/unit.py) and the next read was a
+# segmentation fault. So at the end of the block each unit it gathered leaves its full
+# buffer, values and all, to whatever still references it, and takes a new, empty one with
+# new full parameter
 # objects (``FlatGroup.leave_full``): what was kept reads the values it had in the block
 # (a copy, made by nobody), and the old buffer is freed with its last reference, at once
 # when there is none. The forward and backward path is unchanged: it frees in place as

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._args import require_group, require_module, require_rank
 from ._log import logger
+from ._registry import TENSOR_PARALLEL, attached
 from .comm.agree import agreed
 from .comm.collectives import Comm
 from .comm.mesh import Topology, check_secondary, topology
@@ -37,7 +38,6 @@ from .engine.groups.flat import gathers_bytes, refusal
 from .engine.groups.offload import Offload
 from .engine.groups.packed import cut, shard_mesh
 from .engine.groups.tensor_parallel import refusal as tp_refusal
-from .engine.groups.tensor_parallel import tp_spec
 from .engine.iteration.buffers import BufferPolicy, buffer_policy
 from .engine.iteration.state import Settings, model_state
 from .engine.iteration.unit import sharded_param, unit_of
@@ -543,7 +543,7 @@ def _check_tensor_parallel(records: list[ParamRecord], given: DeviceMesh | None,
     ``parallelize_module``: Note [tensor-parallel parameters] in
     engine/groups/tensor_parallel.py) that ``given`` (the mesh ``shard`` was given) cannot
     shard, and the modes not built for them yet."""
-    specs = [(r, spec) for r in records if (spec := tp_spec(r.param)) is not None]
+    specs = [(r, spec) for r in records if (spec := attached(r.param, TENSOR_PARALLEL)) is not None]
     if not specs:
         return
     for r, spec in specs:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._registry import partitioned_as
@@ -145,7 +146,8 @@ def discover_params(root: nn.Module, unit_names: list[str]) -> list[ParamRecord]
                 # Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py:
                 # a DTensor is planned as its local tensor.
                 fqn0 = f"{mod_path}.{pname}" if mod_path else pname
-                records[id(p)] = ParamRecord(stand_in(fqn0, p))
+                placed = isinstance(p, DTensor)  # skips the tp module for the others
+                records[id(p)] = ParamRecord(stand_in(fqn0, p) if placed else p)
             rec = records[id(p)]
             if (mod, pname) not in rec.slots:
                 rec.slots.append((mod, pname))

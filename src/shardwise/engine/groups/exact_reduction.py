@@ -56,7 +56,9 @@ class ExactReduction(GradReduction):
         g = self.group
         grads: list[tuple[int, torch.Tensor]] = []
         for i, p in enumerate(g.params):
-            grad = local_grad(p.full.grad, p.full)  # Note [tensor-parallel parameters]
+            grad = p.full.grad
+            if isinstance(grad, DTensor):  # Note [tensor-parallel parameters]
+                grad = local_grad(grad, p.full)
             p.full.grad = None
             if grad is not None:
                 grads.append((i, grad.detach().float()))

@@ -111,7 +111,7 @@ from .packed import (
 )
 from .parts import DeviceStorage, Precision, SecondaryShard, ShardStorage
 from .reduce import GradReduction, Group
-from .tensor_parallel import TpSpec, tp_spec
+from .tensor_parallel import TpSpec
 
 
 @dataclass
@@ -147,6 +147,19 @@ class Rows:
         s = self.slot
         view = full[s.full_offset:s.full_offset + s.numel].view(s.shape)
         return view if self.tp is None else self.tp.compute_form(view)
+
+    def shard_form(self, local: torch.Tensor, topology: Topology) -> DTensor:
+        """What users and optimizers hold of ``local`` (this rank's rows): a DTensor of
+        the full shape on the model's mesh; a tensor-parallel parameter's, on the dp and
+        tp dims together."""
+        shape = torch.Size(self.slot.shape)
+        with torch.no_grad():
+            if self.tp is not None:
+                assert topology.given is not None, "refused at shard otherwise"
+                return self.tp.shard_form(local, topology.given, topology.placements)
+            return DTensor.from_local(local, topology.mesh, topology.placements,
+                                      run_check=False, shape=shape,
+                                      stride=contiguous_stride(shape))
 
     def mine_of(self, full: torch.Tensor, rank: int) -> torch.Tensor:
         """``rank``'s rows in a group's full buffer ``full``, flat."""
@@ -400,18 +413,11 @@ class FlatGroup:
 
     def _make_param(self, i: int, m: Member) -> ShardedParam:
         orig = m.param
-        tp = tp_spec(orig)
+        tp = attached(orig, TENSOR_PARALLEL)  # a stand-in's: Note [tensor-parallel parameters]
         rows = Rows(self.layout.slots[i], self.layout.piece(i, self.comm.rank), tp)
         local = rows.local_of(self.local, self.comm.rank)
-        with torch.no_grad():
-            if tp is None:
-                dt = DTensor.from_local(local, self.topology.mesh, self.topology.placements,
-                                        run_check=False, shape=orig.shape,
-                                        stride=contiguous_stride(orig.shape))
-            else:
-                assert self.topology.given is not None, "refused at shard otherwise"
-                dt = tp.shard_form(local, self.topology.given, self.topology.placements)
-        shard = nn.Parameter(dt, requires_grad=orig.requires_grad)
+        shard = nn.Parameter(rows.shard_form(local, self.topology),
+                             requires_grad=orig.requires_grad)
         full = nn.Parameter(rows.full_of(self.full), requires_grad=orig.requires_grad)
         # Keep user attributes set on the parameter (e.g. "no weight decay" flags).
         copy_user_attributes(orig, shard, full)

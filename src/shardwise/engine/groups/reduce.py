@@ -20,6 +20,7 @@ import math
 from typing import Any, ClassVar, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ...comm.collectives import Comm
 from ...errors import ShardwiseError
@@ -124,7 +125,9 @@ class GradReduction:
             buf = rank_major(g.layout, g.gaps, g.reduce_dtype, g.device)
         with torch.no_grad():
             for i, p in enumerate(g.params):
-                grad = local_grad(p.full.grad, p.full)  # Note [tensor-parallel parameters]
+                grad = p.full.grad
+                if isinstance(grad, DTensor):  # Note [tensor-parallel parameters]
+                    grad = local_grad(grad, p.full)
                 p.full.grad = None
                 self._take(buf, i, grad, seen=self.used[i] and accumulating, sync=sync)
                 self.used[i] |= grad is not None
@@ -204,6 +207,11 @@ class GradReduction:
         or ``None``."""
         return None
 
+    def in_flight(self) -> bool:
+        """Whether a reduction was started and not waited for yet (by the model's schedule,
+        Note [communication owner] in engine/iteration/state.py)."""
+        return self.state in (Reduction.REDUCING, Reduction.REPLICATING)
+
     def advance(self) -> None:
         """Wait for an in-flight reduce-scatter; under hybrid sharding, start the sum
         across replicas without waiting for it."""
@@ -257,12 +265,17 @@ class GradReduction:
         self._out = None
 
     def finish(self, used_anywhere: list[bool]) -> None:
-        """Accumulate the reduced rows into each parameter's DTensor ``.grad``.
+        """Accumulate the reduced rows into each parameter's DTensor ``.grad``, once the
+        model's schedule waited for them (:meth:`wait`; Note [communication owner] in
+        engine/iteration/state.py).
 
         A parameter no rank computed a gradient for keeps its ``.grad`` untouched, as under
         DistributedDataParallel with ``find_unused_parameters=True``.
         """
-        self.wait()
+        if self.in_flight():
+            raise ShardwiseError(f"internal: the gradients of unit {self.group.unit_name!r} "
+                                 f"were to be published before their reduction was waited "
+                                 f"for; please report this with your model")
         if self.state is not Reduction.REDUCED:
             return
         self._move(Reduction.IDLE)

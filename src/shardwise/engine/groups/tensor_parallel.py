@@ -104,11 +104,6 @@ class TpSpec:
         return self.compute_form(local).full_tensor()
 
 
-def tp_spec(t: torch.Tensor) -> TpSpec | None:
-    """The :class:`TpSpec` of a stand-in (or of a shard built from one), or ``None``."""
-    return attached(t, TENSOR_PARALLEL)
-
-
 def tp_of(sp: Any) -> TpSpec | None:
     """The :class:`TpSpec` of a sharded parameter (a ``ShardedParam``), or ``None``."""
     return getattr(sp.gather, "tp", None)

@@ -1,8 +1,11 @@
-"""Per-model runtime state: the units, their order, and one iteration's phase.
+"""Per-model runtime state: one iteration's phase and events, and the model's
+communication: the order its units ran in and the gathers and reductions in flight.
 
 Lives on the root module (``_registry.model_state``); nothing here is global, so any
 number of sharded models, on any groups, can live in one process. Every hook event is one
 ``on_*`` method of :class:`ModelState`; ``engine/iteration/hooks.py`` only forwards to them.
+When the model's units gather and reduce is decided by its :class:`CommSchedule` (Note
+[communication owner]).
 
 ::
 
@@ -22,6 +25,49 @@ so a divergence (a rank skipping the first, a middle or the last unit, or runnin
 twice) raises a clear error on every rank instead of hanging, aborting or mixing up
 shards. Units pinned by ``gathered()`` compute without communicating and are not
 checked: ranks may run them different numbers of times (``comm/order_check.py``).
+
+Note [communication owner]
+The all-gathers and reduce-scatters of one sharded model, and the waits for them, are
+scheduled by one object, the model's :class:`CommSchedule` (``ModelState.schedule``), as
+FSDP2's ``FSDPCommContext`` is shared by the states of one root. Its groups say *how* a
+unit's bytes move: ``FlatGroup.start_gather`` issues an all-gather and
+``FlatGroup.wait_gather`` waits for it and copies it out (engine/groups/flat.py);
+``GradReduction.start`` issues a reduce-scatter, ``advance`` and ``wait`` wait for it
+(engine/groups/reduce.py); each keeps its buffers and the collective's handle. The
+schedule says *when*, and waits:
+
+- the order: the units this forward called and those the previous one did, which
+  prefetches follow (Note [collective order]);
+- the gathers: a unit's gather is waited for where the unit computes, in its forward
+  or its backward, or issued and waited for then if no prefetch issued it (``gather``);
+  after it, the ``prefetch`` units that ran next in the previous forward (in forward)
+  or before it in this one (in backward) are issued without waiting (``called``,
+  ``prefetch_backward``), and the schedule knows which of those are still in flight
+  (``in_flight``);
+- the reductions: a unit's is started once its gradients are complete (``reduce``),
+  the previous unit's waited for then, so that at most two reductions hold a
+  unit-sized buffer at once; at the end of backward every one is waited for before its
+  rows are handed to the parameters (``publish``), so the optimizer step never meets a
+  reduction in flight and waits for none. ``GradReduction.finish`` refuses to publish a
+  reduction nobody waited for. An abandoned iteration's are dropped (``abandon``).
+
+It does not own which units stay gathered (Note [residency] in
+engine/iteration/residency.py), nor the collectives that are waited for where they are
+issued: the order check's and the buffers' exchanges, the used-parameter flags that end
+a backward, ``clip_grad_norm_``'s all-reduce. Nor two waits outside an iteration's
+schedule: ``gathered()`` gathers its units at once (gather.py), and a unit resharded
+while its prefetch is in flight (a forward abandoned) waits for it in ``Unit.reshard``,
+so that no collective writes into freed memory; the schedule then forgets it. A
+``no_sync`` backward's ``start`` only adds into the accumulator and sends nothing.
+
+Where CUDA streams and events would live: here. On a GPU the schedule would hold an
+all-gather stream, so that the next unit's gather and copy-in overlap this unit's
+computation, a reduce-scatter stream (and one for the sum across replicas, Note [hybrid
+sharding] in comm/mesh.py), the event each issued collective records, which ``gather``
+and ``publish`` would make the computing stream wait for instead of blocking the host,
+and the event the optimizer step records, which the next forward's gathers would wait
+for, since they read the shards the step wrote. Under gloo on CPU a collective runs on
+gloo's own threads and its handle's wait is all there is, so none of these exist yet.
 
 Note [a forward inside gathered]
 A forward that computes on pinned units alone (the model, or the unit called, whole inside
@@ -166,13 +212,13 @@ from ...comm.order_check import ModelChecks
 from ...comm.peers import ACTIVITY
 from ...comm.step_log import StepLog
 from ...errors import ShardwiseError
-from . import lent, mixed
+from . import mixed
 from .autograd import AsideBackward, in_backward, output_tensors, prepare_inputs
 from .exact_checks import DropoutWarning, LossSeeds
 from .model_check import FrozenForBackward, check_model
-from .residency import Residencies, release
+from .residency import Residencies, copy_lent, full_owners, lends, release
 from .running_stats import RunningStats
-from .unit import Unit, sharded_param
+from .unit import FlatGroup, Unit, UnitState, sharded_param
 
 
 class Phase(enum.Enum):
@@ -196,14 +242,132 @@ class Settings:
     offload: Any = None  # an engine/groups/offload Offload, or None: every state on the device
 
 
+class CommSchedule:
+    """When one sharded model's units gather and reduce, and the waits for them (Note
+    [communication owner]): the order its units ran in, the gathers issued ahead of
+    their units, the reductions in flight."""
+
+    def __init__(self, units: list[Unit], prefetch: int) -> None:
+        self.units = units
+        self.prefetch = prefetch  # units gathered ahead of the one computing
+        self.previous: list[Unit] = []  # the calls of the previous forward
+        self.order: list[Unit] = []  # this forward's calls that communicate
+        self._ahead: list[Unit] = []  # gathers issued before their unit computes
+        self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
+
+    # -- the order (Note [collective order]) ---------------------------------------------
+    def new_iteration(self) -> None:
+        """A new iteration's forward starts: this forward's order becomes the previous
+        one, unless it recorded none (Note [a forward inside gathered])."""
+        if self.order:
+            self.previous = self.order
+        self.order = []
+
+    def forget(self, previous: bool = False) -> None:
+        """Drop this forward's order (its forward was abandoned: a partial order must not
+        decide the next prefetches) and, with ``previous``, the previous one (ranks
+        diverged: their orders may differ, so no rank prefetches in the next forward)."""
+        self.order = []
+        if previous:
+            self.previous = []
+
+    # -- gathers ---------------------------------------------------------------------------
+    def gather(self, unit: Unit, keep: bool = False) -> None:
+        """``unit`` computes now: wait for its gather (issued here if no prefetch did) and
+        expose its full parameters (``Unit.finish_gather``; ``keep``: Note [secondary
+        shards] in comm/mesh.py)."""
+        unit.finish_gather(keep=keep)
+        if unit in self._ahead:
+            self._ahead.remove(unit)
+
+    def called(self, unit: Unit) -> None:
+        """A forward called ``unit`` (which communicates): record it in the order, and
+        issue the gathers of the ``prefetch`` units that ran after it last time."""
+        pos = len(self.order)
+        self.order.append(unit)
+        prev = self.previous
+        if pos < len(prev) and prev[pos] is unit:
+            for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
+                self._issue(nxt)
+            if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
+                prev[pos + 1 + self.prefetch].read_ahead()
+
+    def prefetch_backward(self, unit: Unit, call_index: int) -> None:
+        """The backward of ``unit``'s ``call_index``-th call starts: issue the gathers of
+        the ``prefetch`` units this forward called before it whose backward is still to
+        come. By this forward's order only: a backward of a forward whose iteration an
+        earlier backward ended (FSDP2's chunked loss: a backward per slice through the
+        head called on its own, then the root's) finds a later forward's order."""
+        order = self.order
+        if not (call_index < len(order) and order[call_index] is unit):
+            return
+        for prev in reversed(order[max(0, call_index - self.prefetch):call_index]):
+            if prev.owes_backward():
+                self._issue(prev)
+        if call_index - self.prefetch - 1 >= 0:  # offloaded shards: read one further
+            order[call_index - self.prefetch - 1].read_ahead()
+
+    def _issue(self, unit: Unit) -> None:
+        if unit.is_sharded():  # else gathered already, or its gather is in flight
+            unit.start_gather()
+            self._ahead = self.in_flight() + [unit]
+
+    def in_flight(self) -> list[Unit]:
+        """The units whose gathers were issued ahead and not waited for yet, in the order
+        they were issued. A unit resharded meanwhile (its forward abandoned, or its
+        backward never came) waited for its own in ``Unit.reshard``."""
+        return [u for u in self._ahead if u.state is UnitState.GATHERING]
+
+    # -- reductions ------------------------------------------------------------------------
+    def reduce(self, unit: Unit, sync: bool) -> None:
+        """``unit``'s gradients are complete: start its reduction (``Unit.start_reduce``;
+        without ``sync`` it only accumulates) and wait for the previous unit's."""
+        unit.start_reduce(sync)
+        # At most two reductions in flight: each holds a unit-sized gradient buffer, and
+        # letting them pile up until the end of backward would hold a whole model's. (A
+        # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
+        if self._reducing is not None:
+            for g in self._reducing.trainable_groups:
+                g.reduction.advance()
+        self._reducing = unit
+
+    def backward_ended(self) -> None:
+        """Every reduction of the backward is started: none waits for a next one."""
+        self._reducing = None
+
+    def publish(self, groups: list[FlatGroup], used: list[bool]) -> None:
+        """Wait for each group's reduction and hand its parameters their gradient shards
+        (``GradReduction.finish``), before the optimizer step. ``used``: per parameter of
+        ``groups``, in order, whether any rank computed a gradient for it."""
+        offset = 0
+        for g in groups:
+            g.reduction.wait()
+            g.reduction.finish(used[offset:offset + len(g.params)])
+            offset += len(g.params)
+
+    def reductions_in_flight(self) -> list[Unit]:
+        """The units whose reductions were started and not waited for yet."""
+        return [u for u in self.units
+                if any(g.reduction.in_flight() for g in u.trainable_groups)]
+
+    def abandon(self) -> None:
+        """The iteration cannot complete: drop its reductions (those in flight are waited
+        for and their results thrown away; what ``no_sync`` accumulated stays)."""
+        self._reducing = None
+        for u in self.units:
+            for g in u.trainable_groups:
+                g.reduction.drop()
+
+
 class ModelState:
-    """One sharded model's phase and unit order, and its events. What the events also
-    drive belongs to the objects that own it: the buffers' sync (``BufferSync``,
+    """One sharded model's phase and its events. What the events also drive belongs to
+    the objects that own it: when units gather and reduce, and the order they ran in
+    (``CommSchedule``, Note [communication owner]), the buffers' sync (``BufferSync``,
     engine/iteration/buffers.py), the order checks (``ModelChecks``, comm/order_check.py), the
     step log (comm/step_log.py), the dropout warning
-    (engine/iteration/exact_checks.py), parameters a forward returns (engine/iteration/lent.py),
-    what keeps units gathered (``Residencies``, engine/iteration/residency.py), a backward
-    set aside (``AsideBackward``, engine/iteration/autograd.py)."""
+    (engine/iteration/exact_checks.py), what keeps units gathered and the parameters a
+    forward returns (``Residencies``, engine/iteration/residency.py), a backward set aside
+    (``AsideBackward``, engine/iteration/autograd.py)."""
 
     def __init__(self, root: nn.Module, topology: Topology, units: list[Unit],
                  buffer_sync: Any, settings: Settings) -> None:
@@ -217,16 +381,14 @@ class ModelState:
         self.in_no_sync = False  # inside sw.no_sync
         # sw.no_sync(keep_gathered=): Note [gathered across micro-batches]
         self.keep_gathered = True
-        self.prefetch = settings.prefetch
+        # Note [communication owner]: the order, the gathers and reductions in flight
+        self.schedule = CommSchedule(units, settings.prefetch)
         self.phase = Phase.IDLE
-        self._prev_order: list[Unit] = []
-        self._order: list[Unit] = []
         self._joins_pending = False  # this forward started while a backward was awaited
         self._entry: Unit | None = None  # what the running forward started as
         self._entry_module: nn.Module | None = None  # whose call started it
         self._pinned = False  # the running forward computes on pinned units alone
         self._borrowed_cache: dict[int, list[Unit]] = {}
-        self._reducing: Unit | None = None  # the latest unit whose reduction is in flight
         # Note [flags of a forward without gradients] in engine/iteration/unit.py
         self.frozen = FrozenForBackward()
         # Note [a backward that accumulates nothing] in engine/iteration/autograd.py
@@ -266,7 +428,12 @@ class ModelState:
     @property
     def previous_order(self) -> list[Unit]:
         """The units the previous forward ran, in order (Note [collective order])."""
-        return self._prev_order
+        return self.schedule.previous
+
+    @property
+    def prefetch(self) -> int:
+        """Units gathered ahead of the one computing (``shard``'s ``prefetch``)."""
+        return self.schedule.prefetch
 
     @property
     def awaiting_backward(self) -> bool:
@@ -295,12 +462,9 @@ class ModelState:
         if not (aborted or stale):
             return
         self.phase = Phase.IDLE
-        self._reducing = None
+        self.schedule.abandon()
         self.aside.abandon()
         self.frozen.thaw()
-        for u in self.units:
-            for g in u.trainable_groups:
-                g.reduction.drop()
         self.residency.release_all()
 
     # -- forward events ----------------------------------------------------------------
@@ -310,7 +474,7 @@ class ModelState:
         ``module``: the module called, when it stands for the root unit (Note [forward
         entries]); it counts only outside a forward."""
         if in_backward():  # Note [recompute] in engine/iteration/autograd.py
-            unit.finish_gather()
+            self.schedule.gather(unit)
             return None
         if module is not None and self.phase is Phase.FORWARD:
             return None
@@ -325,8 +489,8 @@ class ModelState:
                              f"under sw.no_sync)")
         if unit is self._entry and not unit.is_root:
             for owner in self._borrowed(unit):
-                owner.finish_gather()
-        unit.finish_gather(keep=torch.is_grad_enabled() and not unit.is_root)
+                self.schedule.gather(owner)
+        self.schedule.gather(unit, keep=torch.is_grad_enabled() and not unit.is_root)
         self._record_call(unit)
         return prepare_inputs(unit, args, kwargs)
 
@@ -373,7 +537,7 @@ class ModelState:
                         module: nn.Module | None = None) -> Any:
         """A unit's forward ended: hook its outputs for backward, reshard what may go.
         Returns what replaces the output, or ``None`` (Note [returned parameters] in
-        engine/iteration/lent.py). ``module``: as for :meth:`on_pre_forward`."""
+        engine/iteration/residency.py). ``module``: as for :meth:`on_pre_forward`."""
         if in_backward():  # Note [recompute]
             return None
         if module is not None and module is not self._entry_module:
@@ -395,7 +559,7 @@ class ModelState:
                 self.loss_seeds.watch(output)  # Note [a divided loss]
             return self._end_forward(unit, hooked, opaque, output)
         # Note [residency] in engine/iteration/residency.py
-        self.residency.after_forward(unit, lent.lends(unit, output, tensors, unsearched),
+        self.residency.after_forward(unit, lends(unit, output, tensors, unsearched),
                                      hooked)
         if unit is self._entry:
             return self._end_forward(unit, hooked, opaque, output)
@@ -426,7 +590,7 @@ class ModelState:
             # Ranks diverged since the last forward: the orders they recorded may differ,
             # and prefetches follow them. Every rank forgets its order, so the next
             # forward prefetches nothing on every rank.
-            self._prev_order, self._order = [], []
+            self.schedule.forget(previous=True)
             keep_held = False
         self.recover()
         self._joins_pending = self.phase is Phase.AWAITING_BACKWARD
@@ -435,9 +599,7 @@ class ModelState:
         self.checks.start_forward(communicates=not pinned, joins=self._joins_pending)
         if not self._joins_pending:
             # A new iteration. Units left gathered by an exception are released first.
-            if self._order:  # Note [a forward inside gathered]: none recorded there
-                self._prev_order = self._order
-            self._order = []
+            self.schedule.new_iteration()
             self.residency.release_all(keep_held)
             self.residency.settle(new_iteration=True)  # Note [residency]
         self._entry, self._entry_module = entry, module
@@ -451,17 +613,10 @@ class ModelState:
         """Note the call and prefetch the ``prefetch`` units that ran next last time. The
         order holds only calls that communicate: not a pinned unit's, nor any call of a
         forward inside ``gathered()`` (Note [a forward inside gathered])."""
-        pos = len(self._order)
-        unit.record_call(pos)
+        unit.record_call(len(self.schedule.order))
         if self._pinned or unit.pins:
             return
-        self._order.append(unit)
-        prev = self._prev_order
-        if pos < len(prev) and prev[pos] is unit and not self._pinned:
-            for nxt in prev[pos + 1:pos + 1 + self.prefetch]:
-                nxt.start_gather()
-            if pos + 1 + self.prefetch < len(prev):  # offloaded shards: read one further
-                prev[pos + 1 + self.prefetch].read_ahead()
+        self.schedule.called(unit)  # Note [communication owner]
 
     def _end_forward(self, entry: Unit, hooked: bool, opaque: bool, output: Any) -> Any:
         """The forward's entry unit (Note [forward entries]) returned; what
@@ -469,7 +624,7 @@ class ModelState:
         self._entry = self._entry_module = None
         mixed.forward_ended(self)
         if not self._pinned:  # a pinned forward runs on this rank alone: nothing to check
-            self.checks.end_forward(len(self._order))
+            self.checks.end_forward(len(self.schedule.order))
         # Note [buffer sync point] in engine/iteration/buffers.py
         self.buffers.forward_ended(self.root.training, communicates=not self._pinned)
         if hooked or opaque or self._joins_pending:
@@ -480,9 +635,9 @@ class ModelState:
                                     f"backward")
             if self._pinned:
                 return None
-            # Note [returned parameters] in engine/iteration/lent.py: the backward's end frees them
+            # Note [returned parameters] in engine/iteration/residency.py: the backward frees
             try:
-                return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+                return copy_lent(output, full_owners(self.units), entry.name,
                                       None)
             except ShardwiseError:
                 if not self._joins_pending:  # the caller gets no output to run backward on
@@ -494,8 +649,8 @@ class ModelState:
             if self._pinned:
                 self.residency.release_all()
                 return None
-            # Note [returned parameters] in engine/iteration/lent.py; refuses after releasing
-            return lent.copy_lent(output, lent.full_owners(self.units), entry.name,
+            # Note [returned parameters] in engine/iteration/residency.py; refuses after releasing
+            return copy_lent(output, full_owners(self.units), entry.name,
                                   self.residency.release_all)
         finally:
             self.buffers.step_ended()
@@ -522,7 +677,7 @@ class ModelState:
         ACTIVITY.leave(why)
         self.checks.abandon()
         self.phase = Phase.IDLE
-        self._order = []  # a partial order must not decide the next prefetches
+        self.schedule.forget()
         self.residency.release_all(keep_held)
 
     # -- backward events ---------------------------------------------------------------
@@ -560,18 +715,9 @@ class ModelState:
         self.ensure_backward_callback()
         if not unit.is_root:  # Note [forward entries]
             for owner in self._borrowed(unit):
-                owner.finish_gather()
-        unit.finish_gather()
-        # Prefetch by this forward's order only. A backward of a forward whose iteration
-        # an earlier backward ended (FSDP2's chunked loss: a backward per slice through
-        # the head called on its own, then the root's) finds a later forward's order.
-        if not (call_index < len(self._order) and self._order[call_index] is unit):
-            return
-        for prev in reversed(self._order[max(0, call_index - self.prefetch):call_index]):
-            if prev.owes_backward():
-                prev.start_gather()
-        if call_index - self.prefetch - 1 >= 0:  # offloaded shards: read one further
-            self._order[call_index - self.prefetch - 1].read_ahead()
+                self.schedule.gather(owner)
+        self.schedule.gather(unit)
+        self.schedule.prefetch_backward(unit, call_index)
 
     def on_post_backward(self, unit: Unit) -> None:
         """Gradients reached a unit's inputs: reduce it once every call's backward ran."""
@@ -597,22 +743,15 @@ class ModelState:
         # is the difference between holding the root's parameters, gradients and buffer
         # at once or only the last two (BENCHMARKS.md, live tensor bytes).
         release(unit, keep_grads=True)
-        unit.start_reduce(sync)
+        self.schedule.reduce(unit, sync)  # Note [communication owner]
         release(unit)
-        # At most two reductions in flight: each holds a unit-sized gradient buffer, and
-        # letting them pile up until the end of backward would hold a whole model's. (A
-        # sum across replicas, Note [hybrid sharding], holds only the shard: it goes on.)
-        if self._reducing is not None:
-            for g in self._reducing.trainable_groups:
-                g.reduction.advance()
-        self._reducing = unit
 
     def finish_backward(self) -> None:
         """End-of-backward callback: reduce what is left, then publish shard gradients."""
         for u in reversed(self.units):
             if not u.reduced and self._needs_reduction(u):
                 self._reduce(u)
-        self._reducing = None
+        self.schedule.backward_ended()
         self.aside.reduce_at_end = False
         self.frozen.thaw()
         if self.requires_grad_sync:
@@ -687,11 +826,7 @@ class ModelState:
                 f"micro-batches under sw.no_sync on some ranks and not on others, so no "
                 f"rank computed with the model the step would update. Make the same edit "
                 f"on every rank, or edit after the step (Note [edits of held parameters])")
-        used_list = [bool(v) for v in values[:n]]
-        offset = 0
-        for g in groups:
-            g.reduction.finish(used_list[offset:offset + len(g.params)])
-            offset += len(g.params)
+        self.schedule.publish(groups, [bool(v) for v in values[:n]])
 
 
 def model_state(module: nn.Module) -> ModelState | None:

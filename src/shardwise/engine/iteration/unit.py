@@ -7,7 +7,9 @@
        ▲                      (async)   finish_gather()                    │
        └───────── start_reduce(): reduce-scatter full grads into shard grads ◄──┘
 
-Every transition is a method of :class:`Unit`; nothing else changes a unit's state.
+Every transition is a method of :class:`Unit`; nothing else changes a unit's state. When
+the transitions that communicate run, and the waits for them, is decided per model by its
+``CommSchedule`` (Note [communication owner] in engine/iteration/state.py).
 What keeps a unit gathered between its computations, its residency (:class:`Residency`),
 is decided and changed in engine/iteration/residency.py (Note [residency]), which is
 also the one way out of it (``release``).
