@@ -10,6 +10,7 @@ in all: every rank costs a torch import.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,9 +20,12 @@ from harness import run_ranks
 from safetensors.torch import load_file
 from test_tensor_parallel import SEQ, VOCAB, Llama, tensor_parallel
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 import shardwise as sw
+from shardwise.checkpoint._tensor_parallel import TpPlace
 from shardwise.checkpoint.consolidation import consolidate
+from shardwise.engine.groups.tensor_parallel import TpSpec
 
 GLOBAL_BATCH = 4
 SAVED_AT = 3  # steps before the save
@@ -217,3 +221,44 @@ def test_a_checkpoint_at_2x2_loads_at_2x2_4x1_1x2_and_unsharded(tmp_path, sequen
         assert max(abs(a - b) for a, b in zip(r[name], r["plain"])) <= 1e-6, name
         assert _diff(r[f"{name}_state"][0], plain[0]) <= 1e-6, name
         assert _diff(r[f"{name}_state"][1], plain[1]) <= 1.5e-8, name
+
+
+@pytest.mark.parametrize("shape,placement,tp,dp", [
+    ((6, 4), Shard(0), 2, 4),      # rows 3 per tp rank over 4 dp ranks: one without rows
+    ((5, 6), Shard(1), 3, 2),      # uneven dp rows (3 and 2) of a dim-1 shard
+    ((5, 6), Shard(1), 2, 8),      # more dp ranks than rows
+    ((3, 4, 6), Shard(2), 2, 2),   # a 3-D parameter sharded on its last dim
+    ((7,), Shard(0), 1, 3),        # a 1-D one, tp of one
+    ((7, 3), Replicate(), 2, 3),   # replicated over tp
+    ((7, 3), None, 3, 2),          # a parameter tp leaves alone
+])
+def test_the_pieces_tile_the_global_tensor_and_each_rank_reads_its_rows(shape, placement,
+                                                                         tp, dp):
+    """Note [tensor-parallel checkpoints], without processes: for every rank (dp, tp)
+    of a layout, the ranges the ranks save tile the global tensor exactly, the ones saved
+    without an exchange are those elements of the global tensor, and each rank reads
+    exactly its local rows back from the global tensor. (The exchange over tp of a
+    dim other than 0 runs in the spawned tests above.)"""
+    full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    spec = None if placement is None else TpSpec(
+        "w", None, (placement,), torch.Size(shape), full.stride())  # type: ignore[arg-type]
+    spans = []
+    for k in range(tp):
+        local = full.chunk(tp, placement.dim)[k] if isinstance(placement, Shard) else full
+        rows, row = -(-local.shape[0] // dp), math.prod(local.shape[1:])  # Note [row sharding]
+        for d in range(dp):
+            place = TpPlace(tp, k, spec, tuple(local.shape))
+            mine = local[d * rows:(d + 1) * rows].reshape(-1)
+            lo, n = min(d * rows, local.shape[0]) * row, mine.numel()
+            off, count = place.saved_range(lo, n)
+            spans.append((off, count))
+            if place.dim in (None, 0):
+                assert torch.equal(place.saved_values(mine, lo, n),
+                                   full.reshape(-1)[off:off + count])
+            got = place.read_local(lambda a, m: full.reshape(-1)[a:a + m].clone(), lo, n)
+            assert torch.equal(got, mine), (k, d)
+    cursor = 0
+    for off, count in sorted(s for s in spans if s[1]):
+        assert off == cursor
+        cursor += count
+    assert cursor == full.numel()
