@@ -26,6 +26,9 @@ import shardwise as sw
 from shardwise.checkpoint._tensor_parallel import TpPlace
 from shardwise.checkpoint.consolidation import consolidate
 from shardwise.engine.groups.tensor_parallel import TpSpec
+from shardwise.planning.memory import state_bytes
+from shardwise.planning.planner import comm_plan, plan
+from shardwise.planning.tensor_parallel import split_for_tp
 
 GLOBAL_BATCH = 4
 SAVED_AT = 3  # steps before the save
@@ -95,10 +98,13 @@ def _at_four(rank: int, world: int, folder: str, sequence_parallel: bool):
     model, opt = _tp_model(mesh, 0, sequence_parallel)
     _steps(model, opt, 0, SAVED_AT, dp_rank, 2, dp_group)
     out["saved"] = saved = _state(model, opt)
+    out["state bytes"] = state_bytes(model, opt)  # what `shardwise plan --tp` plans
     full_osd = sw.full_optimizer_state_dict(model, opt, rank0_only=False)
     sw.save_checkpoint(f"{folder}/tp", model, opt, extra={"step": SAVED_AT})
     background = sw.save_checkpoint(f"{folder}/background", model, opt, background=True)
+    before = sw.inspect(model)
     out["uninterrupted"] = _steps(model, opt, SAVED_AT, AFTER, dp_rank, 2, dp_group)
+    out["dp bytes"] = sw.inspect(model).comm.since(before.comm).bytes
     background.wait()  # written while the model trained on
     out["uninterrupted_state"] = _state(model, opt)
 
@@ -214,6 +220,7 @@ def test_a_checkpoint_at_2x2_loads_at_2x2_4x1_1x2_and_unsharded(tmp_path, sequen
             assert out[name] == r["uninterrupted"], name
             assert _diff(out[f"{name}_state"][0], r["uninterrupted_state"][0]) == 0.0
             assert _diff(out[f"{name}_state"][1], r["uninterrupted_state"][1]) == 0.0
+    _check_plan(sequence_parallel, r["state bytes"], r["dp bytes"])
     assert _diff(r["1x2 loaded"][0], r["saved"][0]) == 0.0
     assert _diff(r["1x2 loaded"][1], r["saved"][1]) == 0.0
     plain = r["plain_state"]
@@ -221,6 +228,29 @@ def test_a_checkpoint_at_2x2_loads_at_2x2_4x1_1x2_and_unsharded(tmp_path, sequen
         assert max(abs(a - b) for a, b in zip(r[name], r["plain"])) <= 1e-6, name
         assert _diff(r[f"{name}_state"][0], plain[0]) <= 1e-6, name
         assert _diff(r[f"{name}_state"][1], plain[1]) <= 1.5e-8, name
+
+
+def _check_plan(sequence_parallel: bool, measured: dict, dp_bytes: dict) -> None:
+    """``shardwise plan --tp 2`` (Note [planning tensor parallelism] in
+    planning/tensor_parallel.py) of the model planned at (2, 2): the bytes rank 0 holds
+    and feeds into the dp collectives, exactly as the engine counted them over the
+    three steps after the save (each a forward and a backward)."""
+    rules = {f"blocks.*.{m}": "colwise" for m in ("attn.q", "attn.k", "attn.v", "mlp.gate",
+                                                  "mlp.up")}
+    rules.update({"blocks.*.attn.o": "rowwise", "blocks.*.mlp.down": "rowwise"})
+    if sequence_parallel:
+        rules.update({"embed": "rowwise", "head": "colwise"})
+    with torch.device("meta"):
+        model = Llama()
+    split = split_for_tp(model, 2, rules)
+    assert len(split.modules["colwise"]) == 10 + sequence_parallel
+    planned = plan(model, 2)
+    # (Measured after zero_grad: the gradient shards, freed, are the parameters' bytes.)
+    assert (planned.parameters, planned.gradients, planned.optimizer) == \
+        (measured["params"], measured["params"], measured["optimizer"])
+    c = comm_plan(model, 1, 2)
+    assert (AFTER * c.all_gather, AFTER * c.reduce_scatter) == \
+        (dp_bytes["all_gather"], dp_bytes["reduce_scatter"])
 
 
 @pytest.mark.parametrize("shape,placement,tp,dp", [
