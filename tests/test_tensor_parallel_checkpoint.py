@@ -176,11 +176,26 @@ def _at_four(rank: int, world: int, folder: str, sequence_parallel: bool):
 
 
 def _at_two(rank: int, world: int, folder: str, sequence_parallel: bool):
-    """The (2, 2) checkpoint loaded at (1, 2) and continued."""
+    """The (2, 2) checkpoint loaded at (1, 2) and continued; and sw.Resumable at (1, 2),
+    stopped after its save at step 2 and resumed by a new one."""
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model, opt = _tp_model(mesh, 1, sequence_parallel)
     sw.load_checkpoint(f"{folder}/tp", model, opt)
-    return _state(model, opt), _steps(model, opt, SAVED_AT, AFTER), _state(model, opt)
+    out = _state(model, opt), _steps(model, opt, SAVED_AT, AFTER), _state(model, opt)
+    runs = []
+    for total in (2, 4):
+        model, opt = _tp_model(mesh, 0, sequence_parallel)
+        with sw.Resumable(f"{folder}/run", model, opt, every=2) as run:
+            start = run.step
+            for step in run.steps(total):
+                _steps(model, opt, step, 1)
+        runs.append((start, _state(model, opt)))
+    model, opt = _tp_model(mesh, 0, sequence_parallel)
+    _steps(model, opt, 0, 4)
+    assert [start for start, _ in runs] == [0, 2]
+    assert _diff(runs[1][1][0], _state(model, opt)[0]) == 0.0
+    assert _diff(runs[1][1][1], _state(model, opt)[1]) == 0.0
+    return out
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
