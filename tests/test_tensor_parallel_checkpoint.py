@@ -123,6 +123,10 @@ def _at_four(rank: int, world: int, folder: str, sequence_parallel: bool):
     resume("2x2 background", model, opt, dp_rank, 2, dp_group)
     # The same state through load_pretrained and a full optimizer state dict.
     model, opt = _tp_model(mesh, 1, sequence_parallel)
+    nan = {k: v.clone() for k, v in saved[0].items()}
+    nan["blocks.0.attn.o.weight"][0] = float("nan")  # one row: half on each tp rank
+    with pytest.raises(sw.ShardwiseError, match=r"'blocks.0.attn.o.weight' \(16 of its 256"):
+        sw.load_pretrained(model, nan)
     sw.load_pretrained(model, saved[0])
     opt.load_state_dict(full_osd)
     resume("2x2 pretrained", model, opt, dp_rank, 2, dp_group)

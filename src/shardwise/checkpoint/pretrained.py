@@ -37,6 +37,7 @@ from ._targets import (
     module_targets,
     subclass_targets,
 )
+from ._tensor_parallel import checkpoint_comm
 from .sources import Rename, Source, open_source, renamer
 
 # Note [non-finite values refused]
@@ -156,6 +157,8 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
         values.append((t, value))
         bad = 0 if allow_nonfinite else _not_finite(value)
         if bad:
+            if t.tp is not None and t.tp.dim is not None:  # tp ranks' elements differ
+                lo += t.tp.rank * math.prod(t.tp.local_shape)
             found.append((i, key, lo, n, bad, t.numel))
     buffer_values = []
     for i, (b, key) in enumerate(match.buffers, len(match.params)):
@@ -435,11 +438,14 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     require_bool(strict, "load_pretrained", "strict")
     require_bool(allow_nonfinite, "load_pretrained", "allow_nonfinite")
     comm = comm_of(module)
+    # Every rank of a tensor-parallel model agrees, not each dp group apart (Note
+    # [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+    ranks = checkpoint_comm(module, comm)
     what = "load_pretrained failed"
     source_id, values, buffer_values, casts, src, quantized, loaded, found = agreed(
-        comm, what, lambda: _read_source(module, source, strict, rename, allow_nonfinite))
-    if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
-        ids = comm.all_gather_object((source_id, found))
+        ranks, what, lambda: _read_source(module, source, strict, rename, allow_nonfinite))
+    if ranks is not None and ranks.world_size > 1:  # Note [one source] in sources.py
+        ids = ranks.all_gather_object((source_id, found))
         if len({fingerprint for (_, fingerprint), _ in ids}) > 1:
             listed = "\n".join(f"  rank {r}: {d} (fingerprint {f})" for r, ((d, f), _) in
                                 enumerate(ids))
