@@ -168,3 +168,56 @@ def test_consolidate_into_a_symlink_loop_is_a_usage_error(tmp_path, capsys):
         main(["consolidate", str(tmp_path / "no-checkpoint"), str(loop)])
     assert e.value.code == 2
     assert "symbolic link that leads nowhere" in capsys.readouterr().err
+
+
+GPT_TP = {"*.qkv": "colwise", "*.proj": "rowwise", "*.fc": "colwise", "*.out": "rowwise"}
+
+
+def test_plan_with_tensor_parallelism(capsys):
+    """``--tp T`` (Note [planning tensor parallelism] in planning/tensor_parallel.py):
+    the plan of the model whose tp-split modules hold one tp rank's local tensors,
+    sharded over the dp ranks (world / T, or the mesh's R*S). Exact against the engine
+    at (dp, tp) = (2, 2) in tests/test_tensor_parallel_checkpoint.py."""
+    from shardwise.planning.planner import plan
+    from shardwise.planning.tensor_parallel import split_for_tp
+
+    base = ["plan", "--model", "shardwise.models:gpt", "--kwargs", json.dumps(CFG)]
+    assert main([*base, "--world", "8", "--tp", "2", "--tp-plan", json.dumps(GPT_TP),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = _meta_gpt()
+    split = split_for_tp(model, 2, GPT_TP)
+    assert report["tp"] == split.as_dict() and report["world_size"] == 4
+    assert report["parameters"] == plan(model, 4).parameters
+    assert split.modules == {"colwise": ["blocks.0.qkv", "blocks.0.fc", "blocks.1.qkv",
+                                         "blocks.1.fc", "blocks.2.qkv", "blocks.2.fc"],
+                             "rowwise": ["blocks.0.proj", "blocks.0.out", "blocks.1.proj",
+                                         "blocks.1.out", "blocks.2.proj", "blocks.2.out"]}
+    # With a mesh: R*S dp ranks beside T tp ranks; the table says so.
+    assert main([*base, "--mesh", "2,2", "--world", "8", "--tp", "2", "--tp-plan",
+                 json.dumps(GPT_TP)]) == 0
+    assert "tensor parallel: 4 dp x 2 tp = 8 ranks; 6 colwise and 6 rowwise" in \
+        capsys.readouterr().out
+    # A rule that names none of the model's modules, or a module tp cannot split.
+    assert main([*base, "--world", "4", "--tp", "2"]) == 1
+    assert "no module of the model matches the tp rule" in capsys.readouterr().err
+    assert main([*base, "--world", "4", "--tp", "2", "--tp-plan", '{"*.ln1": "colwise"}']) == 1
+    assert "not LayerNorm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world", "8", "--tp", "3"], "--tp 3 does not divide --world 8"),
+    (["--mesh", "2,2", "--world", "4", "--tp", "2"], "--world 4 does not match --mesh 2,2 x"),
+    (["--world", "8", "--tp-plan", '{"*.q": "colwise"}'], "give --tp too"),
+    (["--world", "8", "--tp", "2", "--tp-plan", '{"*.q": "sideways"}'], "expected {"),
+])
+def test_plan_tp_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--params", "1e9", "--layers", "8", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_tp_needs_a_model(capsys):
+    assert main(["plan", "--params", "1e9", "--layers", "8", "--world", "8", "--tp", "2"]) == 1
+    assert "--tp needs --model" in capsys.readouterr().err

@@ -52,6 +52,21 @@ def _mesh(text: str) -> tuple[int, int]:
     return r, s
 
 
+def _tp_plan(text: str) -> dict[str, str]:
+    """``{"pattern": "colwise" | "rowwise"}`` (Note [planning tensor parallelism])."""
+    import json
+
+    try:
+        rules = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(rules, dict) or not rules or any(
+            not isinstance(k, str) or v not in ("colwise", "rowwise") for k, v in rules.items()):
+        raise argparse.ArgumentTypeError(
+            f'expected {{"pattern": "colwise" | "rowwise", ...}}, got {text!r}')
+    return rules
+
+
 def _offload(text: str):
     """``PARAMS,OPTIMIZER``, each ``device``, ``cpu`` or ``disk`` (any case; ``none``, as
     Python's ``Offload(None, ...)`` spells it, is the device). Refused in the command
@@ -131,14 +146,19 @@ def _sign(args: argparse.Namespace) -> int:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
+    import json
+
     from shardwise.errors import ShardwiseError
     from shardwise.planning.planner import to_json
 
     # With --mesh R,S each rank holds 1/S of the state; flat ZeRO-3 over R*S is reported
     # next to it.
-    replicas, shards = args.mesh or (1, args.world)
+    replicas, shards = args.mesh or (1, args.world // args.tp)
     if args.model:
         result, mesh, note = _plan_model(args, replicas, shards)
+    elif args.tp > 1:
+        raise ShardwiseError("--tp needs --model: which parameters tensor parallelism "
+                             "splits follows the model's modules")
     elif args.offload is not None:
         raise ShardwiseError("--offload needs --model: the bytes per tier follow the "
                              "engine's layout of the real parameters")
@@ -147,10 +167,11 @@ def _plan_command(args: argparse.Namespace) -> int:
     else:
         raise ShardwiseError("give --model MODULE:CALLABLE (or a Hugging Face config folder), "
                              "or --params and --layers")
-    if args.mesh:
-        print(mesh.to_json() if args.json else mesh.table())
-    else:
-        print(to_json(result) if args.json else result.table())
+    text = (mesh.to_json() if args.json else mesh.table()) if args.mesh else \
+        (to_json(result) if args.json else result.table())
+    if args.json and getattr(args, "tp_split", None) is not None:
+        text = json.dumps({**json.loads(text), "tp": args.tp_split}, indent=2)
+    print(text)
     if note and not args.json:
         print(note)
     return 0
@@ -167,15 +188,26 @@ def _plan_model(args: argparse.Namespace, replicas: int, shards: int) -> tuple[A
     from shardwise.planning.planner import MeshPlan, build_on_meta, comm_plan, plan
 
     dtype, activations = args.param_dtype, int(args.activation_gib * 2**30)
+    note = ""
     try:
         model = build_on_meta(args.model, json.loads(args.kwargs) if args.kwargs else None,
                               args.dtype)
     except (ImportError, AttributeError, TypeError, ValueError, OSError) as e:
         raise ShardwiseError(f"cannot build {args.model!r} on the meta device: {e}") from e
-    note = ""
+    if args.tp > 1 and isinstance(model, torch.nn.Module):
+        # Note [planning tensor parallelism] in planning/tensor_parallel.py.
+        from shardwise.planning.tensor_parallel import split_for_tp
+
+        try:
+            split = split_for_tp(model, args.tp, args.tp_plan)
+        except ValueError as e:
+            raise ShardwiseError(f"--tp {args.tp}: {e}") from e
+        note = (note + "\n" if note else "") + split.describe(replicas * shards)
+        args.tp_split = split.as_dict()
     if ":" not in args.model and args.dtype is None:  # Note [the dtype planned]
         note = ("  (a config folder is planned in float32, as LlamaForCausalLM(config) "
-                "builds it; --dtype plans another, --param-dtype the gathered units')")
+                "builds it; --dtype plans another, --param-dtype the gathered units')"
+                + ("\n" + note if note else ""))
     if not isinstance(model, torch.nn.Module):
         raise ShardwiseError(f"{args.model!r} built a {type(model).__name__}, not a "
                              f"torch.nn.Module")
@@ -261,6 +293,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     p.add_argument("--mesh", type=_mesh, metavar="R,S",
                    help="hybrid sharding: R replicas of S ranks (a node) each; adds bytes "
                         "per step within and across nodes, and flat ZeRO-3 over R*S")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                   help="tensor parallelism over T ranks, inside --world or beside --mesh "
+                        "(R*S*T ranks); needs --model: the modules --tp-plan names are "
+                        "split, as parallelize_module splits them")
+    p.add_argument("--tp-plan", type=_tp_plan, metavar="JSON",
+                   help='which modules tp splits: {"pattern": "colwise" | "rowwise"}, '
+                        "fnmatch patterns over module names (default: Hugging Face "
+                        "Llama's q/k/v/gate/up_proj colwise, o/down_proj rowwise)")
     p.add_argument("--optimizer", default="adamw",
                    choices=["adamw", "adam", "sgd", "sgd-momentum"])
     p.add_argument("--dtype", type=_float_dtype,
@@ -358,10 +398,18 @@ def main(argv: list[str] | None = None) -> int:
         _check_plan_sizes(args, commands["plan"])
         if args.mesh is None and args.world is None:
             commands["plan"].error("give --world N, or --mesh R,S for hybrid sharding")
-        if args.mesh is not None and args.world not in (None, args.mesh[0] * args.mesh[1]):
+        tp = args.tp
+        if args.mesh is not None and args.world not in (None, args.mesh[0] * args.mesh[1] * tp):
             r, s = args.mesh
-            commands["plan"].error(f"--world {args.world} does not match --mesh {r},{s} "
-                                   f"({r * s} ranks); --world may be left out with --mesh")
+            with_tp = f" x --tp {tp}" if tp > 1 else ""
+            commands["plan"].error(f"--world {args.world} does not match --mesh {r},{s}"
+                                   f"{with_tp} ({r * s * tp} ranks); --world may be left "
+                                   f"out with --mesh")
+        if args.mesh is None and args.world % tp:
+            commands["plan"].error(f"--tp {tp} does not divide --world {args.world}: the "
+                                   f"ranks are dp x tp")
+        if args.tp_plan is not None and tp == 1:
+            commands["plan"].error("--tp-plan says which modules --tp splits: give --tp too")
     from shardwise.errors import ShardwiseError
 
     try:

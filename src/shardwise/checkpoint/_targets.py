@@ -19,12 +19,14 @@ import torch.nn as nn
 
 from ..comm.collectives import Comm
 from ..engine.groups.alloc import freed
+from ..engine.groups.tensor_parallel import tp_of
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
 from ..engine.sharded_init import init_piece
 from ..errors import ShardwiseError
 from ._messages import summary
 from ._names import dtype_name, part_key
+from ._tensor_parallel import Read, TpPlace, tp_places
 
 
 @dataclass
@@ -61,13 +63,17 @@ class Part:
 
 @dataclass
 class ParamTarget:
-    """One parameter of the module, under every name it has in ``state_dict()``."""
+    """One parameter of the module, under every name it has in ``state_dict()``; its
+    ``shape`` is the global one, and ``tp`` how a checkpoint cuts it in a
+    tensor-parallel model (Note [tensor-parallel checkpoints] in
+    checkpoint/_tensor_parallel.py)."""
 
     names: list[str]
     shape: tuple[int, ...]
     dtype: torch.dtype
     sharded: ShardedParam | None
     plain: torch.Tensor | None
+    tp: TpPlace | None = None
 
     @property
     def numel(self) -> int:
@@ -136,9 +142,33 @@ class ParamTarget:
         return sp is None or sp.unit is None or sp.unit.model.topology.replica_index == 0
 
     def saved_range(self) -> tuple[int, int]:
-        """:meth:`local_range` if this rank :attr:`writes`, else an empty piece."""
+        """The range of the flattened (global) parameter this rank saves: its
+        :meth:`local_range`, or in a tensor-parallel model its part of it (Note
+        [tensor-parallel checkpoints]); empty unless this rank :attr:`writes`."""
         lo, n = self.local_range()
+        if self.tp is not None:
+            lo, n = self.tp.saved_range(lo, n)
         return (lo, n) if self.writes else (lo, 0)
+
+    def saved_values(self, rows: torch.Tensor) -> torch.Tensor:
+        """What this rank saves of ``rows`` (its local range, flat: the parameter's or an
+        optimizer state's), :meth:`saved_range`'s elements. In a tensor-parallel model,
+        for a parameter tp splits on a dim other than 0, an exchange over tp (Note
+        [tensor-parallel checkpoints]): every rank calls it in the same order."""
+        if self.tp is None or not self.writes:
+            return rows
+        return self.tp.saved_values(rows, *self.local_range())
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether :meth:`saved_values` is a collective."""
+        return self.tp is not None and self.writes and self.tp.dim not in (None, 0)
+
+    def read_local(self, read: Read) -> torch.Tensor:
+        """This rank's elements (its :meth:`local_range`, flat) from ``read``, which
+        reads a range of the flattened (global) parameter."""
+        lo, n = self.local_range()
+        return read(lo, n) if self.tp is None else self.tp.read_local(read, lo, n)
 
     def local_values(self) -> torch.Tensor:
         """This rank's elements, flattened."""
@@ -234,7 +264,9 @@ def _targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tens
         if sp is not None:
             key = id(sp)
             if key not in params:
-                params[key] = ParamTarget([], tuple(sp.shape), sp.dtype, sp, None)
+                spec = tp_of(sp)
+                params[key] = ParamTarget([], tuple(sp.shape if spec is None else spec.shape),
+                                          sp.dtype, sp, None)
         elif id(value) in param_ids:
             key = id(value)
             if key not in params:
@@ -243,6 +275,9 @@ def _targets(module: nn.Module) -> tuple[list[ParamTarget], dict[str, torch.Tens
             buffers[name] = value
             continue
         params[key].names.append(name)
+    places = tp_places([t.sharded for t in params.values() if t.sharded is not None])
+    for t in params.values():
+        t.tp = places.get(id(t.sharded))
     return list(params.values()), buffers
 
 

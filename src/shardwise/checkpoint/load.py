@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from ..comm.agree import agreed
 from ..comm.order_check import operation
-from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.alloc import freed
 from ..errors import ShardwiseError
 from ._messages import by_rank, summary
@@ -34,6 +33,7 @@ from ._targets import (
     match_targets,
     module_targets,
 )
+from ._tensor_parallel import checkpoint_comm
 from .background import finish_previous
 from .verify import VerifiedCheckpoint, check_files
 
@@ -73,8 +73,9 @@ def load_checkpoint(path: str | os.PathLike, module: nn.Module,
         >>> extra = sw.load_checkpoint("ckpt/latest", model, opt)
     """
     path = path_argument(path, "load_checkpoint")
-    refuse_tensor_parallel(module, "sw.load_checkpoint", "sw.save_checkpoint refuses them too")
-    comm = comm_of(module)
+    # A tensor-parallel model's checkpoint spans its dp and tp ranks (Note
+    # [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+    comm = checkpoint_comm(module, comm_of(module))
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     what = f"load_checkpoint({path!r}) failed"
     previous = finish_previous(comm)  # Note [background saves]: a load sees what was saved
@@ -152,10 +153,13 @@ def _read_values(ck: VerifiedCheckpoint, params: list[ParamTarget],
     values: list[tuple[Part, Value]] = []
     for t, main, entry in matched:
         for part in t.parts(rank):
-            pieces = (entry["pieces"] if part.inner is None
-                      else entry["inner"][part.inner]["pieces"])
-            read = functools.partial(ck.assemble, part.key_for(main), pieces, *part.local,
-                                     part.dtype)
+            if part.inner is None:
+                read = functools.partial(t.read_local, functools.partial(
+                    ck.assemble, part.key_for(main), entry["pieces"], dtype=part.dtype))
+            else:
+                read = functools.partial(ck.assemble, part.key_for(main),
+                                         entry["inner"][part.inner]["pieces"], *part.local,
+                                         part.dtype)
             values.append((part, read if t.streams_state else read()))  # Note [streamed load]
     buffer_values = []
     if buffers:
@@ -251,20 +255,18 @@ def _read_optimizer(ck: VerifiedCheckpoint, optimizer, matched,
                 raise ShardwiseError(f"{ck.path}: optimizer state for the tensor "
                                      f"subclass {main}, which is frozen")
             if saved_state:
-                lo, n = t.local_range()
                 st = {}
                 for k, info in saved_state.items():
                     key = optim_key(main, k)
+                    read = functools.partial(t.read_local, functools.partial(
+                        ck.assemble, key, entry["pieces"], dtype=dtype_from_name(info["dtype"])))
                     if info["kind"] == "value":
                         st[k] = info["value"]
                     elif info["kind"] == "sharded" and t.streams_state:
-                        read = functools.partial(ck.assemble, key, entry["pieces"], lo, n,
-                                                 dtype_from_name(info["dtype"]))
                         deferred.append(functools.partial(_adopt_state, optimizer, p, t, k,
                                                           read))
                     elif info["kind"] == "sharded":
-                        flat = ck.assemble(key, entry["pieces"], lo, n,
-                                           dtype_from_name(info["dtype"]))
+                        flat = read()
                         st[k] = (t.sharded.as_dtensor(flat.view(t.sharded.local.shape))
                                  if t.sharded is not None else flat.view(t.shape))
                     else:

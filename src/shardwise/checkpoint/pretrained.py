@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections import Counter
@@ -13,7 +14,6 @@ from .._args import require_bool
 from ..comm.agree import agree, agreed
 from ..comm.order_check import operation
 from ..consistency import maybe_check
-from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.alloc import freed
 from ..engine.groups.flat import gathers_bytes
 from ..engine.groups.quantize import (
@@ -37,6 +37,7 @@ from ._targets import (
     module_targets,
     subclass_targets,
 )
+from ._tensor_parallel import checkpoint_comm
 from .sources import Rename, Source, open_source, renamer
 
 # Note [non-finite values refused]
@@ -149,10 +150,15 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     found: list[Found] = []  # Note [non-finite values refused]
     for i, (t, key) in enumerate(match.params):
         lo, n = t.local_range()
-        value = _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)
+        # A tensor-parallel parameter's local rows are read from the global tensor's
+        # ranges (Note [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+        value = _cast(t.read_local(functools.partial(_flat_range, src, key)), t.dtype, key,
+                      casts)
         values.append((t, value))
         bad = 0 if allow_nonfinite else _not_finite(value)
         if bad:
+            if t.tp is not None and t.tp.dim is not None:  # tp ranks' elements differ
+                lo += t.tp.rank * math.prod(t.tp.local_shape)
             found.append((i, key, lo, n, bad, t.numel))
     buffer_values = []
     for i, (b, key) in enumerate(match.buffers, len(match.params)):
@@ -163,6 +169,11 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
             found.append((i, key, 0, value.numel(), bad, value.numel()))
     return ((src.description, src.fingerprint()), values, buffer_values, casts, src,
             quantized, loaded, found)
+
+
+def _flat_range(src: Source, key: str, lo: int, n: int) -> torch.Tensor:
+    """Elements ``[lo, lo + n)`` of the flattened source tensor ``key``."""
+    return src.read_flat(key, lo, lo + n)
 
 
 class _NotFinite(Exception):
@@ -424,16 +435,17 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         >>> model = sw.shard(LlamaForCausalLM(config))
         >>> sw.load_pretrained(model, "/models/llama-1b")   # folder from save_pretrained
     """
-    refuse_tensor_parallel(module, "sw.load_pretrained", "a full weight would have to be "
-                           "cut into each tp rank's local tensor first")
     require_bool(strict, "load_pretrained", "strict")
     require_bool(allow_nonfinite, "load_pretrained", "allow_nonfinite")
     comm = comm_of(module)
+    # Every rank of a tensor-parallel model agrees, not each dp group apart (Note
+    # [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+    ranks = checkpoint_comm(module, comm)
     what = "load_pretrained failed"
     source_id, values, buffer_values, casts, src, quantized, loaded, found = agreed(
-        comm, what, lambda: _read_source(module, source, strict, rename, allow_nonfinite))
-    if comm is not None and comm.world_size > 1:  # Note [one source] in sources.py
-        ids = comm.all_gather_object((source_id, found))
+        ranks, what, lambda: _read_source(module, source, strict, rename, allow_nonfinite))
+    if ranks is not None and ranks.world_size > 1:  # Note [one source] in sources.py
+        ids = ranks.all_gather_object((source_id, found))
         if len({fingerprint for (_, fingerprint), _ in ids}) > 1:
             listed = "\n".join(f"  rank {r}: {d} (fingerprint {f})" for r, ((d, f), _) in
                                 enumerate(ids))

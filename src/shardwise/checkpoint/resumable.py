@@ -58,6 +58,7 @@ from ._lock import FolderLock
 from ._paths import path_argument
 from ._rng import portable_rng, restore_portable_rng
 from ._targets import comm_of
+from ._tensor_parallel import checkpoint_comm
 from .background import SaveHandle
 from .load import load_checkpoint
 from .save import save_checkpoint
@@ -132,7 +133,9 @@ class Resumable:
                                      f"not {value!r}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.every, self.keep, self.steps_per_epoch = every, keep, steps_per_epoch
-        self._comm = comm_of(model)
+        # A tensor-parallel model's checkpoints span its dp and tp ranks, one rank 0 among
+        # them (Note [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+        self._comm = checkpoint_comm(model, comm_of(model))
         self.rank, self.world = ((self._comm.rank, self._comm.world_size)
                                  if self._comm is not None else (0, 1))
         if micro_batches is not None and micro_batches % self.world:

@@ -33,7 +33,6 @@ from .._fs import open_dir, remove_own_files
 from ..comm.agree import agreed
 from ..comm.order_check import operation
 from ..consistency import check_consistency
-from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.iteration.buffers import BufferPolicy
 from ..engine.iteration.state import model_state
 from ..errors import ShardwiseError
@@ -66,11 +65,8 @@ from ._targets import (
     comm_of,
     module_targets,
 )
+from ._tensor_parallel import checkpoint_comm
 from .background import SaveHandle, finish_previous, side_comm, start
-
-# Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py.
-_TP_WHY = ("a checkpoint records rows of each parameter's global tensor, which "
-           "tensor-parallel local tensors are not; save sw.full_state_dict(model) instead")
 
 
 def _json_ok(obj: Any, what: str, round_trip: bool = False) -> None:
@@ -90,9 +86,12 @@ def _json_ok(obj: Any, what: str, round_trip: bool = False) -> None:
 
 
 def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
-                     unsaved: set[str]):
-    """Split an optimizer's state into JSON metadata and this rank's tensors; the rows of
-    parameters in ``unsaved`` (another replica saves them) are saved empty."""
+                     target_of: dict[str, ParamTarget], pending: dict[str, ParamTarget]):
+    """Split an optimizer's state into JSON metadata and this rank's tensors: of state
+    shaped like its parameter, what the parameter's target saves of its rows (none
+    where another replica saves them); those its target exchanges over tp are left as
+    the rows, their keys in ``pending`` (Note [tensor-parallel checkpoints] in
+    checkpoint/_tensor_parallel.py)."""
     sd = optimizer.state_dict()
     order = [p for g in optimizer.param_groups for p in g["params"]]
     missing = [i for i, p in enumerate(order) if id(p) not in name_of]
@@ -115,7 +114,11 @@ def _optimizer_parts(optimizer: torch.optim.Optimizer, name_of: dict[int, str],
                 # State shaped like the parameter is stored flat: it is cut into the same
                 # pieces as the parameter, and reloads at any world size.
                 if sharded:
-                    value = value.reshape(-1)[:0] if name in unsaved else value.reshape(-1)
+                    value, target = value.reshape(-1), target_of[name]
+                    if target.exchanges:
+                        pending[optim_key(name, k)] = target
+                    else:
+                        value = target.saved_values(value)[:target.saved_range()[1]]
                 tensors[optim_key(name, k)] = value
                 entry[k] = {"kind": "sharded" if sharded else "replicated",
                             "dtype": dtype_name(v.dtype), "shape": shape}
@@ -228,20 +231,23 @@ def save_checkpoint(path: str | os.PathLike, module: nn.Module,
     path = path_argument(path, "save_checkpoint")
     require_bool(keep_previous, "save_checkpoint", "keep_previous")
     require_bool(background, "save_checkpoint", "background")
-    refuse_tensor_parallel(module, "sw.save_checkpoint", _TP_WHY)
-    comm = comm_of(module)
+    model_comm = comm_of(module)
+    # A tensor-parallel model's checkpoint spans its dp and tp ranks (Note
+    # [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+    comm = checkpoint_comm(module, model_comm)
     what = f"save_checkpoint({path!r}) failed"
     previous = finish_previous(comm)  # Note [background saves]: one in flight
     rank, world = (comm.rank, comm.world_size) if comm else (0, 1)
     state = model_state(module)
-    if comm is not None and not (state is not None
-                                 and state.buffers.policy is BufferPolicy.LOCAL):
-        check_consistency(module, group=comm.group)
+    if model_comm is not None and not (state is not None
+                                       and state.buffers.policy is BufferPolicy.LOCAL):
+        check_consistency(module, group=model_comm.group)
     _reached("begin")
     # Note [agreed failure] in comm/agree.py: a non-JSON extra on one rank, a path that is a
     # file, a read-only or full disk each become one error on every rank.
     staged = agreed(comm, what, lambda: _prepare(module, optimizer, extra, rank, world,
                                                  stage=background, previous=previous))
+    agreed(comm, what, staged.exchange)  # every rank checked what it saves
     _reached("prepared")
     side = side_comm(comm) if background else None
     folder = _Folder(path, keep_previous) if rank == 0 else None
@@ -390,6 +396,17 @@ class _Staged:
     releases: dict[str, Callable[[], None]]
     python_rng: list
     meta: dict
+    # Tensors still this rank's rows, of parameters whose part is exchanged over tp
+    # (Note [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
+    pending: dict[str, ParamTarget]
+
+    def exchange(self) -> None:
+        """Replace each pending tensor by this rank's part of it: collectives over tp,
+        run by every rank once all have checked what they save, in the call (never on a
+        background save's thread)."""
+        for key, target in self.pending.items():
+            self.tensors[key] = target.saved_values(self.tensors[key])
+        self.pending = {}
 
 
 def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: Any,
@@ -407,7 +424,7 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
     unsaveable = [why for t in params if (why := t.unsaveable)]
     if unsaveable:
         raise ShardwiseError(unsaveable[0])
-    tensors, opt_meta = _local_tensors(params, optimizer, rank)
+    tensors, opt_meta, pending = _local_tensors(params, optimizer, rank)
     pieces = {part.piece: list(part.saved) for part in _parts(params, rank)}
     releases = {t.names[0]: release for t in params
                 if (release := t.page_release()) is not None}
@@ -421,7 +438,7 @@ def _prepare(module: nn.Module, optimizer: torch.optim.Optimizer | None, extra: 
             opt_meta = json.loads(json.dumps(opt_meta))
     meta = (_metadata(module, params, buffers, opt_meta, tensors, extra, world)
             if rank == 0 else {})  # rank 0 commits
-    return _Staged(tensors, buffers, pieces, releases, python_rng_state(), meta)
+    return _Staged(tensors, buffers, pieces, releases, python_rng_state(), meta, pending)
 
 
 def _copies(tensors: dict[str, torch.Tensor],
@@ -473,21 +490,31 @@ def _parts(params: list[ParamTarget], rank: int) -> list[Part]:
 
 
 def _local_tensors(params: list[ParamTarget], optimizer: torch.optim.Optimizer | None,
-                   rank: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+                   rank: int) -> tuple[dict[str, torch.Tensor], dict | None,
+                                       dict[str, ParamTarget]]:
     """This rank's parameter pieces (a tensor subclass's inner tensors' too: Note [packed
-    checkpoints]), optimizer-state pieces and RNG states, and the optimizer's metadata."""
+    checkpoints]), optimizer-state pieces and RNG states, the optimizer's metadata, and
+    the tensors still to exchange over tp (:attr:`_Staged.pending`)."""
     # A frozen tensor subclass an optimizer holds has no state, but is named in its groups.
     name_of = {id(t.tensor): t.names[0] for t in params}
     # Views of the live tensors, not copies: the data file is streamed from them, one at
     # a time (Note [streamed save]); a background save copies them afterwards.
-    tensors = {part.key: part.values[:part.saved[1]] for part in _parts(params, rank)}
+    tensors: dict[str, torch.Tensor] = {}
+    pending: dict[str, ParamTarget] = {}
+    for part in _parts(params, rank):
+        if part.inner is not None:
+            tensors[part.key] = part.values[:part.saved[1]]
+        elif part.target.exchanges:
+            tensors[part.key], pending[part.key] = part.values, part.target
+        else:
+            tensors[part.key] = part.target.saved_values(part.values)[:part.saved[1]]
     opt_meta = None
     if optimizer is not None:
-        unsaved = {t.names[0] for t in params if not t.writes}
-        opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, unsaved)
+        target_of = {t.names[0]: t for t in params}
+        opt_meta, opt_tensors = _optimizer_parts(optimizer, name_of, target_of, pending)
         tensors.update(opt_tensors)
     tensors.update(rank_rng_tensors())
-    return tensors, opt_meta
+    return tensors, opt_meta, pending
 
 
 def _new_data_dir(path: str, comm, rank: int, world: int, what: str,

@@ -14,7 +14,6 @@ from .._args import require_bool
 from ..comm.agree import agree
 from ..comm.collectives import Comm
 from ..comm.order_check import operation
-from ..engine.entry_points.guards import refuse_tensor_parallel
 from ..engine.groups.tensor_parallel import tp_of
 from ..engine.iteration.state import owning_state
 from ..engine.iteration.unit import ShardedParam, sharded_param
@@ -192,7 +191,6 @@ def full_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimize
         raise ShardwiseError(f"full_optimizer_state_dict: optimizer must be a "
                              f"torch.optim.Optimizer, got {type(optimizer).__name__}")
     require_bool(rank0_only, "full_optimizer_state_dict", "rank0_only")
-    refuse_tensor_parallel(module, "sw.full_optimizer_state_dict")
     state = owning_state(module)
     sd = optimizer.state_dict()
     if state is None:
@@ -264,7 +262,7 @@ def _layout(sd: dict[str, Any], order: list[torch.Tensor], state: Any) -> list[t
     for idx, st in sd["state"].items():
         sp = sharded_param(order[idx]) if isinstance(idx, int) else None
         for k, v in st.items():
-            if isinstance(v, DTensor) and (sp is None or tuple(v.shape) != tuple(sp.shape)):
+            if isinstance(v, DTensor) and (sp is None or tuple(v.shape) != _shape(sp)):
                 name = sp.fqns[0] if sp is not None else f"parameter {idx}"
                 raise ShardwiseError(
                     f"the state {k!r} of {name} is a DTensor of shape {tuple(v.shape)}, not "
@@ -276,9 +274,17 @@ def _layout(sd: dict[str, Any], order: list[torch.Tensor], state: Any) -> list[t
     return layout
 
 
+def _shape(sp: ShardedParam) -> tuple[int, ...]:
+    """The parameter's (global) shape: a tensor-parallel one's local tensor is
+    ``sp.shape`` (Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py)."""
+    tp = tp_of(sp)
+    return tuple(sp.shape if tp is None else tp.shape)
+
+
 def _gather_rows(sp: ShardedParam, value: DTensor, key: str) -> torch.Tensor:
     """The full tensor whose rows each rank of ``sp``'s shard group holds in ``value``
-    (shaped like ``sp``), on CPU: one all-gather of the rows padded as the shards are."""
+    (shaped like the parameter), on CPU: one all-gather of the rows padded as the shards
+    are; for a tensor-parallel parameter, that local tensor then gathered over tp."""
     assert sp.unit is not None
     comm = sp.unit.model.topology.shard
     local = value.to_local().detach()
@@ -287,7 +293,10 @@ def _gather_rows(sp: ShardedParam, value: DTensor, key: str) -> torch.Tensor:
     send[:local.numel()].copy_(local.reshape(-1))
     out = torch.empty(chunk * comm.world_size, dtype=local.dtype, device=comm.device)
     comm.all_gather(out, send, what=f"full_optimizer_state_dict ({key})")
-    return out[:sp.numel].view(sp.shape).to("cpu", copy=True)
+    full = out[:sp.numel].view(sp.shape)
+    if (tp := tp_of(sp)) is not None:
+        full = tp.full_tensor(full)
+    return full.to("cpu", copy=True)
 
 
 def _to_cpu(value: Any) -> Any:

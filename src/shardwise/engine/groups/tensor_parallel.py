@@ -35,10 +35,11 @@ shape is the shard's (``TpSpec.shape``). Consolidation (``full_state_dict``,
 local tensor first (:meth:`TpSpec.local_of`). The reproducible mode sums each local
 gradient exactly over the dp ranks, so its bits do not depend on dp; a tp size changes
 each micro-batch's gradient (tp's own sums), so bits across tp sizes are not promised.
-What is not built yet for such parameters (checkpoints among them: a checkpoint's pieces
-are ranges of the flattened global tensor, which a ``Shard(1)`` local tensor's rows are
-not) is refused by name, at ``shard`` or at the entry point (:func:`refuse`,
-``refuse_tensor_parallel`` in engine/entry_points/guards.py; docs/status.md).
+A checkpoint records ranges of each global tensor, as for any model (Note
+[tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py). What is not built yet
+for such parameters is refused by name, at ``shard`` or at the entry point
+(:func:`refuse`, ``refuse_tensor_parallel`` in engine/entry_points/guards.py;
+docs/status.md).
 """
 
 from __future__ import annotations
