@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from shardwise.engine.groups.copies import copy_out, padding_gaps, rank_major, write_rank_major
+from shardwise.engine.groups.copies import (
+    copy_out,
+    padding_gaps,
+    rank_major,
+    round_chunks,
+    round_span,
+    scatter_rounds,
+    write_rank_major,
+)
 from shardwise.engine.groups.layout import ALIGN, build_layout
 
 SHAPES = [(10, 4), (1,), (3, 2, 5), (0, 7), (130,), (2, 3)]
@@ -53,3 +61,47 @@ def test_rank_major_write_then_copy_out_round_trips(world):
 def test_zero_dim_shapes_are_refused():
     with pytest.raises(ValueError, match="0-dim"):
         build_layout([()], 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("limit", [1, 600, 1 << 20])
+def test_scatter_rounds_send_what_one_rank_major_buffer_held(world, limit):
+    """Note [scatter in rounds]: the rounds' chunks, put at their spans, are each rank's
+    shard as one rank-major copy of the whole group gives it (padding aside, which the
+    receiver zeroes), whatever the round size; every slot is in exactly one round."""
+    layout = build_layout(SHAPES, world)
+    values = [torch.randn(shape) for shape in SHAPES]
+    whole = rank_major(layout, padding_gaps(layout), torch.float32, torch.device("cpu"))
+    for slot, v in zip(layout.slots, values):
+        write_rank_major(whole, layout, slot, v)
+    want = whole.view(world, layout.shard_numel)
+    got = torch.zeros(world, layout.shard_numel)
+    rounds = scatter_rounds(layout, 4, limit)
+    assert [i for r in rounds for i in r] == list(range(len(SHAPES)))
+    for slots in rounds:
+        lo, hi = round_span(layout, slots)
+        chunks = round_chunks(layout, slots, values, torch.float32, torch.device("cpu"))
+        assert len(chunks) == world and all(c.numel() == hi - lo for c in chunks)
+        for rank, c in enumerate(chunks):
+            got[rank, lo:hi] = c
+    assert torch.equal(got, want)
+
+
+def test_a_large_parameter_is_sent_from_its_own_rows():
+    """A round of one parameter whose rows split evenly is sent from views of the value:
+    no copy of it on the sending rank. A cast, or an uneven split, is copied."""
+    layout = build_layout([(8, 1024), (7, 1024)], 4)
+    even, uneven = torch.randn(8, 1024), torch.randn(7, 1024)
+    rounds = scatter_rounds(layout, 4, limit=1024)
+    assert rounds == [range(0, 1), range(1, 2)]
+    chunks = round_chunks(layout, rounds[0], [even, uneven], torch.float32,
+                          torch.device("cpu"))
+    assert all(c.untyped_storage().data_ptr() == even.untyped_storage().data_ptr()
+               for c in chunks)
+    for other in (round_chunks(layout, rounds[1], [even, uneven], torch.float32,
+                               torch.device("cpu")),
+                  round_chunks(layout, rounds[0], [even, uneven], torch.float64,
+                               torch.device("cpu"))):
+        assert all(c.untyped_storage().data_ptr() != even.untyped_storage().data_ptr()
+                   and c.untyped_storage().data_ptr() != uneven.untyped_storage().data_ptr()
+                   for c in other)

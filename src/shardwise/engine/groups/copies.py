@@ -71,3 +71,64 @@ def copy_out(gathered: torch.Tensor, layout: ShardLayout, out: torch.Tensor) -> 
             flat = out[s.full_offset:s.full_offset + s.numel]
             for region, sl in row_regions(gathered, layout, s):
                 flat[sl].view(region.shape).copy_(region)
+
+
+# Note [scatter in rounds]
+# ``sw.shard`` sends each rank its rows from ``src_rank``'s full values. A rank-major copy
+# of a whole group on ``src_rank`` before one scatter would hold a second copy of the
+# group there (the root unit of a Llama holds the embeddings and the head: 1.3 GB in fp32
+# at 13B width). The group goes instead in rounds of consecutive parameters, each a
+# contiguous range of every rank's shard, each rank-major copy at most ``ROUND_BYTES``; a
+# parameter larger than that is a round of its own, sent from views of its own rows when
+# every rank holds whole rows of it in the group's dtype (only a padded chunk is copied).
+ROUND_BYTES = 32 << 20
+
+
+def scatter_rounds(layout: ShardLayout, element_size: int,
+                   limit: int = ROUND_BYTES) -> list[range]:
+    """The group's slots in rounds (Note [scatter in rounds]): consecutive slot indices
+    whose rank-major bytes stay within ``limit``, or one slot alone."""
+    rounds: list[range] = []
+    start = size = 0
+    for i, s in enumerate(layout.slots):
+        n = s.chunk_numel * layout.world_size * element_size
+        if i > start and size + n > limit:
+            rounds.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if start < len(layout.slots):
+        rounds.append(range(start, len(layout.slots)))
+    return rounds
+
+
+def round_span(layout: ShardLayout, slots: range) -> tuple[int, int]:
+    """The range ``[lo, hi)`` of every rank's shard that a round's slots take."""
+    first, last = layout.slots[slots[0]], layout.slots[slots[-1]]
+    return first.offset, last.offset + last.chunk_numel
+
+
+def round_chunks(layout: ShardLayout, slots: range, values: list[torch.Tensor],
+                 dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Each rank's part of a round (its :func:`round_span` of the shard), rank by rank,
+    from the parameters' full ``values``: views of the value's own rows when the round is
+    one parameter every rank holds whole rows of, else a rank-major copy of the round."""
+    lo, hi = round_span(layout, slots)
+    world = layout.world_size
+    if len(slots) == 1:
+        s, v = layout.slots[slots[0]], values[slots[0]].detach()
+        if (v.dtype == dtype and v.device == device and v.is_contiguous()
+                and s.numel > 0 and s.chunk_rows * world == s.rows):
+            return list(v.reshape(-1).split(s.chunk_numel))
+    grid = torch.zeros(world, hi - lo, dtype=dtype, device=device)
+    for i in slots:
+        s = layout.slots[i]
+        if s.numel == 0:
+            continue
+        flat = values[i].detach().reshape(-1).to(device, dtype)
+        at = s.offset - lo
+        whole = s.rows // s.chunk_rows
+        n = whole * s.chunk_numel
+        grid[:whole, at:at + s.chunk_numel].copy_(flat[:n].view(whole, s.chunk_numel))
+        if n < s.numel:
+            grid[whole, at:at + s.numel - n].copy_(flat[n:])
+    return list(grid.unbind(0))

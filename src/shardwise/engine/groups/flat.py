@@ -92,7 +92,13 @@ from ..._registry import (
 from ...comm.collectives import Comm
 from ...comm.mesh import Topology
 from ...errors import ShardwiseError
-from .copies import copy_out, padding_gaps, rank_major, write_rank_major
+from .copies import (
+    copy_out,
+    padding_gaps,
+    round_chunks,
+    round_span,
+    scatter_rounds,
+)
 from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
 from .offload.placement import Placement
@@ -543,28 +549,26 @@ class FlatGroup:
         replica, shard_src = self.topology.source(src)
         into = self.storage.receiving()  # an offloaded shard is received on the device
         if self.topology.replica_index == replica:
-            chunks = None
-            if self.comm.rank == shard_src:
-                assert values is not None, "src_rank passes the values"
-                chunks = list(self._rank_major(values).chunk(self.comm.world_size))
+            mine = self.comm.rank == shard_src
+            assert values is not None or not mine, "src_rank passes the values"
             with torch.no_grad():
-                self.comm.scatter(into, chunks, shard_src)
+                if not self.by_rows:
+                    chunks = list(self._shares(values).chunk(self.comm.world_size)) \
+                        if values is not None and mine else None
+                    self.comm.scatter(into, chunks, shard_src)
+                else:
+                    scatter_rows(self, into, values if mine else None, shard_src)
         if self.replicate is not None:
             with torch.no_grad():
                 self.replicate.broadcast(into, replica,
                                          what="the broadcast of initial shards to replicas")
         self.storage.received(into)
 
-    def _rank_major(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """Every rank's shard of the parameters' full ``values``, rank after rank: each
-        one's rows, or each subclass's shares, divided as its cut says, one parameter at a
-        time (a placeholder's bytes are made only as they are copied: Note [quantize
-        while loading] in engine/groups/quantize.py)."""
-        if self.by_rows:
-            buf = rank_major(self.layout, self.gaps, self.dtype, self.device)
-            for slot, v in zip(self.layout.slots, values):
-                write_rank_major(buf, self.layout, slot, v.to(buf.device, self.dtype))
-            return buf
+    def _shares(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """Every rank's shard of the subclasses' full ``values``, rank after rank: each
+        one's shares, divided as its cut says, one parameter at a time (a placeholder's
+        bytes are made only as they are copied: Note [quantize while loading] in
+        engine/groups/quantize.py)."""
         grid = torch.zeros(self.comm.world_size, self.layout.shard_numel, dtype=self.dtype,
                            device=self.device)
         for p, v in zip(self.params, values):
@@ -825,6 +829,22 @@ class FlatGroup:
                 "gathered_numel": self.layout.gathered_numel,
                 "full_allocated": self.full_is_allocated(),
                 "params_tier": params_tier, "optimizer_tier": optimizer_tier}
+
+
+def scatter_rows(g: FlatGroup, into: torch.Tensor, values: list[torch.Tensor] | None,
+                 src: int) -> None:
+    """Rank ``src``'s full ``values`` (``None`` elsewhere) into every rank's rows of
+    ``into``, its shard of ``g``, round by round (Note [scatter in rounds] in
+    engine/groups/copies.py); the padding between slots is zeroed here."""
+    for a, b in g.layout.padding(g.comm.rank):
+        into[a:b].zero_()
+    for slots in scatter_rounds(g.layout, g.dtype.itemsize):
+        lo, hi = round_span(g.layout, slots)
+        if hi == lo:  # parameters of no elements: nothing to send
+            continue
+        chunks = (None if values is None
+                  else round_chunks(g.layout, slots, values, g.dtype, g.device))
+        g.comm.scatter(into[lo:hi], chunks, src, what="the scatter of initial shards")
 
 
 def _rows_of(g: FlatGroup, params: list[ShardedParam]) -> tuple[ShardLayout, torch.Tensor]:
