@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections import Counter
@@ -30,6 +31,7 @@ from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
     ParamTarget,
+    Value,
     abandon_unfinished,
     apply_values,
     comm_of,
@@ -145,15 +147,22 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     _check_base_filled(module, loaded, match.unexpected, src.description)
     # Read everything this rank needs before changing anything.
     casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
-    values = []
+    values: list[tuple[ParamTarget, Value]] = []
     found: list[Found] = []  # Note [non-finite values refused]
     for i, (t, key) in enumerate(match.params):
         lo, n = t.local_range()
-        value = _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)
-        values.append((t, value))
-        bad = 0 if allow_nonfinite else _not_finite(value)
+        read = _cast(src.read_flat(key, lo, lo + n), t.dtype, key, casts)
+        bad = 0 if allow_nonfinite else _not_finite(read)
         if bad:
             found.append((i, key, lo, n, bad, t.numel))
+        value: Value = read
+        if read.numel() * read.element_size() > _HELD_BYTES:
+            # Read again when written, not held: holding every row read until all are
+            # checked is a second copy of this rank's share (the embeddings and the
+            # head, under a quantized base: docs/qlora.md, "Memory by phase").
+            value = functools.partial(_read_rows, src, key, lo, n, t.dtype)
+        del read
+        values.append((t, value))
     buffer_values = []
     for i, (b, key) in enumerate(match.buffers, len(match.params)):
         value = _cast(src.read(key), b.dtype, key, casts)
@@ -163,6 +172,16 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
             found.append((i, key, 0, value.numel(), bad, value.numel()))
     return ((src.description, src.fingerprint()), values, buffer_values, casts, src,
             quantized, loaded, found)
+
+
+# Rows larger than this are read once to be checked and again to be written.
+_HELD_BYTES = 16 << 20
+
+
+def _read_rows(src: Source, key: str, lo: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Elements ``[lo, lo + n)`` of ``key``, in ``dtype``, read again to be written (the
+    cast was counted at the first read)."""
+    return _cast(src.read_flat(key, lo, lo + n), dtype, key, Counter())
 
 
 class _NotFinite(Exception):
