@@ -91,13 +91,18 @@ def child(folder: str, steps: int, seq: int) -> None:
     layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # attention, MLP, two norms
     biggest = 4 * max(layer, v * h)  # fp32: a decoder layer, or the embeddings (= head)
     target = 1.1 * (constant + (view.packed_bytes + plain + adam + biggest) / MIB)
-    print(json.dumps({
+    row = {
         "rank": rank, "world": view.world_size, "layers": config.num_hidden_layers,
         "units": [u.name for u in view.units], "constant_mib": round(constant),
         "nf4_share_mib": round(view.packed_bytes / MIB), "plain_share_mib": round(plain / MIB),
         "adam_mib": round(adam / MIB), "biggest_unit_mib": round(biggest / MIB),
         "target_mib": round(target), "peak_mib": {k: round(p) for k, p in peaks.items()},
-        "seconds": times}), flush=True)
+        "seconds": times}
+    rows: list = [None] * view.world_size
+    torch.distributed.all_gather_object(rows, row)  # one writer: lines never interleave
+    if rank == 0:
+        for r in rows:
+            print(json.dumps(r), flush=True)
 
 
 def run(folder: str, world: int, steps: int, seq: int) -> list[dict]:

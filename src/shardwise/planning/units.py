@@ -88,12 +88,12 @@ def _default_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
 # other parameters. A declared module is left to the root when it is, or holds, a block,
 # and when it owns nothing of its own: a tied head's weight is also the embeddings', and
 # a shared weight stays in the innermost unit holding every use (the root). Only
-# declared modules: a module whose weight the model reads outside that module's forward
-# (``F.linear(x, self.wte.weight)``) would find it sharded; Hugging Face's models call
-# both through their forward. Models without a quantized base keep the default above:
-# there the root is no larger than a block or two, and more units mean more collectives
-# per step. ``sharded_init`` and ``sw.shard`` gather one group at a time, so these units
-# also keep the build from holding the embeddings and the head at once.
+# declared modules: a model that reads a unit's weight outside that module's forward
+# (``F.linear(x, self.wte.weight)``) is refused at that read, naming the weight, and
+# Hugging Face's models call both through their forward. Models without a quantized
+# base keep the default above: there the root is no larger than a block or two, and more
+# units mean more collectives per step. ``sw.shard`` gathers one group at a time, so these
+# units also keep it from holding the embeddings and the head at once.
 
 
 def _declared_embeddings(root: nn.Module) -> list[nn.Module]:
