@@ -29,9 +29,11 @@ the steps):
     OMP_NUM_THREADS=1 python benchmarks/qlora_load.py sweep /work/qlora-13b \
         --preset 13b --layers 20 40 --steps 2
 
-Presets (Llama shapes, untied head, vocabulary 32000):
+Presets (Llama shapes, untied head, vocabulary 32000 unless said):
   small: hidden 2048, intermediate 5632, 16 heads      (0.34B at 4 layers, 0.54B at 8)
   13b:   hidden 5120, intermediate 13824, 40 heads     (13.0B at 40 layers: 26.0 GB bf16)
+  vocab: hidden 1024, intermediate 2816, 8 heads, vocabulary 128256 (0.29B at 2 layers,
+         0.26B of it the embeddings and the head)
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ PRESETS = {
               "num_key_value_heads": 16, "layers": 8},
     "13b": {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
             "num_key_value_heads": 40, "layers": 40},
+    # Llama 3's vocabulary on a narrow model: the embeddings and the head dominate
+    # (benchmarks/qlora_phases.py).
+    "vocab": {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "layers": 2, "vocab_size": 128256},
 }
 SHARD_BYTES = 2 * 2**30  # per safetensors file, as Hugging Face's default 2 GB shards
 
@@ -63,7 +69,8 @@ def _config(preset: str, layers: int):
 
     p = dict(PRESETS[preset])
     p.pop("layers")
-    return LlamaConfig(vocab_size=32000, num_hidden_layers=layers, max_position_embeddings=512,
+    p.setdefault("vocab_size", 32000)
+    return LlamaConfig(num_hidden_layers=layers, max_position_embeddings=512,
                        tie_word_embeddings=False, **p)
 
 

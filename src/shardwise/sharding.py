@@ -167,7 +167,9 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
             matches too (each owns the parameters no inner unit owns). ``()`` makes the
             root the only unit. Default: each entry (holding parameters) of the outermost
             ``nn.ModuleList`` s, or, in a model without one, of the outermost
-            ``nn.Sequential`` s. The root owns every other parameter. A warning says when
+            ``nn.Sequential`` s; with a quantized base, also the declared input
+            embeddings and untied output head (Note [the embeddings' own units] in
+            planning/units.py). The root owns every other parameter. A warning says when
             one unit holds more than half of a model of a million parameters or more.
             ``"auto"``: the fewest units whose full parameters gathered at once fit
             ``memory_budget``: the root alone, else the default units, else each unit

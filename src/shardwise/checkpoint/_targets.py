@@ -308,8 +308,10 @@ def apply_values(values: list[tuple[ParamTarget | Part, Value]],
         release = t.page_release()
         if release is not None:
             release()
-            if callable(v):  # read one at a time: Note [freed memory]
-                freed(value.numel() * value.element_size())
+        if callable(v):  # read one at a time: Note [freed memory]
+            nbytes = value.numel() * value.element_size()
+            del value
+            freed(nbytes)
     with torch.no_grad():
         for b, v in buffer_values:
             b.copy_(v)

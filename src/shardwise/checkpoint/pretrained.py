@@ -30,6 +30,7 @@ from ..errors import ShardwiseError
 from ._messages import summary
 from ._targets import (
     ParamTarget,
+    Value,
     abandon_unfinished,
     apply_values,
     comm_of,
@@ -146,20 +147,27 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
     _check_base_filled(module, loaded, match.unexpected, src.description)
     # Read everything this rank needs before changing anything.
     casts: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
-    values = []
+    values: list[tuple[ParamTarget, Value]] = []
     found: list[Found] = []  # Note [non-finite values refused]
     for i, (t, key) in enumerate(match.params):
         lo, n = t.local_range()
         # A tensor-parallel parameter's local rows are read from the global tensor's
         # ranges (Note [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py).
-        value = _cast(t.read_local(functools.partial(_flat_range, src, key)), t.dtype, key,
-                      casts)
-        values.append((t, value))
-        bad = 0 if allow_nonfinite else _not_finite(value)
+        read = _cast(t.read_local(functools.partial(_flat_range, src, key)), t.dtype, key,
+                     casts)
+        bad = 0 if allow_nonfinite else _not_finite(read)
         if bad:
             if t.tp is not None and t.tp.dim is not None:  # tp ranks' elements differ
                 lo += t.tp.rank * math.prod(t.tp.local_shape)
             found.append((i, key, lo, n, bad, t.numel))
+        value: Value = read
+        if read.numel() * read.element_size() > _HELD_BYTES:
+            # Read again when written, not held: holding every row read until all are
+            # checked is a second copy of this rank's share (the embeddings and the
+            # head, under a quantized base: docs/qlora.md, "Memory by phase").
+            value = functools.partial(_read_rows, src, key, t, allow_nonfinite)
+        del read
+        values.append((t, value))
     buffer_values = []
     for i, (b, key) in enumerate(match.buffers, len(match.params)):
         value = _cast(src.read(key), b.dtype, key, casts)
@@ -174,6 +182,23 @@ def _read_source(module: nn.Module, source: object, strict: bool, rename: Rename
 def _flat_range(src: Source, key: str, lo: int, n: int) -> torch.Tensor:
     """Elements ``[lo, lo + n)`` of the flattened source tensor ``key``."""
     return src.read_flat(key, lo, lo + n)
+
+
+# Rows larger than this are read once to be checked and again to be written.
+_HELD_BYTES = 16 << 20
+
+
+def _read_rows(src: Source, key: str, t: ParamTarget, allow_nonfinite: bool) -> torch.Tensor:
+    """This rank's rows of ``key`` in ``t``'s dtype, read again to be written (the cast
+    was counted at the first read), and checked again: a source changed in between must
+    not bring in what the first read refused (Note [non-finite values refused])."""
+    value = _cast(t.read_local(functools.partial(_flat_range, src, key)), t.dtype, key,
+                  Counter())
+    if not allow_nonfinite and _not_finite(value):
+        raise ShardwiseError(f"{src.description}: {key} changed while it was loaded: its "
+                             f"second read holds NaN or infinite values that the first "
+                             f"did not")
+    return value
 
 
 class _NotFinite(Exception):

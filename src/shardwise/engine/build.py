@@ -51,7 +51,7 @@ from .iteration.buffers import BufferSync
 from .iteration.state import ModelState, Settings, set_model_state
 from .iteration.unit import FlatGroup, Unit, set_unit
 from .plan import GroupSpec, ParamRecord, Plan, UnitPlan
-from .sharded_init import clear_init_piece, full_value
+from .sharded_init import clear_init_piece, full_value, init_piece
 
 
 def build(root: nn.Module, plan: Plan, topology: Topology, device: torch.device,
@@ -143,13 +143,24 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     """Flatten one group as its plan laid it out, take ``src_rank``'s values, register
     the DTensor shards in place of the originals, and release the originals."""
     originals = [r.param for r in spec.records]
+    # Parameters partitioned by sharded_init (stand-ins on the meta device, each holding
+    # its piece) are gathered one group at a time, so no full-model copy exists at any
+    # point; any other parameter is its own value, and sharded_init is not asked. Each
+    # piece is dropped once its full value is here, and the group's shard allocated
+    # after: a rank then holds the group whole once, not beside its pieces and its
+    # shard (Note [the embeddings' own units] in planning/units.py: with a quantized
+    # base the embeddings and the head are groups of their own).
+    values, pieces = [], 0
+    for p in originals:
+        if p.is_meta:
+            values.append(full_value(p))
+            pieces += _drop_piece(p)
+        else:
+            values.append(p.detach())
+    freed(pieces)
     g = flat_group([r.fqns for r in spec.records], [r.slots for r in spec.records],
                    originals, spec.layout, topology, device, spec.compute_dtype,
                    spec.reduce_dtype, regather, exact, placement)
-    # Parameters partitioned by sharded_init (stand-ins on the meta device, each holding
-    # its piece) are gathered one group at a time, so no full-model copy exists at any
-    # point; any other parameter is its own value, and sharded_init is not asked.
-    values = [full_value(p) if p.is_meta else p.detach() for p in originals]
     g.fill_local(values if topology.world.rank == src_rank else None, src_rank)
     released = sum(v.numel() * v.element_size() for v in values if v.device.type == "cpu")
     del values
@@ -157,12 +168,19 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     # Release the originals now, not after the last unit: the old and the new storage of
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
-        if rec.param.is_meta:
-            clear_init_piece(rec.param)
         retire(rec.param, rec.fqns[0])
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
     return g
+
+
+def _drop_piece(p: torch.Tensor) -> int:
+    """Release ``p``'s ``sharded_init`` piece; the bytes it held in host memory."""
+    info = init_piece(p)
+    if info is None:
+        return 0
+    clear_init_piece(p)
+    return info.piece.nbytes if info.piece.device.type == "cpu" else 0
 
 
 def _build_subclasses(records: list[ParamRecord], topology: Topology, device: torch.device,

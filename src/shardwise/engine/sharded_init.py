@@ -94,12 +94,36 @@ class InitPiece:
         """Take ``src_rank``'s ``full`` as the parameter's new value (a scatter)."""
         chunks = None
         if self.comm.rank == self.src_rank:
-            flat = torch.zeros(self.layout.gathered_numel, dtype=self.piece.dtype,
-                               device=self.piece.device)
-            flat[:full.numel()].copy_(full.detach().reshape(-1))
-            chunks = list(flat.chunk(self.comm.world_size))
+            flat = full.detach().reshape(-1).to(self.piece.device, self.piece.dtype)
+            chunks = _padded_chunks(flat, self.layout.shard_numel, self.comm.world_size)
         with torch.no_grad():
             self.comm.scatter(self.piece, chunks, self.src_rank)
+
+    @classmethod
+    def zeros(cls, numel: int, dtype: torch.dtype, comm: Comm, src_rank: int,
+              home: torch.device) -> InitPiece:
+        """A parameter of ``numel`` zeros, partitioned without ever being whole."""
+        layout = build_layout([(numel,)], comm.world_size, align=1)
+        device = comm.device if comm.device.type == "cuda" else home
+        return cls(torch.zeros(layout.shard_numel, dtype=dtype, device=device), layout,
+                   comm, src_rank, home)
+
+
+def _padded_chunks(flat: torch.Tensor, size: int, n: int) -> list[torch.Tensor]:
+    """``flat`` cut into ``n`` chunks of ``size`` elements: views of it, but for the
+    chunks that run past its end, padded with zeros (a copy of at most one chunk each).
+    The full value on ``src_rank`` is never copied whole: Note [partition at
+    registration] promises one full parameter at a time."""
+    out = []
+    for i in range(n):
+        lo, hi = min(i * size, flat.numel()), min((i + 1) * size, flat.numel())
+        if hi - lo == size:
+            out.append(flat[lo:hi])
+        else:
+            padded = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+            padded[:hi - lo].copy_(flat[lo:hi])
+            out.append(padded)
+    return out
 
 
 def _func_name(func) -> str:
@@ -255,9 +279,14 @@ class _ShardedInit:
                 mod._parameters[pname] = nn.Parameter(
                     rule.placeholder(meta.shape, meta.dtype, home), requires_grad=False)
             else:
-                zeros = nn.Parameter(torch.zeros(meta.shape, dtype=meta.dtype, device=home),
-                                     requires_grad=meta.requires_grad)
-                mod._parameters[pname] = self.partition(zeros)  # type: ignore[assignment]
+                # Zeros awaiting the source, partitioned without a whole tensor: the
+                # head this is under the default rule is as large as the embeddings.
+                stand_in = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype,
+                                                    device="meta"),
+                                        requires_grad=meta.requires_grad)
+                set_init_piece(stand_in, InitPiece.zeros(meta.numel(), meta.dtype,
+                                                         self.comm, self.src_rank, home))
+                mod._parameters[pname] = stand_in
                 self.partitioned.append((mod, pname))
         # Every parameter of the base awaits loading, not only the deferred ones: the
         # embeddings, norms and head hold src_rank's random init, which would train

@@ -73,10 +73,72 @@ def _default_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return []
 
 
+# Note [the embeddings' own units]
+# By default the root owns every parameter outside the blocks: in a language model, the
+# input embeddings and the output head, gathered whole from the root's forward to the
+# end of its backward. Beside full-precision blocks that is in proportion, but with a
+# quantized base (NF4: a block gathers 0.5 bytes an element) the embeddings and the head
+# are most of what a rank gathers: a 70B Llama 3's are 4.2 GB each in fp32, more than a
+# decoder layer in full precision. So when the model holds a frozen tensor subclass
+# gathered as bytes, the default units also take the modules the model declares as its
+# input embeddings and output head (Hugging Face's ``get_input_embeddings()`` and
+# ``get_output_embeddings()``, found through wrappers such as PEFT's that forward
+# attributes): each is gathered for its own forward (and the head again for its
+# backward) and resharded after it, so no rank holds both, nor either beside the root's
+# other parameters. A declared module is left to the root when it is, or holds, a block,
+# and when it owns nothing of its own: a tied head's weight is also the embeddings', and
+# a shared weight stays in the innermost unit holding every use (the root). Only
+# declared modules: a model that reads a unit's weight outside that module's forward
+# (``F.linear(x, self.wte.weight)``) is refused at that read, naming the weight, and
+# Hugging Face's models call both through their forward. Models without a quantized
+# base keep the default above: there the root is no larger than a block or two, and more
+# units mean more collectives per step. ``sw.shard`` gathers one group at a time, so these
+# units also keep it from holding the embeddings and the head at once.
+
+
+def _declared_embeddings(root: nn.Module) -> list[nn.Module]:
+    """The modules ``root`` declares as its input embeddings and output head (Hugging
+    Face's accessors; a base model's head is ``None``)."""
+    found: list[nn.Module] = []
+    for accessor in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(root, accessor, None)
+        if not callable(get):
+            continue
+        try:
+            mod = get()
+        except (NotImplementedError, AttributeError):  # declared by no such model
+            continue
+        if isinstance(mod, nn.Module) and mod is not root and _has_params(mod) \
+                and all(mod is not m for m in found):
+            found.append(mod)
+    return found
+
+
+def _with_embeddings(root: nn.Module, blocks: list[tuple[str, nn.Module]]
+                     ) -> list[tuple[str, nn.Module]]:
+    """``blocks`` and, with a quantized base, the declared embeddings and head as units
+    of their own, in module order (Note [the embeddings' own units])."""
+    if not any(gathers_bytes(p) for p in root.parameters()):
+        return blocks
+    declared = {id(m) for m in _declared_embeddings(root)}
+    taken = [n for n, _ in blocks]
+    extra = [(n, m) for n, m in root.named_modules() if id(m) in declared
+             and not any(n == t or n.startswith(t + ".") or t.startswith(n + ".")
+                         for t in taken)]
+    if not extra:
+        return blocks
+    order = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+    merged = sorted([*blocks, *extra], key=lambda nm: order[id(nm[1])])
+    owning = {id(m) for _, m in _owning(root, merged)[0]}  # a tied head owns nothing
+    return [(n, m) for n, m in merged if id(m) in owning or id(m) not in declared]
+
+
 def choose_units(root: nn.Module, units: UnitSpec) -> list[tuple[str, nn.Module]]:
-    """``("", root)`` followed by every unit ``units`` selects (see :func:`shard`)."""
+    """``("", root)`` followed by every unit ``units`` selects (see :func:`shard`); by
+    default the blocks, and with a quantized base also the embeddings and the head (Note
+    [the embeddings' own units])."""
     if units is None:
-        return [("", root), *_default_units(root)]
+        return [("", root), *_with_embeddings(root, _default_units(root))]
     pred = _unit_predicate(units)
     chosen = [(n, m) for n, m in root.named_modules() if m is not root and pred(n, m)]
     if not chosen and units != ():
