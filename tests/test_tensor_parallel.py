@@ -187,6 +187,9 @@ def _parity(rank: int, world: int, dp: int, tp: int, sequence_parallel: bool,
             assert p.placements == ref.get_parameter(n).placements, (n, p.placements)
             assert p.to_local().shape == ref.get_parameter(n).to_local().shape, n
     losses, norms = _train(ours, dp_rank, 3, clip)
+    if replicas > 1:  # not built yet: refused by name on every rank
+        with pytest.raises(sw.ShardwiseError, match="with hybrid sharding"):
+            sw.clip_grad_norm_(ours, 1.0)
     params = {n: _full(p) for n, p in ours.named_parameters()}
     full_sd = sw.full_state_dict(ours, rank0_only=False)
     ref_sd = {k: _full(v) for k, v in ref.state_dict().items()}
@@ -268,7 +271,6 @@ def _entry_points(rank: int, world: int):
     # (Checkpoints, load_pretrained and full_optimizer_state_dict work:
     # tests/test_tensor_parallel_checkpoint.py.)
     refusals = {
-        "sw.clip_grad_norm_": lambda: sw.clip_grad_norm_(model, 1.0),
         "sw.gathered": lambda: sw.gathered(model).__enter__(),
     }
     for name, call in refusals.items():
@@ -294,6 +296,38 @@ def _entry_points(rank: int, world: int):
     ours = sw.shard(tensor_parallel(copy.deepcopy(base), mesh["tp"], True), mesh=mesh["dp"],
                     mixed_precision=sw.MixedPrecision(param_dtype=torch.bfloat16))
     return _train(ours, dp_rank, 3, clip=True), _train(ref, dp_rank, 3, clip=True)
+
+
+def _clip(rank: int, world: int):
+    """sw.clip_grad_norm_ against the norm of the full gradients, with and without
+    sequence-parallel norms (a model whose tp-replicated parameters are on the dp mesh
+    alone, where torch's clip_grad_norm_ refuses the mix of meshes)."""
+    out = []
+    for sequence_parallel in (True, False):
+        mesh, model = _shard_llama(sequence_parallel)
+        x, y = _batch(mesh["dp"].get_local_rank(), 0)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        full = [_full(p.grad) for p in model.parameters()]
+        want = torch.linalg.vector_norm(torch.stack([g.norm() for g in full]))
+        peak = max(float(g.abs().max()) for g in full)
+        assert float(sw.clip_grad_norm_(model, float("inf"), norm_type=float("inf"))) == peak
+        got = sw.clip_grad_norm_(model, 0.5)  # a max_norm below the norm: it clips
+        clipped = torch.linalg.vector_norm(torch.stack([_full(p.grad).norm()
+                                                        for p in model.parameters()]))
+        out.append((float(got), float(want), float(clipped)))
+    return out
+
+
+def test_clip_grad_norm_counts_every_element_once():
+    """Each element of each full gradient once: a tp-split parameter's on every rank,
+    a tp-replicated one's on tp rank 0 only (Note [tensor-parallel parameters])."""
+    for got, want, clipped in run_ranks(_clip, 4)[0]:
+        # Float32 sums in another order than the full gradients' norm: measured equal
+        # with sequence-parallel norms, 7.3e-8 relative without (about one ulp); the
+        # bound is 1e-6. Clipping scales by 0.5 / (norm + 1e-6), as torch's does.
+        assert abs(got - want) <= 1e-6 * want, (got, want)
+        expect = 0.5 * want / (want + 1e-6)
+        assert want > 0.5 and abs(clipped - expect) <= 1e-6 * expect, (clipped, expect)
 
 
 def test_entry_points_work_or_refuse_by_name():
@@ -375,6 +409,7 @@ def _reproducible(rank: int, world: int, dp: int, tp: int):
                 loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
                 loss.backward()
             losses.append(loss)
+        sw.clip_grad_norm_(model, 0.5)  # exact sums: the same norm at any dp
         opt.step()
         opt.zero_grad()
         means.append(sw.global_mean(losses, group=group))
