@@ -352,6 +352,19 @@ def _refusals(rank: int, world: int):
     def colwise(m: nn.Sequential, tp_mesh=mesh["tp"]) -> nn.Sequential:
         return parallelize_module(m, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
+    # tp divides an attention projection's rows (12) but not its heads (3 of 4 rows).
+    class ThreeHeads(nn.Module):
+        head_dim = 4  # Hugging Face's attention attribute
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.o = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    with pytest.raises(sw.ShardwiseError, match=r"q\.weight is a DTensor .*tp=2 does not "
+                                                r"divide the 3 heads \(head_dim 4\)"):
+        sw.shard(parallelize_module(ThreeHeads(), mesh["tp"], {"q": ColwiseParallel(),
+                                                               "o": RowwiseParallel()}),
+                 mesh=mesh["dp"])
     # Sharded over a process group instead of the sibling mesh.
     with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*given a process group"):
         sw.shard(colwise(mlp()), group=mesh["dp"].get_group())
