@@ -270,8 +270,24 @@ def _entry_points(rank: int, world: int):
     # Refused by name, on every rank, before anything changes.
     # (Checkpoints, load_pretrained and full_optimizer_state_dict work:
     # tests/test_tensor_parallel_checkpoint.py.)
+    # gathered(): the module computes with its gathered parameters, DTensors on the tp
+    # mesh of the global shapes, as in a forward; an edit is refused at the block's end.
+    x, _ = _batch(dp_rank, 7)
+    with torch.no_grad():
+        expect = model(x)
+        with sw.gathered(model):
+            q_full = model.get_submodule("blocks.0.attn.q").weight
+            assert isinstance(q_full, DTensor) and q_full.device_mesh == mesh["tp"]
+            assert q_full.shape == full[q].shape
+            assert torch.equal(q_full.full_tensor(), full[q])
+            assert torch.equal(model(x), expect)
+    with pytest.raises(sw.ReadOnlyGatherError, match=r"blocks\.0\.attn\.q\.weight"):
+        with torch.no_grad(), sw.gathered(model):
+            model.get_submodule("blocks.0.attn.q").weight.mul_(2)
+    assert torch.equal(sw.full_state_dict(model, rank0_only=False)[q], full[q])
     refusals = {
-        "sw.gathered": lambda: sw.gathered(model).__enter__(),
+        r"sw.gathered\(modifier_rank=...\)": lambda: sw.gathered(
+            model, modifier_rank=0).__enter__(),
     }
     for name, call in refusals.items():
         with pytest.raises(sw.ShardwiseError, match=rf"{name} does not take "
