@@ -79,8 +79,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
 
     Raises:
         ShardwiseError: for a negative or NaN ``max_norm``, a non-positive ``norm_type``,
-            or either not a number; tensor parallelism with hybrid sharding; nothing is
-            changed.
+            or either not a number; tensor-parallel parameters on several tp meshes;
+            nothing is changed.
 
     Example:
         >>> loss.backward()
@@ -127,32 +127,34 @@ def _norm_ranks(state: Any, groups: list) -> tuple[Comm, Callable[[Any], bool]]:
 
     Over the shard group: replicas (Note [hybrid sharding]) hold the same rows. With
     tensor parallelism (Note [tensor-parallel parameters] in
-    engine/groups/tensor_parallel.py) over the dp and tp ranks together, where a
+    engine/groups/tensor_parallel.py) over the shard and tp ranks together, where a
     parameter tp splits counts on every tp rank (each holds other elements) and one it
     replicates (a norm weight under ``SequenceParallel``, a parameter tp leaves alone)
     on tp rank 0 only.
 
     Raises:
-        ShardwiseError: tensor parallelism with hybrid sharding, or on several tp meshes
-            (not built yet).
+        ShardwiseError: tensor-parallel parameters on several tp meshes (not built yet).
     """
     specs = [(p, spec) for g in groups for p in g.params if (spec := tp_of(p)) is not None]
     if not specs:
         return state.topology.shard, lambda p: True
-    meshes = {spec.mesh for _, spec in specs}
-    if state.topology.replicas > 1 or len(meshes) > 1:
+    if len({spec.mesh for _, spec in specs}) > 1:
         raise ShardwiseError(
-            "sw.clip_grad_norm_ does not take tensor-parallel parameters with hybrid "
-            "sharding or on several tp meshes yet (docs/status.md): "
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) gives the global "
-            "norm when every parameter is a DTensor on one mesh")
+            "sw.clip_grad_norm_ does not take tensor-parallel parameters on several tp "
+            "meshes yet (docs/status.md): torch.nn.utils.clip_grad_norm_(model."
+            "parameters(), ...) gives the global norm when every parameter is a DTensor "
+            "on one mesh")
     first, spec = specs[0]
     split = {id(p) for p, s in specs if any(isinstance(pl, Shard) for pl in s.placements)}
     on_first = spec.mesh.get_local_rank() == 0
     comm = _TP_COMMS.get(state)
-    if comm is None:  # the dp and tp ranks of the shards' mesh, flattened (made once)
-        comm = _TP_COMMS[state] = Comm(cast(DTensor, first.shard).device_mesh._flatten()
-                                       .get_group())
+    if comm is None:  # the shard and tp dims of the shards' mesh, flattened (made once)
+        mesh = cast(DTensor, first.shard).device_mesh
+        names = mesh.mesh_dim_names
+        assert names is not None, "tp meshes are named (refused at shard otherwise)"
+        if state.topology.replicas > 1:  # (replicate, shard, tp): not the replicas
+            mesh = mesh[names[1:]]
+        comm = _TP_COMMS[state] = Comm(mesh._flatten().get_group())
     return comm, lambda p: on_first or id(p) in split
 
 
