@@ -187,6 +187,17 @@ def _parity(rank: int, world: int, dp: int, tp: int, sequence_parallel: bool,
             assert p.placements == ref.get_parameter(n).placements, (n, p.placements)
             assert p.to_local().shape == ref.get_parameter(n).to_local().shape, n
     losses, norms = _train(ours, dp_rank, 3, clip)
+    if replicas > 1:  # sw.clip_grad_norm_ over the shard and tp ranks, not the replicas
+        x, y = _batch(dp_rank, 9)
+        F.cross_entropy(ours(x).flatten(0, 1), y.flatten()).backward()
+        # The 2-norms, measured without clipping (max_norm=inf).
+        mine = float(sw.clip_grad_norm_(ours, float("inf")))
+        torch_norm = float(_full(torch.nn.utils.clip_grad_norm_(ours.parameters(),
+                                                                float("inf"))))
+        # Float32 sums in another order: measured 1.0e-7 relative (one ulp); 1e-6 as in
+        # _clip.
+        assert abs(mine - torch_norm) <= 1e-6 * torch_norm, (mine, torch_norm)
+        ours.zero_grad()
     params = {n: _full(p) for n, p in ours.named_parameters()}
     full_sd = sw.full_state_dict(ours, rank0_only=False)
     ref_sd = {k: _full(v) for k, v in ref.state_dict().items()}
@@ -267,9 +278,24 @@ def _entry_points(rank: int, world: int):
     # Refused by name, on every rank, before anything changes.
     # (Checkpoints, load_pretrained and full_optimizer_state_dict work:
     # tests/test_tensor_parallel_checkpoint.py.)
+    # gathered(): the module computes with its gathered parameters, DTensors on the tp
+    # mesh of the global shapes, as in a forward; an edit is refused at the block's end.
+    x, _ = _batch(dp_rank, 7)
+    with torch.no_grad():
+        expect = model(x)
+        with sw.gathered(model):
+            q_full = model.get_submodule("blocks.0.attn.q").weight
+            assert isinstance(q_full, DTensor) and q_full.device_mesh == mesh["tp"]
+            assert q_full.shape == full[q].shape
+            assert torch.equal(q_full.full_tensor(), full[q])
+            assert torch.equal(model(x), expect)
+    with pytest.raises(sw.ReadOnlyGatherError, match=r"blocks\.0\.attn\.q\.weight"):
+        with torch.no_grad(), sw.gathered(model):
+            model.get_submodule("blocks.0.attn.q").weight.mul_(2)
+    assert torch.equal(sw.full_state_dict(model, rank0_only=False)[q], full[q])
     refusals = {
-        "sw.clip_grad_norm_": lambda: sw.clip_grad_norm_(model, 1.0),
-        "sw.gathered": lambda: sw.gathered(model).__enter__(),
+        r"sw.gathered\(modifier_rank=...\)": lambda: sw.gathered(
+            model, modifier_rank=0).__enter__(),
     }
     for name, call in refusals.items():
         with pytest.raises(sw.ShardwiseError, match=rf"{name} does not take "
@@ -296,6 +322,38 @@ def _entry_points(rank: int, world: int):
     return _train(ours, dp_rank, 3, clip=True), _train(ref, dp_rank, 3, clip=True)
 
 
+def _clip(rank: int, world: int):
+    """sw.clip_grad_norm_ against the norm of the full gradients, with and without
+    sequence-parallel norms (a model whose tp-replicated parameters are on the dp mesh
+    alone, where torch's clip_grad_norm_ refuses the mix of meshes)."""
+    out = []
+    for sequence_parallel in (True, False):
+        mesh, model = _shard_llama(sequence_parallel)
+        x, y = _batch(mesh["dp"].get_local_rank(), 0)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        full = [_full(p.grad) for p in model.parameters()]
+        want = torch.linalg.vector_norm(torch.stack([g.norm() for g in full]))
+        peak = max(float(g.abs().max()) for g in full)
+        assert float(sw.clip_grad_norm_(model, float("inf"), norm_type=float("inf"))) == peak
+        got = sw.clip_grad_norm_(model, 0.5)  # a max_norm below the norm: it clips
+        clipped = torch.linalg.vector_norm(torch.stack([_full(p.grad).norm()
+                                                        for p in model.parameters()]))
+        out.append((float(got), float(want), float(clipped)))
+    return out
+
+
+def test_clip_grad_norm_counts_every_element_once():
+    """Each element of each full gradient once: a tp-split parameter's on every rank,
+    a tp-replicated one's on tp rank 0 only (Note [tensor-parallel parameters])."""
+    for got, want, clipped in run_ranks(_clip, 4)[0]:
+        # Float32 sums in another order than the full gradients' norm: measured equal
+        # with sequence-parallel norms, 7.3e-8 relative without (about one ulp); the
+        # bound is 1e-6. Clipping scales by 0.5 / (norm + 1e-6), as torch's does.
+        assert abs(got - want) <= 1e-6 * want, (got, want)
+        expect = 0.5 * want / (want + 1e-6)
+        assert want > 0.5 and abs(clipped - expect) <= 1e-6 * expect, (clipped, expect)
+
+
 def test_entry_points_work_or_refuse_by_name():
     for (losses, norms), (ref_losses, ref_norms) in run_ranks(
             _entry_points, 4, timeout=300):
@@ -318,6 +376,19 @@ def _refusals(rank: int, world: int):
     def colwise(m: nn.Sequential, tp_mesh=mesh["tp"]) -> nn.Sequential:
         return parallelize_module(m, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
+    # tp divides an attention projection's rows (12) but not its heads (3 of 4 rows).
+    class ThreeHeads(nn.Module):
+        head_dim = 4  # Hugging Face's attention attribute
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.o = nn.Linear(8, 12), nn.Linear(12, 8)
+
+    with pytest.raises(sw.ShardwiseError, match=r"q\.weight is a DTensor .*tp=2 does not "
+                                                r"divide the 3 heads \(head_dim 4\)"):
+        sw.shard(parallelize_module(ThreeHeads(), mesh["tp"], {"q": ColwiseParallel(),
+                                                               "o": RowwiseParallel()}),
+                 mesh=mesh["dp"])
     # Sharded over a process group instead of the sibling mesh.
     with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*given a process group"):
         sw.shard(colwise(mlp()), group=mesh["dp"].get_group())
@@ -375,6 +446,7 @@ def _reproducible(rank: int, world: int, dp: int, tp: int):
                 loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten())
                 loss.backward()
             losses.append(loss)
+        sw.clip_grad_norm_(model, 0.5)  # exact sums: the same norm at any dp
         opt.step()
         opt.zero_grad()
         means.append(sw.global_mean(losses, group=group))

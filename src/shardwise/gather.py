@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ._args import shown
 from .comm.agree import any_rank
@@ -45,6 +46,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel full parameter's local tensor (its bytes in the buffer), else
+    ``t``: compared locally, never redistributed."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool]) -> list[str]:
     """What was written among the gathered parameters (error path): the parameters whose
     full values no longer match the shards, or, for a group written without any value
@@ -57,7 +64,7 @@ def _written_params(comm: Comm, groups: list[BufferGroup], suspects: list[bool])
         g = groups[i]
         fresh = g.gather_full().to(g.compute_dtype)
         changed = [p.fqns[0] for p in g.params
-                   if not _same_bytes(g.full_value(p, fresh), p.full)]
+                   if not _same_bytes(_local(g.full_value(p, fresh)), _local(p.full))]
         if changed:
             names += [f"parameter {n}" for n in changed]
         else:
@@ -224,8 +231,10 @@ class _GatherSession:
             names = {id(p): sp.fqns[0] if (sp := sharded_param(p)) is not None else
                      f"tensor {i}" for i, p in enumerate(self.params)}
         self.single = isinstance(target, torch.Tensor)
-        refuse((sp for p in self.params if (sp := sharded_param(p)) is not None),
-               "sw.gathered", "its full parameters would be tensor-parallel local tensors")
+        if modifier_rank is not None:  # read-only blocks take them (compute's DTensors)
+            refuse((sp for p in self.params if (sp := sharded_param(p)) is not None),
+                   "sw.gathered(modifier_rank=...)", "edits would be broadcast over the "
+                   "dp ranks of each tp coordinate; load_state_dict takes new values")
         # Units in order of first appearance among the arguments: the same on every rank.
         self.units: list[Unit] = []
         for p in self.params:
@@ -298,6 +307,11 @@ class _GatherSession:
             lambda saved: saved.unpack() if isinstance(saved, _Saved) else saved)
         self._saved_hooks.__enter__()
         self.group_versions = [g.full._version for g in self.groups]
+        # A tensor-parallel parameter computes as a DTensor around its view of the buffer,
+        # and a write through it moves the DTensor's version counter, not the buffer's
+        # (DTensor writes its local tensor below autograd), as a tensor subclass does.
+        self.tp_versions = [[(pp, pp.full._version) for pp in g.params
+                             if isinstance(pp.full, DTensor)] for g in self.groups]
         self.packed_versions = [(pp, _version(pp)) for g in self.packed for pp in g.params]
         # Note [quantized parameters in gathered()]: what a write may reach of the shards.
         self.packed_kept = [(t, t.detach().clone()) for g in self.packed for pp in g.params
@@ -357,7 +371,8 @@ class _GatherSession:
     def _verify_read_only(self, replaced: list[_Slot]) -> None:
         """Note [read-only detection]: raise on every rank if any rank wrote."""
         assert self.comm is not None
-        suspects = [g.full._version != v for g, v in zip(self.groups, self.group_versions)]
+        suspects = [g.full._version != v or any(pp.full._version != pv for pp, pv in tp)
+                    for g, v, tp in zip(self.groups, self.group_versions, self.tp_versions)]
         now = dict(named_buffers(self.module)) if self.module is not None else {}
         local = [f"buffer {n}" for n, b, old in self.buffer_snapshot
                  if now.get(n) is not b or not _same_bytes(b, old)]
@@ -401,7 +416,10 @@ def gathered(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]
     as they were and written buffers are restored (a written *unsharded* parameter is
     reported, not restored). With ``modifier_rank=r``, rank r's parameters *and buffers* are what
     every rank holds after the block. Unsharded modules and tensors pass through
-    unchanged (with ``modifier_rank`` they are broadcast from rank r).
+    unchanged (with ``modifier_rank`` they are broadcast from rank r). A tensor-parallel
+    parameter is gathered over the dp ranks into what the module computes with: a
+    DTensor on the tp mesh (Note [tensor-parallel parameters] in
+    engine/groups/tensor_parallel.py); read-only blocks only.
 
     If an exception leaves the block, the units it gathered are resharded without any
     communication and the exception propagates.
@@ -416,8 +434,9 @@ def gathered(module_or_params: nn.Module | torch.Tensor | Iterable[torch.Tensor]
 
     Raises:
         ReadOnlyGatherError: a read-only block was written to.
-        ShardwiseError: ``modifier_rank`` out of range, used with mixed precision, or the
-            block was entered while the model awaits its backward.
+        ShardwiseError: ``modifier_rank`` out of range, used with mixed precision or
+            tensor-parallel parameters, or the block was entered while the model awaits
+            its backward.
 
     Example:
         >>> with sw.gathered(model.lm_head, modifier_rank=0):

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ._args import require_module
 from .comm.collectives import Comm
 from .comm.order_check import operation
-from .engine.entry_points.guards import refuse_tensor_parallel
 from .engine.groups.reduce import GradReduction
+from .engine.groups.tensor_parallel import tp_of
 from .engine.iteration.state import model_state
 from .errors import ShardwiseError
 
@@ -73,9 +74,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
         parameters sums in fp32 over each rank's rows instead, which differs in the last
         bits from one world size to another: use this function there.
 
+    With tensor parallelism the norm is over the dp and tp ranks together, each element
+    of each global gradient counted once (:func:`_norm_ranks`).
+
     Raises:
         ShardwiseError: for a negative or NaN ``max_norm``, a non-positive ``norm_type``,
-            or either not a number; nothing is changed.
+            or either not a number; tensor-parallel parameters on several tp meshes;
+            nothing is changed.
 
     Example:
         >>> loss.backward()
@@ -85,30 +90,26 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     state = model_state(module)
     if state is None:
         return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, norm_type)
-    refuse_tensor_parallel(module, "sw.clip_grad_norm_", "its norm is summed over the "
-                           "data-parallel ranks only; torch.nn.utils.clip_grad_norm_("
-                           "model.parameters(), ...) gives the global norm when every "
-                           "parameter is a DTensor on the (dp, tp) mesh")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ShardwiseError(f"norm_type must be positive, got {norm_type}")
     groups = [g for u in state.units for g in u.groups]
+    comm, counted = _norm_ranks(state, groups)
     grads = [cast(DTensor, p.shard.grad).to_local() for g in groups for p in g.params
-             if p.shard.grad is not None]
+             if p.shard.grad is not None and counted(p)]
     device = groups[0].device if groups else \
         (grads[0].device if grads else torch.device("cpu"))
     # A rank's piece of a parameter may be empty, and the infinity norm of nothing is
     # undefined; empty pieces contribute nothing to any norm.
     nonempty = [g for g in grads if g.numel()]
     if nonempty:
-        norms = torch.stack(_norms(groups, norm_type)).to(device)
+        norms = torch.stack(_norms(groups, norm_type, counted)).to(device)
     else:
         norms = torch.zeros(1, device=device)
-    # Over the shard group only: replicas (Note [hybrid sharding]) hold the same rows, and
-    # summing over them too would count each row once per replica. The model's reduction
-    # sums the norms (the reproducible mode's exactly: Note [exact sums]).
+    # The model's reduction sums the norms (the reproducible mode's exactly: Note [exact
+    # sums]).
     reduction = next((type(g.reduction) for g in groups), GradReduction)
-    total = reduction.total_norm(state.topology.shard, norms, nonempty, norm_type)
+    total = reduction.total_norm(comm, norms, nonempty, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for group in groups:
         for p in group.params:
@@ -120,13 +121,54 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     return total
 
 
-def _norms(groups: list, norm_type: float) -> list[torch.Tensor]:
-    """Each non-empty local gradient's norm, group by group; a disk-offloaded group's
-    pages are let go once read (Note [the disk tier])."""
+def _norm_ranks(state: Any, groups: list) -> tuple[Comm, Callable[[Any], bool]]:
+    """The ranks whose gradient rows make up the model's norm, and which of this rank's
+    parameters count in it, so that each element of each gradient counts once.
+
+    Over the shard group: replicas (Note [hybrid sharding]) hold the same rows. With
+    tensor parallelism (Note [tensor-parallel parameters] in
+    engine/groups/tensor_parallel.py) over the shard and tp ranks together, where a
+    parameter tp splits counts on every tp rank (each holds other elements) and one it
+    replicates (a norm weight under ``SequenceParallel``, a parameter tp leaves alone)
+    on tp rank 0 only.
+
+    Raises:
+        ShardwiseError: tensor-parallel parameters on several tp meshes (not built yet).
+    """
+    specs = [(p, spec) for g in groups for p in g.params if (spec := tp_of(p)) is not None]
+    if not specs:
+        return state.topology.shard, lambda p: True
+    if len({spec.mesh for _, spec in specs}) > 1:
+        raise ShardwiseError(
+            "sw.clip_grad_norm_ does not take tensor-parallel parameters on several tp "
+            "meshes yet (docs/status.md): torch.nn.utils.clip_grad_norm_(model."
+            "parameters(), ...) gives the global norm when every parameter is a DTensor "
+            "on one mesh")
+    first, spec = specs[0]
+    split = {id(p) for p, s in specs if any(isinstance(pl, Shard) for pl in s.placements)}
+    on_first = spec.mesh.get_local_rank() == 0
+    comm = _TP_COMMS.get(state)
+    if comm is None:  # the shard and tp dims of the shards' mesh, flattened (made once)
+        mesh = cast(DTensor, first.shard).device_mesh
+        names = mesh.mesh_dim_names
+        assert names is not None, "tp meshes are named (refused at shard otherwise)"
+        if state.topology.replicas > 1:  # (replicate, shard, tp): not the replicas
+            mesh = mesh[names[1:]]
+        comm = _TP_COMMS[state] = Comm(mesh._flatten().get_group())
+    return comm, lambda p: on_first or id(p) in split
+
+
+_TP_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _norms(groups: list, norm_type: float,
+           counted: Callable[[Any], bool]) -> list[torch.Tensor]:
+    """Each non-empty local gradient's norm, of the parameters ``counted``, group by
+    group; a disk-offloaded group's pages are let go once read (Note [the disk tier])."""
     out = []
     for group in groups:
         for p in group.params:
-            if p.shard.grad is not None and p.shard.grad.to_local().numel():
+            if p.shard.grad is not None and p.shard.grad.to_local().numel() and counted(p):
                 out.append(torch.linalg.vector_norm(cast(DTensor, p.shard.grad).to_local(),
                                                     norm_type, dtype=torch.float32))
         group.release_pages()

@@ -312,7 +312,7 @@ def _plan(module: nn.Module, topo: Topology, device: torch.device, units: UnitSp
     # Each group releases its originals as it is built (engine/build.py): only the plan
     # may hold the records.
     _check_params(records, topo.world.rank, src_rank, offload, shards, mp.param_dtype,
-                  device, topo.given, reproducible)
+                  device, topo.given, reproducible, module)
     if any(gathers_bytes(r.param) for r in records):
         shard_mesh(topo)  # refuses a 2-D mesh without names, before anything changes
     # Laid out once the parameters passed their checks (a 0-dim one is refused by name).
@@ -506,8 +506,9 @@ def _agree_structure(comm: Comm, units: list[UnitPlan], settings: dict[str, obje
 def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
                   offload: Offload | None, shards: int,
                   compute_dtype: torch.dtype | None, device: torch.device,
-                  given: DeviceMesh | None = None, reproducible: bool = False) -> None:
-    _check_tensor_parallel(records, given, offload, reproducible)
+                  given: DeviceMesh | None = None, reproducible: bool = False,
+                  root: nn.Module | None = None) -> None:
+    _check_tensor_parallel(records, given, offload, root)
     refused = [why for r in records if (why := refusal(r.fqns[0], r.param)) is not None]
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
@@ -540,16 +541,19 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
 
 
 def _check_tensor_parallel(records: list[ParamRecord], given: DeviceMesh | None,
-                           offload: Offload | None, reproducible: bool) -> None:
+                           offload: Offload | None, root: nn.Module | None) -> None:
     """Refuse, by name, tensor-parallel parameters (DTensors placed by torch's
     ``parallelize_module``: Note [tensor-parallel parameters] in
     engine/groups/tensor_parallel.py) that ``given`` (the mesh ``shard`` was given) cannot
-    shard, and the modes not built for them yet."""
+    shard, and the modes not built for them yet. An attention module's ``head_dim``
+    (Hugging Face's) says how many heads its projections' rows hold."""
     specs = [(r, spec) for r in records if (spec := attached(r.param, TENSOR_PARALLEL)) is not None]
     if not specs:
         return
     for r, spec in specs:
-        why = tp_refusal(spec, given, r.param)
+        owner = r.fqns[0].rpartition(".")[0].rpartition(".")[0]  # the projection's parent
+        head_dim = getattr(root.get_submodule(owner), "head_dim", None) if root else None
+        why = tp_refusal(spec, given, r.param, head_dim if type(head_dim) is int else None)
         if why is not None:
             raise ShardwiseError(why)
     name = specs[0][1].name

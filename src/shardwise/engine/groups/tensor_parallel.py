@@ -125,9 +125,11 @@ def stand_in(name: str, p: nn.Parameter) -> nn.Parameter:
     return new
 
 
-def refusal(spec: TpSpec, dp_mesh: DeviceMesh | None, local: torch.Tensor) -> str | None:
+def refusal(spec: TpSpec, dp_mesh: DeviceMesh | None, local: torch.Tensor,
+            head_dim: int | None = None) -> str | None:
     """Why a DTensor parameter cannot be sharded over ``dp_mesh`` (the mesh ``shard`` was
-    given, ``None`` for a group), or ``None``."""
+    given, ``None`` for a group), or ``None``. ``head_dim``: that of the attention module
+    holding it, whose heads tp must divide, not only its rows."""
     where = f"{spec.name} is a DTensor on {spec.mesh} placed {list(spec.placements)}"
     if dp_mesh is None:
         return (f"{where}, and sw.shard was given a process group: tensor parallelism "
@@ -165,6 +167,14 @@ def refusal(spec: TpSpec, dp_mesh: DeviceMesh | None, local: torch.Tensor) -> st
                 f"{spec.shape[uneven[0]]}), so tp ranks would hold local tensors of "
                 f"different shapes. Choose a tp that divides it (for attention: the "
                 f"number of heads)")
+    split = [(p.dim, spec.shape[p.dim] // head_dim) for p in spec.placements
+             if head_dim and isinstance(p, Shard) and spec.shape[p.dim] % head_dim == 0]
+    heads = [(d, n) for d, n in split if n % size]
+    if heads:
+        return (f"{where}: tp={size} does not divide the {heads[0][1]} heads (head_dim "
+                f"{head_dim}) its dim {heads[0][0]} holds, so a tp rank would hold part "
+                f"of a head. Choose a tp that divides the number of heads (and of "
+                f"key-value heads)")
     return None
 
 
