@@ -376,6 +376,17 @@ def _refusals(rank: int, world: int):
     def colwise(m: nn.Sequential, tp_mesh=mesh["tp"]) -> nn.Sequential:
         return parallelize_module(m, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
+    # An optimizer built before sw.shard holds the DTensors parallelize_module made: they
+    # are retired with their stand-ins, and its step is refused (it trained nothing).
+    torch.manual_seed(0)
+    early = tensor_parallel(Llama(), mesh["tp"], True)
+    stale = torch.optim.SGD([early.get_parameter("blocks.0.attn.q.weight")], lr=0.1)
+    early = sw.shard(early, mesh=mesh["dp"])
+    x, y = _batch(mesh["dp"].get_local_rank(), 0)
+    F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
+    with pytest.raises(sw.ShardwiseError, match=r"blocks\.0\.attn\.q\.weight was replaced "
+                                                r"by its sharded version"):
+        stale.step()
     # tp divides an attention projection's rows (12) but not its heads (3 of 4 rows).
     class ThreeHeads(nn.Module):
         head_dim = 4  # Hugging Face's attention attribute
