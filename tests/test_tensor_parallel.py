@@ -395,11 +395,20 @@ def _refusals(rank: int, world: int):
             super().__init__()
             self.q, self.o = nn.Linear(8, 12), nn.Linear(12, 8)
 
-    with pytest.raises(sw.ShardwiseError, match=r"q\.weight is a DTensor .*tp=2 does not "
-                                                r"divide the 3 heads \(head_dim 4\)"):
-        sw.shard(parallelize_module(ThreeHeads(), mesh["tp"], {"q": ColwiseParallel(),
-                                                               "o": RowwiseParallel()}),
+    class WithHead(nn.Module):
+        head_dim = 4  # a model's attribute: says nothing of its own head's rows
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.lm = ThreeHeads(), nn.Linear(8, 12)
+
+    with pytest.raises(sw.ShardwiseError, match=r"attn\.q\.weight is a DTensor .*tp=2 does "
+                                                r"not divide the 3 heads \(head_dim 4\)"):
+        sw.shard(parallelize_module(WithHead(), mesh["tp"], {"attn.q": ColwiseParallel(),
+                                                             "attn.o": RowwiseParallel()}),
                  mesh=mesh["dp"])
+    sw.shard(parallelize_module(WithHead(), mesh["tp"], {"lm": ColwiseParallel()}),
+             mesh=mesh["dp"])  # 12 rows of a head split in two: fine
     # Sharded over a process group instead of the sibling mesh.
     with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*given a process group"):
         sw.shard(colwise(mlp()), group=mesh["dp"].get_group())
