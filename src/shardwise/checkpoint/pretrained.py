@@ -483,7 +483,7 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
     # Rows too large to hold are read again here, which may fail on some ranks only (a
     # source changed since): every rank then says so, and that the model is partly loaded.
     agreed(ranks, f"{what} while writing the checked values",
-           lambda: apply_values(values, buffer_values), changed=True)
+           functools.partial(apply_values, values, buffer_values), changed=True)
     del values
     mark_loaded(module, loaded - {n for t, _ in quantized for n in t.names})
     _load_quantized(module, quantized, src, casts, allow_nonfinite)
