@@ -387,6 +387,19 @@ def _refusals(rank: int, world: int):
     with pytest.raises(sw.ShardwiseError, match=r"blocks\.0\.attn\.q\.weight was replaced "
                                                 r"by its sharded version"):
         stale.step()
+    # An edit of a held parameter on one rank only, through its DTensor (Note [edits of
+    # held parameters] in engine/iteration/unit.py): refused on every rank of its dp
+    # group (the ranks holding those rows); the other tp coordinate's group goes on.
+    x, y = _batch(mesh["dp"].get_local_rank(), 1)
+    with sw.no_sync(early):
+        F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
+    if rank == 0:
+        with torch.no_grad():
+            early.get_submodule("blocks.1.attn.q").weight.mul_(0.5)
+    edited_group = mesh["tp"].get_local_rank() == 0
+    with pytest.raises(sw.ShardwiseError, match="on some ranks and not on others") \
+            if edited_group else contextlib.nullcontext():
+        F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
     # tp divides an attention projection's rows (12) but not its heads (3 of 4 rows).
     class ThreeHeads(nn.Module):
         head_dim = 4  # Hugging Face's attention attribute
