@@ -262,6 +262,8 @@ def _entry_points(rank: int, world: int):
     # sw.inspect sees the parameters as they are: this rank's rows of the local tensor.
     view = sw.inspect(model)
     assert sum(len(u.param_names) for u in view.units) == len(full)
+    for pv in (pv for u in view.units for pv in u.params):  # the global shapes
+        assert pv.shape == tuple(full[pv.names[0]].shape), (pv.names, pv.shape)
     # state_dict(): DTensors on the (dp, tp) mesh, which load_state_dict takes back.
     sd = model.state_dict()
     q = "blocks.0.attn.q.weight"

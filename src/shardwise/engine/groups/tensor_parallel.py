@@ -38,8 +38,7 @@ each micro-batch's gradient (tp's own sums), so bits across tp sizes are not pro
 A checkpoint records ranges of each global tensor, as for any model (Note
 [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py). What is not built yet
 for such parameters is refused by name, at ``shard`` or at the entry point
-(:func:`refuse`, ``refuse_tensor_parallel`` in engine/entry_points/guards.py;
-docs/status.md).
+(:func:`refuse`; docs/status.md).
 """
 
 from __future__ import annotations
