@@ -262,6 +262,8 @@ def _entry_points(rank: int, world: int):
     # sw.inspect sees the parameters as they are: this rank's rows of the local tensor.
     view = sw.inspect(model)
     assert sum(len(u.param_names) for u in view.units) == len(full)
+    for pv in (pv for u in view.units for pv in u.params):  # the global shapes
+        assert pv.shape == tuple(full[pv.names[0]].shape), (pv.names, pv.shape)
     # state_dict(): DTensors on the (dp, tp) mesh, which load_state_dict takes back.
     sd = model.state_dict()
     q = "blocks.0.attn.q.weight"
@@ -376,6 +378,30 @@ def _refusals(rank: int, world: int):
     def colwise(m: nn.Sequential, tp_mesh=mesh["tp"]) -> nn.Sequential:
         return parallelize_module(m, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
+    # An optimizer built before sw.shard holds the DTensors parallelize_module made: they
+    # are retired with their stand-ins, and its step is refused (it trained nothing).
+    torch.manual_seed(0)
+    early = tensor_parallel(Llama(), mesh["tp"], True)
+    stale = torch.optim.SGD([early.get_parameter("blocks.0.attn.q.weight")], lr=0.1)
+    early = sw.shard(early, mesh=mesh["dp"])
+    x, y = _batch(mesh["dp"].get_local_rank(), 0)
+    F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
+    with pytest.raises(sw.ShardwiseError, match=r"blocks\.0\.attn\.q\.weight was replaced "
+                                                r"by its sharded version"):
+        stale.step()
+    # An edit of a held parameter on one rank only, through its DTensor (Note [edits of
+    # held parameters] in engine/iteration/unit.py): refused on every rank of its dp
+    # group (the ranks holding those rows); the other tp coordinate's group goes on.
+    x, y = _batch(mesh["dp"].get_local_rank(), 1)
+    with sw.no_sync(early):
+        F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
+    if rank == 0:
+        with torch.no_grad():
+            early.get_submodule("blocks.1.attn.q").weight.mul_(0.5)
+    edited_group = mesh["tp"].get_local_rank() == 0
+    with pytest.raises(sw.ShardwiseError, match="on some ranks and not on others") \
+            if edited_group else contextlib.nullcontext():
+        F.cross_entropy(early(x).flatten(0, 1), y.flatten()).backward()
     # tp divides an attention projection's rows (12) but not its heads (3 of 4 rows).
     class ThreeHeads(nn.Module):
         head_dim = 4  # Hugging Face's attention attribute
@@ -384,11 +410,20 @@ def _refusals(rank: int, world: int):
             super().__init__()
             self.q, self.o = nn.Linear(8, 12), nn.Linear(12, 8)
 
-    with pytest.raises(sw.ShardwiseError, match=r"q\.weight is a DTensor .*tp=2 does not "
-                                                r"divide the 3 heads \(head_dim 4\)"):
-        sw.shard(parallelize_module(ThreeHeads(), mesh["tp"], {"q": ColwiseParallel(),
-                                                               "o": RowwiseParallel()}),
+    class WithHead(nn.Module):
+        head_dim = 4  # a model's attribute: says nothing of its own head's rows
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.lm = ThreeHeads(), nn.Linear(8, 12)
+
+    with pytest.raises(sw.ShardwiseError, match=r"attn\.q\.weight is a DTensor .*tp=2 does "
+                                                r"not divide the 3 heads \(head_dim 4\)"):
+        sw.shard(parallelize_module(WithHead(), mesh["tp"], {"attn.q": ColwiseParallel(),
+                                                             "attn.o": RowwiseParallel()}),
                  mesh=mesh["dp"])
+    sw.shard(parallelize_module(WithHead(), mesh["tp"], {"lm": ColwiseParallel()}),
+             mesh=mesh["dp"])  # 12 rows of a head split in two: fine
     # Sharded over a process group instead of the sibling mesh.
     with pytest.raises(sw.ShardwiseError, match=r"0\.weight is a DTensor .*given a process group"):
         sw.shard(colwise(mlp()), group=mesh["dp"].get_group())

@@ -40,7 +40,9 @@ On tensors:
   ``sharded_init``;
 - ``_shardwise_retired``: the name of an original parameter ``shard`` replaced;
 - ``_shardwise_tensor_parallel``: the ``TpSpec`` of a tensor-parallel parameter's
-  stand-in (Note [tensor-parallel parameters] in ``engine/groups/tensor_parallel.py``);
+  stand-in (Note [tensor-parallel parameters] in ``engine/groups/tensor_parallel.py``),
+  and ``_shardwise_tp_original`` the DTensor parameter it stands in for, until ``shard``
+  retires it;
 - ``_shardwise_synchronised``: what keeps a plain parameter identical across ranks
   (``"DistributedDataParallel"``, ``"sw.per_rank"``: Note [parameters nothing
   synchronises] in ``engine/entry_points/guards.py``).
@@ -80,6 +82,7 @@ _TWIN = "_shardwise_partitioned_as"
 _RETIRED = "_shardwise_retired"
 _SYNCED = "_shardwise_synchronised"
 TENSOR_PARALLEL = "_shardwise_tensor_parallel"
+TP_ORIGINAL = "_shardwise_tp_original"
 LOOSE_PARAMS = "_shardwise_loose"
 WARNED_CLIP = "_shardwise_warned_clip"
 SET_ASIDE_GRADS = "_shardwise_set_aside_grads"

@@ -25,6 +25,7 @@ from ._args import require_module
 from .comm.collectives import CommStats
 from .engine.groups.interface import ParamGroup, tier_totals
 from .engine.groups.layout import ALIGN
+from .engine.groups.tensor_parallel import tp_of
 from .engine.iteration.state import model_state
 from .engine.iteration.unit import sharded_param, unit_of
 from .errors import ShardwiseError
@@ -284,7 +285,11 @@ def _held(sp: ShardedParam) -> Literal["shard", "full", "other"]:
 
 
 def _param_view(sp: ShardedParam) -> ParamView:
-    return ParamView(names=tuple(sp.fqns), shape=tuple(sp.shape), dtype=sp.dtype,
+    # A tensor-parallel parameter's global shape, not its local tensor's (which the
+    # group shards: Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py).
+    spec = tp_of(sp)
+    shape = tuple(spec.shape if spec is not None else sp.shape)
+    return ParamView(names=tuple(sp.fqns), shape=shape, dtype=sp.dtype,
                      requires_grad=sp.requires_grad, local_rows=sp.local.shape[0],
                      padded_numel=sp.slot.chunk_numel,
                      shard_offset=sp.slot.offset, full_offset=sp.slot.full_offset,

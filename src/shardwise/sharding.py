@@ -551,8 +551,11 @@ def _check_tensor_parallel(records: list[ParamRecord], given: DeviceMesh | None,
     if not specs:
         return
     for r, spec in specs:
-        owner = r.fqns[0].rpartition(".")[0].rpartition(".")[0]  # the projection's parent
-        head_dim = getattr(root.get_submodule(owner), "head_dim", None) if root else None
+        # The projection's parent, an attention module; never the root, whose own
+        # head_dim (a model's attribute) says nothing of a vocab-parallel head's rows.
+        owner = r.fqns[0].rpartition(".")[0].rpartition(".")[0]
+        head_dim = getattr(root.get_submodule(owner), "head_dim", None) \
+            if root is not None and owner else None
         why = tp_refusal(spec, given, r.param, head_dim if type(head_dim) is int else None)
         if why is not None:
             raise ShardwiseError(why)

@@ -103,10 +103,18 @@ class TpPlace:
         assert self.spec is not None
         if n == 0:  # a dp rank without rows: so are its tp peers
             return rows
-        block = rows.detach().reshape(-1, *self.local_shape[1:])
+        group = self.spec.mesh.get_group()
+        # A background save stages its rows in host memory; NCCL takes device tensors.
+        on = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(group) == "nccl" else rows.device)
+        block = rows.detach().reshape(-1, *self.local_shape[1:]).to(on).contiguous()
         gathered = [torch.empty_like(block) for _ in range(self.size)]
-        dist.all_gather(gathered, block.contiguous(), group=self.spec.mesh.get_group())
-        return torch.cat(gathered, dim=self.dim).reshape(-1)[self.rank * n:(self.rank + 1) * n]
+        dist.all_gather(gathered, block, group=group)
+        whole = torch.cat(gathered, dim=self.dim).reshape(-1)
+        del gathered
+        # A copy of this rank's part alone: a view would keep all tp ranks' rows alive
+        # until the save is written.
+        return whole[self.rank * n:(self.rank + 1) * n].to(rows.device, copy=True)
 
     def read_local(self, read: Read, lo: int, n: int) -> torch.Tensor:
         """This rank's local range ``lo, n`` from a reader of global ranges."""

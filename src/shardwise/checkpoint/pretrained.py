@@ -480,7 +480,10 @@ def load_pretrained(module: nn.Module, source: object, strict: bool = True,
         found = [f for _, theirs in ids for f in theirs]
     if found:  # Note [non-finite values refused]
         raise ShardwiseError(_nonfinite_message(source_id[0], found, False))
-    apply_values(values, buffer_values)
+    # Rows too large to hold are read again here, which may fail on some ranks only (a
+    # source changed since): every rank then says so, and that the model is partly loaded.
+    agreed(ranks, f"{what} while writing the checked values",
+           functools.partial(apply_values, values, buffer_values), changed=True)
     del values
     mark_loaded(module, loaded - {n for t, _ in quantized for n in t.names})
     _load_quantized(module, quantized, src, casts, allow_nonfinite)

@@ -33,7 +33,13 @@ import torch
 import torch.nn as nn
 
 from .._log import logger
-from .._registry import mark_collective_forward, remove_instance_method
+from .._registry import (
+    TP_ORIGINAL,
+    attached,
+    detach_from,
+    mark_collective_forward,
+    remove_instance_method,
+)
 from ..comm.collectives import Comm
 from ..comm.mesh import Topology, secondary_groups
 from ..errors import ShardwiseError
@@ -168,7 +174,12 @@ def _build_group(spec: GroupSpec, topology: Topology, device: torch.device,
     # Release the originals now, not after the last unit: the old and the new storage of
     # the whole model must never coexist. The records were the last references.
     for rec in spec.records:
-        retire(rec.param, rec.fqns[0])
+        # A tensor-parallel stand-in's DTensor too: an optimizer built before shard holds
+        # that one (Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py).
+        for original in (rec.param, attached(rec.param, TP_ORIGINAL)):
+            if original is not None:
+                retire(original, rec.fqns[0])
+        detach_from(rec.param, TP_ORIGINAL)
         rec.param = None  # type: ignore[assignment]
     freed(released)  # Note [freed memory] in engine/groups/alloc.py
     return g

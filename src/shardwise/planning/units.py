@@ -424,6 +424,7 @@ def auto_units(root: nn.Module, budget: int, world_size: int,
             return choice
         if best is None or peak < best.peak:
             best = choice
-        rung = (_default_units(root) if len(names) == 1 else []) or _refine(root, rung)
+        rung = ((_with_embeddings(root, _default_units(root)) if len(names) == 1 else [])
+                or _refine(root, rung))
     assert best is not None
     return best

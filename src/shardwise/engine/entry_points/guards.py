@@ -43,8 +43,6 @@ from ..._registry import (
     synchronised_by,
 )
 from ...errors import ShardwiseError
-from ..groups.tensor_parallel import refuse
-from ..iteration.state import owning_state
 from ..iteration.unit import sharded_param
 
 _RETIRED: dict[type, type] = {}
@@ -373,15 +371,3 @@ def _names(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
             for n, p in top.named_parameters():
                 named.setdefault(id(p), n)
     return [named.get(id(p), f"a {tuple(p.shape)} parameter") for p in params]
-
-
-def refuse_tensor_parallel(module: object, what: str, why: str = "") -> None:
-    """Raise a ``ShardwiseError`` on every rank, before anything changes, when ``module``
-    (a sharded model, a submodule of one, or anything else, which passes) holds
-    tensor-parallel parameters and ``what`` (a public entry point) does not take them yet
-    (Note [tensor-parallel parameters] in engine/groups/tensor_parallel.py)."""
-    if not isinstance(module, nn.Module):
-        return
-    state = owning_state(module)
-    if state is not None:
-        refuse((p for u in state.units for p in u.params), what, why)

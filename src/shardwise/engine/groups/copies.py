@@ -79,8 +79,9 @@ def copy_out(gathered: torch.Tensor, layout: ShardLayout, out: torch.Tensor) -> 
 # group there (the root unit of a Llama holds the embeddings and the head: 1.3 GB in fp32
 # at 13B width). The group goes instead in rounds of consecutive parameters, each a
 # contiguous range of every rank's shard, each rank-major copy at most ``ROUND_BYTES``; a
-# parameter larger than that is a round of its own, sent from views of its own rows when
-# every rank holds whole rows of it in the group's dtype (only a padded chunk is copied).
+# parameter larger than that is a round of its own, sent from views of its own rows: only
+# a rank's short chunk is copied (padded), and every chunk when the value must first be
+# cast or moved to the group's dtype and device.
 ROUND_BYTES = 32 << 20
 
 
@@ -110,15 +111,21 @@ def round_span(layout: ShardLayout, slots: range) -> tuple[int, int]:
 def round_chunks(layout: ShardLayout, slots: range, values: list[torch.Tensor],
                  dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Each rank's part of a round (its :func:`round_span` of the shard), rank by rank,
-    from the parameters' full ``values``: views of the value's own rows when the round is
-    one parameter every rank holds whole rows of, else a rank-major copy of the round."""
+    from the parameters' full ``values``: for a round of one parameter, its rows chunk by
+    chunk (views where nothing is padded, cast or moved), else a rank-major copy of the
+    round."""
     lo, hi = round_span(layout, slots)
     world = layout.world_size
-    if len(slots) == 1:
-        s, v = layout.slots[slots[0]], values[slots[0]].detach()
-        if (v.dtype == dtype and v.device == device and v.is_contiguous()
-                and s.numel > 0 and s.chunk_rows * world == s.rows):
-            return list(v.reshape(-1).split(s.chunk_numel))
+    if len(slots) == 1 and layout.slots[slots[0]].numel > 0:
+        s, flat = layout.slots[slots[0]], values[slots[0]].detach().reshape(-1)
+        chunks = []
+        for r in range(world):
+            a = min(r * s.chunk_numel, s.numel)
+            piece = flat[a:a + s.chunk_numel].to(device, dtype)
+            if piece.numel() < s.chunk_numel:  # a short (or empty) last chunk: padded
+                piece = torch.cat([piece, piece.new_zeros(s.chunk_numel - piece.numel())])
+            chunks.append(piece)
+        return chunks
     grid = torch.zeros(world, hi - lo, dtype=dtype, device=device)
     for i in slots:
         s = layout.slots[i]

@@ -358,7 +358,7 @@ class FlatGroup:
         self._gather_work: Any = None
         self._sending: torch.Tensor | None = None  # read by the all-gather until waited for
         self._gathered_version = -1
-        self._full_version = -1  # ``full``'s version counter once filled (keep_edits)
+        self._full_version: tuple[int, ...] = ()  # once filled: _versions (keep_edits)
         # Used by trainable groups only.
         self.reduction: GradReduction = reduction(self)
         self.unit_name = "?"  # set by its Unit; names the group's collectives
@@ -515,7 +515,7 @@ class FlatGroup:
                 if bool(changed.any()):
                     local.copy_(torch.where(changed, mine.to(local.dtype), local))
         self.storage.release()
-        return self.full._version != self._full_version
+        return _versions(self, self.full._version) != self._full_version
 
     def full_is_allocated(self) -> bool:
         return self.full.untyped_storage().size() > 0
@@ -717,7 +717,7 @@ class FlatGroup:
                 assert self.gather_layout is not None
                 copy_out(self._gathered, self.gather_layout, self.full)
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
-                self._full_version = version
+                self._full_version = _versions(self, version)
                 if not self.by_rows:
                     self._build_full()
                 if keep:
@@ -829,6 +829,14 @@ class FlatGroup:
                 "gathered_numel": self.layout.gathered_numel,
                 "full_allocated": self.full_is_allocated(),
                 "params_tier": params_tier, "optimizer_tier": optimizer_tier}
+
+
+def _versions(g: FlatGroup, buffer_version: int) -> tuple[int, ...]:
+    """The full buffer's version counter (``buffer_version``) and each tensor-parallel
+    full parameter's: a write through a DTensor moves its own counter, not the buffer's
+    (DTensor writes its local tensor below autograd)."""
+    return (buffer_version,
+            *(p.full._version for p in g.params if isinstance(p.full, DTensor)))
 
 
 def scatter_rows(g: FlatGroup, into: torch.Tensor, values: list[torch.Tensor] | None,

@@ -38,8 +38,7 @@ each micro-batch's gradient (tp's own sums), so bits across tp sizes are not pro
 A checkpoint records ranges of each global tensor, as for any model (Note
 [tensor-parallel checkpoints] in checkpoint/_tensor_parallel.py). What is not built yet
 for such parameters is refused by name, at ``shard`` or at the entry point
-(:func:`refuse`, ``refuse_tensor_parallel`` in engine/entry_points/guards.py;
-docs/status.md).
+(:func:`refuse`; docs/status.md).
 """
 
 from __future__ import annotations
@@ -55,7 +54,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..._registry import PARAM, TENSOR_PARALLEL, attach_to, attached, copy_user_attributes
+from ..._registry import (
+    PARAM,
+    TENSOR_PARALLEL,
+    TP_ORIGINAL,
+    attach_to,
+    attached,
+    copy_user_attributes,
+)
 from ...errors import ShardwiseError
 
 
@@ -122,6 +128,7 @@ def stand_in(name: str, p: nn.Parameter) -> nn.Parameter:
     copy_user_attributes(p, new)
     attach_to(new, TENSOR_PARALLEL, TpSpec(name, p.device_mesh, tuple(p.placements),
                                            p.shape, tuple(p.stride())))
+    attach_to(new, TP_ORIGINAL, p)  # retired with the stand-in: an optimizer may hold it
     return new
 
 
