@@ -234,12 +234,15 @@ def train(model, vocab: int, steps: int, seq: int, seed: int,
     return step_s, losses
 
 
-def run(folder: str, world: int, steps: int, seq: int) -> list[dict]:
+def run(folder: str, world: int, steps: int, seq: int, script: str = __file__,
+        env: dict[str, str] | None = None) -> list[dict]:
+    """``script``'s ``child`` at ``world`` ranks under torchrun (this file's by default),
+    its JSON lines collected and echoed by rank; ``env`` adds to the environment."""
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={world}", __file__, "child", folder, "--steps", str(steps),
+         f"--nproc_per_node={world}", script, "child", folder, "--steps", str(steps),
          "--seq", str(seq)],
-        env={**os.environ, "OMP_NUM_THREADS": "1",
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
              "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                             os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.PIPE, text=True, check=False)

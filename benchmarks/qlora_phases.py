@@ -28,12 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 from procstat import reset_peak, status_mib
 from qlora_load import _config, _peft_names, write
+from qlora_load import run as run_ranks_of
 
 MIB = 2**20
 
@@ -106,21 +105,8 @@ def child(folder: str, steps: int, seq: int) -> None:
 
 
 def run(folder: str, world: int, steps: int, seq: int) -> list[dict]:
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={world}", __file__, "child", folder, "--steps", str(steps),
-         "--seq", str(seq)],
-        env={**os.environ, "OMP_NUM_THREADS": "1",
-             "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1",
-             "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])},
-        stdout=subprocess.PIPE, text=True, check=False)
-    if out.returncode:
-        sys.exit(f"run failed (exit {out.returncode}); its stderr is above")
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    for r in sorted(rows, key=lambda r: r["rank"]):
-        print(json.dumps(r), flush=True)
-    return rows
+    return run_ranks_of(folder, world, steps, seq, script=__file__,
+                        env={"TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"})
 
 
 def table(rows: list[dict]) -> None:

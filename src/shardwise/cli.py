@@ -259,28 +259,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The command line's parser, and each command's own (for its usage errors)."""
-    parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("env", help="print versions and available backends").set_defaults(func=_env)
-    c = sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors")
-    c.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
-    c.add_argument("output", help="a .safetensors file, or a folder for the Hugging Face layout")
-    c.add_argument("--max-shard-gb", type=_positive, default=5.0,
-                   help="largest file in folder output (default 5)")
-    c.add_argument("--no-progress", action="store_true", help="never show a progress bar")
-    c.add_argument("--force", action="store_true",
-                   help="replace weights already at OUTPUT (atomically, file by file)")
-    c.set_defaults(func=_consolidate)
-    i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
-    i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
-    i.set_defaults(func=_inspect)
-    s = sub.add_parser("sign", help="check a hand-edited checkpoint.json against the data "
-                                    "files, then write its checksum")
-    s.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
-    s.set_defaults(func=_sign)
+def _plan_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``plan`` command's parser, added to the subcommands ``sub``."""
     p = sub.add_parser("plan", help="estimate memory per rank before building a model")
     p.add_argument("--model", help="package.module:callable building the model, or a "
                                    "folder holding a Hugging Face config.json")
@@ -319,6 +299,32 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                         "moved per step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_plan_command)
+    return p
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser, and each command's own (for its usage errors)."""
+    parser = argparse.ArgumentParser(prog="shardwise", description="shardwise utilities")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("env", help="print versions and available backends").set_defaults(func=_env)
+    c = sub.add_parser("consolidate", help="write a checkpoint's full weights as safetensors")
+    c.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
+    c.add_argument("output", help="a .safetensors file, or a folder for the Hugging Face layout")
+    c.add_argument("--max-shard-gb", type=_positive, default=5.0,
+                   help="largest file in folder output (default 5)")
+    c.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    c.add_argument("--force", action="store_true",
+                   help="replace weights already at OUTPUT (atomically, file by file)")
+    c.set_defaults(func=_consolidate)
+    i = sub.add_parser("inspect", help="print a checkpoint's world size, step and tensors")
+    i.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
+    i.set_defaults(func=_inspect)
+    s = sub.add_parser("sign", help="check a hand-edited checkpoint.json against the data "
+                                    "files, then write its checksum")
+    s.add_argument("checkpoint", help="folder written by sw.save_checkpoint")
+    s.set_defaults(func=_sign)
+    p = _plan_parser(sub)
     from shardwise.demo.main import add_arguments
 
     # Listed for --help only: main() hands `run` to the launcher before parsing, since
