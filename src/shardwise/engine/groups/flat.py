@@ -299,6 +299,24 @@ def _run_shard_hooks(shard: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+# Note [gathering in place]
+# An all-gather writes every rank's shard, rank after rank; the full buffer holds every
+# parameter whole, parameter after parameter. The two orders are one when the group is a
+# single parameter whose chunk of rows is a whole number of alignment blocks (Note
+# [row sharding] in engine/groups/layout.py): its full buffer is padded to the world's
+# chunks as the shards are, so the rank-major order is the full one. An embedding or an
+# untied head given a unit of its own (Note [the embeddings' own units] in
+# planning/units.py) nearly always is: 64 elements divide a chunk of rows as wide as a
+# model's hidden size. Such a group gathers
+# straight into the full buffer's memory, allocated when the gather is issued, and
+# ``wait_gather`` has nothing to copy: the unit's gathered form exists once, not twice,
+# while it is gathered (for a QLoRA embedding of 501 MiB, the excess over issue 54's
+# target). The all-gather writes through a tensor of its own over that storage, so that
+# gloo's bump of its output's version counter, on a worker thread, never reaches
+# ``full``'s (Note [freeing full parameters] in engine/iteration/unit.py). Memory a
+# collective still writes is never freed: ``reshard`` waits for the gather first.
+
+
 class FlatGroup:
     """One collective's worth of a unit's parameters, in one flat buffer per rank: plain
     parameters of one dtype and one ``requires_grad`` value, gathered by rows, or frozen
@@ -351,6 +369,10 @@ class FlatGroup:
         self.full = torch.empty(layout.full_numel if self.by_rows else 0,
                                 dtype=precision.compute, device=self.device)
         self.gaps = padding_gaps(layout)
+        self.gathers_in_place = (self.by_rows and self.comm.world_size > 1
+                                 and len(layout.slots) == 1
+                                 and layout.slots[0].chunk_numel == layout.shard_numel
+                                 and layout.gathered_numel == layout.full_numel)
         self.params: list[ShardedParam] = [(make or FlatGroup._make_param)(self, i, m)
                                            for i, m in enumerate(members)]
         self.free()
@@ -670,12 +692,24 @@ class FlatGroup:
             # The rank-major buffer of a world of one is the shard itself: copied out as is.
             self._gathered = src
             return
-        assert self.gather_layout is not None
-        self._gathered = torch.empty(self.gather_layout.gathered_numel,
-                                     dtype=self.compute_dtype, device=self.device)
+        self._gathered = self._gather_output()
         self._sending = src
         self._gather_work = self.comm.all_gather(
             self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
+
+    def _gather_output(self) -> torch.Tensor:
+        """Where this rank's all-gather writes: the full buffer's memory when the
+        rank-major order is the full one (Note [gathering in place]), else a buffer of
+        its own that ``wait_gather`` copies out."""
+        if self.gathers_in_place:
+            self._alloc_full()
+            # A tensor of its own over the full buffer's storage: gloo bumps *its*
+            # version counter, on its worker thread, never ``full``'s.
+            return torch.empty(0, dtype=self.full.dtype, device=self.device).set_(
+                self.full.untyped_storage(), 0, (self.full.numel(),))
+        assert self.gather_layout is not None
+        return torch.empty(self.gather_layout.gathered_numel, dtype=self.compute_dtype,
+                           device=self.device)
 
     def _send(self, version: int) -> torch.Tensor:
         """What this rank's all-gather sends (Note [one group type]): the shard itself,
@@ -713,16 +747,23 @@ class FlatGroup:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
                 version = self.full._version
-                self._alloc_full()
-                assert self.gather_layout is not None
-                copy_out(self._gathered, self.gather_layout, self.full)
-                torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
+                if not self._gathered_into_full():
+                    self._alloc_full()
+                    assert self.gather_layout is not None
+                    copy_out(self._gathered, self.gather_layout, self.full)
+                    torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
                 self._full_version = _versions(self, version)
                 if not self.by_rows:
                     self._build_full()
                 if keep:
                     self.secondary.keep(self._gathered, self._gathered_version)
             self._gathered = None
+
+    def _gathered_into_full(self) -> bool:
+        """Whether the all-gather output waited for is the full buffer's own memory."""
+        assert self._gathered is not None
+        return (self._gathered.untyped_storage()._cdata == self.full.untyped_storage()._cdata
+                and self.full_is_allocated())
 
     def _build_full(self) -> None:
         """Each subclass's full tensor from the gathered bytes: built at its first

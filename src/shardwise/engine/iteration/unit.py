@@ -117,8 +117,10 @@ ones, sees the refilled values. The refill bumps the buffer's autograd version c
 which would make autograd believe the saved tensors were modified in place; it writes
 exactly the values autograd saved, so the counter is restored around it
 (``wait_gather`` in engine/groups/flat.py, the only place that writes into ``full`` while
-autograd may hold it). The all-gather itself writes into a temporary, never into
-``full``: gloo bumps its output's counter on a worker thread, at a moment nobody can wait for.
+autograd may hold it). The all-gather itself writes into a temporary, or into
+``full``'s storage through a tensor of its own (Note [gathering in place] in
+engine/groups/flat.py), never through ``full``: gloo bumps its output's counter on a worker
+thread, at a moment nobody can wait for.
 A full parameter a user keeps past a ``gathered()`` block is not one of these references:
 the block's end leaves it its own buffer (Note [full parameters held after gathered()] in
 gather.py), so this path frees in place without looking for it.
