@@ -705,8 +705,7 @@ class FlatGroup:
             self._alloc_full()
             # A tensor of its own over the full buffer's storage: gloo bumps *its*
             # version counter, on its worker thread, never ``full``'s.
-            return torch.empty(0, dtype=self.full.dtype, device=self.device).set_(
-                self.full.untyped_storage(), 0, (self.full.numel(),))
+            return self.full.new_empty(0).set_(self.full.untyped_storage())
         assert self.gather_layout is not None
         return torch.empty(self.gather_layout.gathered_numel, dtype=self.compute_dtype,
                            device=self.device)
