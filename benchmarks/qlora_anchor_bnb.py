@@ -133,7 +133,7 @@ def main() -> None:
         "constant_mib": round(constant), "nf4_mib": round(nf4_bytes / mib),
         "nf4_bytes_per_element": round(nf4_bytes / quantized_numel, 4),
         "plain_mib": round(plain / mib), "load_s": round(load_s, 1),
-        "step_s": [round(s, 1) for s in step_s], "losses": losses}), flush=True)
+        "step_s": [round(s, 3) for s in step_s], "losses": losses}), flush=True)
 
 
 if __name__ == "__main__":

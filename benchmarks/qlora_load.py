@@ -208,7 +208,7 @@ def child(folder: str, steps: int, seq: int) -> None:
         "plain_share_mib": round(plain / mib), "adam_mib": round(adam / mib),
         "target_mib": round(target), "build_s": round(build_s, 1),
         "shard_s": round(shard_s, 1), "load_s": round(load_s, 1),
-        "step_s": [round(s, 1) for s in step_s], "losses": losses}), flush=True)
+        "step_s": [round(s, 3) for s in step_s], "losses": losses}), flush=True)
 
 
 def train(model, vocab: int, steps: int, seq: int, seed: int,

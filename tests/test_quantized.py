@@ -26,6 +26,7 @@ import shardwise as sw
 
 if importlib.util.find_spec("torchao") is None:  # not importorskip: torchao's import is noisy
     pytest.skip("torchao is not installed (shardwise[quant])", allow_module_level=True)
+from shardwise.engine.groups.quantize import decode_by_pairs, dequantize_by_pairs  # noqa: E402
 from shardwise.integrations.quant import nf4_module, quantize_nf4  # noqa: E402
 
 
@@ -147,10 +148,17 @@ def _nf4_like_fsdp2(rank, world):
     ref, theirs, ours = build(), build(), build()
     fully_shard(theirs)
     sw.shard(ours)
+    # The gathered weights dequantize by pairs (Note [NF4 dequantized by pairs]).
+    decoders = []
+    for linear in (ours[0], ours[2]):
+        linear.register_forward_pre_hook(lambda m, a: decoders.append(
+            m.weight.__dict__.get("get_original_weight")))
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         expect = ref(x)
         assert torch.equal(theirs(x), expect) and torch.equal(ours(x), expect)
+    assert [d is not None and d.__func__ is dequantize_by_pairs for d in decoders] \
+        == [True, True], decoders
     return type(ours[0].weight.to_local()).__name__
 
 
@@ -191,6 +199,27 @@ def test_subclass_gathers_through_the_protocol_and_stays_packed():
 
 def test_nf4_forward_matches_unsharded_and_fsdp2():
     assert run_ranks(_nf4_like_fsdp2, 2) == ["NF4Tensor"] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape,block,scaler_block", [((96, 64), 64, 8), ((40, 96), 32, 4),
+                                                      ((8, 2048), 64, 256)])
+def test_dequantizing_by_pairs_gives_torchaos_bits(dtype, shape, block, scaler_block):
+    """Note [NF4 dequantized by pairs]: every bit of torchao's own dequantization, at
+    several dtypes, block sizes and shapes; a layout it does not know keeps torchao's."""
+    nf4 = nf4_module()
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype) * 0.1
+    t = nf4.to_nf4(w, block, scaler_block)
+    theirs = nf4.NF4Tensor.get_original_weight(t)
+    ours = dequantize_by_pairs(t)
+    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # every bit
+    decode_by_pairs(t)
+    assert torch.equal(t.to(torch.float32), theirs.to(torch.float32))
+    assert t.__dict__["get_original_weight"].__func__ is dequantize_by_pairs
+    odd = nf4.to_nf4(torch.randn(4, 8).to(dtype), 2, 2)  # blocks of 2: not by pairs
+    decode_by_pairs(odd)
+    assert "get_original_weight" not in odd.__dict__
 
 
 # -- what cannot be sharded exactly is refused, by name --------------------------------

@@ -62,6 +62,7 @@ from ...comm.mesh import Topology
 from ...errors import ShardwiseError
 from .layout import ShardLayout, build_layout, contiguous_stride
 from .parts import DeviceStorage
+from .quantize import decode_by_pairs
 
 
 def uses_protocol(t: torch.Tensor) -> bool:
@@ -468,6 +469,7 @@ class SubclassBytes:
         param = nn.Parameter(full, requires_grad=False)
         copy_user_attributes(sp.shard, param,
                              besides=self.chunk if self.chunk is not None else param)
+        decode_by_pairs(param)
         self.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
                           if not _shares(t, gathered)]
         return param

@@ -1,4 +1,5 @@
-"""Quantizing while building and loading: the ``quantize=`` rule, NF4 stand-ins, shares.
+"""Quantizing while building and loading: the ``quantize=`` rule, NF4 stand-ins, shares;
+and gathered NF4 weights dequantized by pairs of codes.
 
 Note [quantize while loading]
 QLoRA exists for bases whose full-precision weights do not fit, so under
@@ -47,6 +48,8 @@ source does not hold. So:
 
 from __future__ import annotations
 
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +82,72 @@ def nf4_module() -> Any:
         raise ShardwiseError("quantized bases need torchao: pip install 'shardwise[quant]' "
                              "(after torch, as the README says)") from err
     return nf4_tensor
+
+
+# Note [NF4 dequantized by pairs]
+# A QLoRA step spends most of its time turning NF4 codes back into numbers, not in its
+# matmuls: torchao's NF4Tensor dequantizes each weight for every linear's forward and
+# again for its backward (as bitsandbytes does), splitting each byte into two nibbles,
+# indexing its 16-entry table once per nibble and interleaving the halves with a stack;
+# on one core, 200-280 ms for a 5632 x 2048 weight, against 3-9 ms for the matmul of 64
+# tokens with it (the profile: BENCHMARKS.md, "QLoRA's step against bitsandbytes").
+# Two bytes hold four consecutive elements, so a table of 65536 rows of four values
+# (row c: the values of the nibbles of c's low byte, then of its high byte, as the codes
+# are stored little-endian) decodes them in one embedding lookup that writes the values
+# already interleaved; each block is then scaled by its dequantized scaler, the same
+# product of the same two numbers torchao takes, so every bit is torchao's
+# (tests/test_quantized.py compares them). 18-25 ms for that weight.
+#
+# The full weight a unit's gather builds (``SubclassBytes.after_gather`` in
+# engine/groups/packed.py, once per group, refilled in place after) is given this as its
+# own ``get_original_weight``, which torchao's linear and its ``to(dtype)`` call: only
+# weights shardwise gathers, nothing global, and the type stays torchao's. A weight whose
+# layout is not the one this knows (an odd block, codes not one byte per pair, a
+# big-endian machine) keeps torchao's own.
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _quads(table: torch.Tensor) -> torch.Tensor:
+    """The 65536 x 4 table of the values of every two bytes of codes (cached: NF4's
+    16 values are the same for every weight)."""
+    key = (table.dtype, table.device, tuple(table.tolist()))
+    if key not in _TABLES:
+        byte = torch.arange(256, device=table.device)
+        pairs = torch.stack([table[byte >> 4], table[byte & 0b1111]], dim=-1)
+        two = torch.arange(65536, device=table.device)
+        _TABLES[key] = torch.cat([pairs[two & 0xFF], pairs[two >> 8]], dim=-1).contiguous()
+    return _TABLES[key]
+
+
+def dequantize_by_pairs(t: Any) -> torch.Tensor:
+    """The values of NF4 weight ``t`` (torchao's ``NF4Tensor``), as
+    ``t.get_original_weight()`` gives them, bit for bit (Note [NF4 dequantized by
+    pairs]).
+
+    Example:
+        >>> torch.equal(dequantize_by_pairs(w), type(w).get_original_weight(w))
+        True
+    """
+    scalers = t.dequantize_scalers(t.quantized_scalers, t.quantization_factor,
+                                   t.scaler_block_size)
+    codes = t.quantized_data.view(-1).view(torch.uint16).to(torch.int32)
+    values = torch.nn.functional.embedding(codes, _quads(t.nf4))
+    return values.view(-1, t.block_size).mul_(scalers.unsqueeze(-1)).view(t.shape)
+
+
+def decode_by_pairs(t: torch.Tensor) -> None:
+    """Make gathered weight ``t`` dequantize by pairs (Note [NF4 dequantized by pairs])
+    when it is an ``NF4Tensor`` of the layout that knows; anything else is left as is."""
+    if type(t).__name__ != "NF4Tensor" or sys.byteorder != "little" or not all(
+            hasattr(t, a) for a in ("nf4", "quantized_data", "quantized_scalers",
+                                    "quantization_factor", "scaler_block_size", "block_size")):
+        return
+    data = t.quantized_data  # type: ignore[attr-defined]
+    block = t.block_size  # type: ignore[attr-defined]
+    if (data.dtype != torch.uint8 or data.numel() * 2 != t.numel() or block % 4
+            or t.numel() % block or t.nf4.numel() != 16):  # type: ignore[attr-defined]
+        return
+    t.get_original_weight = types.MethodType(dequantize_by_pairs, t)  # type: ignore[attr-defined]
 
 
 def is_adapter(path: str) -> bool:
