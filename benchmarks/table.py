@@ -1,7 +1,7 @@
 """One table of step-time ratios, before and after, measured one run after the other.
 
     python benchmarks/table.py --before f335e27 [--workloads llama,bert,cnn,gpt,accum]
-        [--systems ddp,fsdp2,shardwise,...] [--rounds 3 --steps 6] [--out table.md]
+        [--systems ddp,fsdp2,shardwise,...] [--rounds 3 --steps 5] [--out table.md]
 
 By default every workload (llama, bert, cnn, gpt, accum) and the systems ddp, fsdp2,
 shardwise, shardwise_unchecked, shardwise_reproducible, ddp_compiled, fsdp2_compiled and
@@ -15,7 +15,8 @@ other directly, so both see the same machine.
 
 Before starting it prints an estimate of the run time (rounds x steps x systems x
 workloads, from step times measured on the 2-core machine of BENCHMARKS.md, plus each
-compiled system's compile and each run's start), and before each workload the time so
+compiled system's compile, cold in a workload's first run and from inductor's caches in
+its second, and each run's start), and before each workload the time so
 far and what remains at the pace measured so far. At the end it prints (and writes to
 ``--out``, atomically) one Markdown table under a line naming both commits and the exact
 command: workload, system, its baseline, median ratio to the baseline before and after,
@@ -51,12 +52,17 @@ RATIOS = re.compile(r"^([0-9. ]+); \*\*([0-9.]+)\*\*$")
 
 # For the estimate: DDP's eager step on the 2-core machine of BENCHMARKS.md (2 ranks, one
 # thread each, nothing else running), seconds; the other systems' steps on average about
-# SLOWER times that; a compiled system's first steps (dynamo, AOTAutograd, inductor) about
-# COMPILE_S more than its steps; one torchrun start with imports and building the models
-# about START_S. Coarse: a loaded machine takes longer, which the progress lines show.
+# SLOWER times that (with these, 4 systems at 3 rounds of 6 steps give the 14 minutes
+# that table took at 972d531); a compiled system's first step (dynamo, AOTAutograd,
+# inductor) about COMPILE_S more than its steps in the first run of a workload and
+# RECOMPILE_S in the second, which finds the first's graphs and kernels in inductor's
+# caches on disk (cnn: 47-67 s, then 2-3 s, on a loaded machine); one torchrun start with
+# imports and building the models about START_S. Coarse: a loaded machine takes longer,
+# which the progress lines show.
 STEP_S = {"llama": 0.14, "bert": 0.3, "cnn": 0.06, "gpt": 1.9, "accum": 1.4}
 SLOWER = 1.25
-COMPILE_S = {"llama": 25.0, "bert": 20.0, "cnn": 10.0, "gpt": 20.0, "accum": 35.0}
+COMPILE_S = {"llama": 35.0, "bert": 35.0, "cnn": 30.0, "gpt": 35.0, "accum": 50.0}
+RECOMPILE_S = 4.0
 START_S = 20.0
 
 
@@ -70,10 +76,10 @@ def estimate(workloads: list[str], systems: list[str], rounds: int, steps: int) 
     out = {}
     for w in workloads:
         step = STEP_S.get(w, 1.0)
-        per_run = START_S + sum(rounds * steps * step * (1.0 if s == "ddp" else SLOWER)
-                                + (COMPILE_S.get(w, 30.0) if s.endswith("_compiled") else 0)
-                                for s in systems)
-        out[w] = 2 * per_run
+        compiled = sum(s.endswith("_compiled") for s in systems)
+        out[w] = (2 * START_S + compiled * (COMPILE_S.get(w, 50.0) + RECOMPILE_S)
+                  + 2 * sum(rounds * steps * step * (1.0 if s == "ddp" else SLOWER)
+                            for s in systems))
     return out
 
 
@@ -168,7 +174,7 @@ def commit_of(ref: str) -> str:
 
 
 def minutes(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def main() -> None:
@@ -180,7 +186,7 @@ def main() -> None:
                         help="comma-separated, of workloads.py's; ddp is added first if "
                              "missing, and ddp_compiled before the compiled ones")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="steps per system and round")
+    parser.add_argument("--steps", type=int, default=5, help="steps per system and round")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
     command = "python benchmarks/table.py " + shlex.join(sys.argv[1:])
