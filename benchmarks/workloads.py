@@ -75,10 +75,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardwise as sw
 
+# Where the model state lives moved over time; table.py --before measures older trees
+# (before the reproducible mode, which alone needs it here: none, then).
 try:
     from shardwise.engine.iteration.state import model_state
-except ImportError:  # a tree from before the engine's rooms (table.py --before)
-    from shardwise.engine.state import model_state  # type: ignore[no-redef]
+except ImportError:
+    try:  # before the engine's rooms
+        from shardwise.engine.state import model_state  # type: ignore[no-redef]
+    except ImportError:
+        try:  # before the engine
+            from shardwise._state import model_state  # type: ignore[no-redef]
+        except ImportError:
+            model_state = None  # type: ignore[assignment]
 from shardwise.integrations._units import no_split_units
 from shardwise.models import SmallCNN
 
@@ -171,8 +179,8 @@ def accumulating(batch: tuple[torch.Tensor, ...], model: nn.Module) -> torch.Ten
     # loss divided by their number (Note [a divided loss]): it backpropagates each loss
     # undivided. What it returns still reads as loss / n, as the others' does, for the
     # table's loss column.
-    state = model_state(unwrap(model))
-    exact = state is not None and state.settings.reproducible
+    state = model_state(unwrap(model)) if model_state is not None else None
+    exact = bool(getattr(getattr(state, "settings", None), "reproducible", False))
     with no_sync(model):
         for part in parts[:-1]:
             loss = model(input_ids=part[0], labels=part[0]).loss
