@@ -194,6 +194,8 @@ def main() -> None:
     systems = args.systems.split(",")
     if set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}")
+    if args.steps <= 2:
+        parser.error("--steps must be more than workloads.py's 2 untimed warm-up steps")
     # Every ratio needs its baseline in the same run.
     if any(baseline(s) == "ddp_compiled" for s in systems) and "ddp_compiled" not in systems:
         systems.insert(next(i for i, s in enumerate(systems) if s.endswith("_compiled")),
@@ -227,9 +229,10 @@ def main() -> None:
     load = os.getloadavg()
     header = (f"Before: {before}; after: {after}. `{command}`: median over rounds of each "
               f"round's ratio of median step times to the baseline's in the same run "
-              f"({args.rounds} rounds of {args.steps} steps, the first round's first 2 "
-              f"left out); load average at the end {load[0]:.2f}, {load[1]:.2f}, "
-              f"{load[2]:.2f}; {minutes(time.time() - started)}.")
+              f"({args.rounds} round{'s' * (args.rounds > 1)} of {args.steps} steps, "
+              f"the first round's first 2 left out); load average at the end "
+              f"{load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f}; "
+              f"{minutes(time.time() - started)}.")
     text = "\n".join([header, "", *markdown(results, systems)]) + "\n"
     print("\n" + text)
     if args.out is not None:

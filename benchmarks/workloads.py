@@ -353,6 +353,8 @@ def main() -> None:
     chosen = args.systems.split(",")
     if set(names) - set(WORKLOADS) or set(chosen) - set(SYSTEMS):
         parser.error("unknown workload or system")
+    if args.steps <= args.warmup:
+        parser.error("--steps must be more than --warmup (the first round's untimed steps)")
     # Every compiled model of a workload shares its classes' code objects with the others
     # (and with the previous workloads'): raise dynamo's limit of compiled variants per
     # code object, which one model alone would not reach.
