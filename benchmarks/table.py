@@ -56,13 +56,17 @@ RATIOS = re.compile(r"^([0-9. ]+); \*\*([0-9.]+)\*\*$")
 # that table took at 972d531); a compiled system's first step (dynamo, AOTAutograd,
 # inductor) about COMPILE_S more than its steps in the first run of a workload and
 # RECOMPILE_S in the second, which finds the first's graphs and kernels in inductor's
-# caches on disk (cnn: 47-67 s, then 2-3 s, on a loaded machine); one torchrun start with
-# imports and building the models about START_S. Coarse: a loaded machine takes longer,
-# which the progress lines show.
+# caches on disk; one torchrun start with imports and building the models about START_S.
+# The compile times are guesses for a quiet machine from first steps measured at load
+# average 6-7 (DDP, FSDP2, shardwise compiled: cnn 47, 67, 14 s cold and 2-3 s cached;
+# llama 95, 28, 3 s cold; bert 56, 54, 3 s cold; gpt 17-19, 8-9, 5-6 s cached; accum 53,
+# 30, 18-45 s cold and 61 s for DDP cached: its micro-batches under no_sync and the
+# Hugging Face layers recompile in the first step). Coarse: a loaded machine takes
+# longer, which the progress lines show.
 STEP_S = {"llama": 0.14, "bert": 0.3, "cnn": 0.06, "gpt": 1.9, "accum": 1.4}
 SLOWER = 1.25
-COMPILE_S = {"llama": 35.0, "bert": 35.0, "cnn": 30.0, "gpt": 35.0, "accum": 50.0}
-RECOMPILE_S = 4.0
+COMPILE_S = {"llama": 30.0, "bert": 30.0, "cnn": 25.0, "gpt": 25.0, "accum": 40.0}
+RECOMPILE_S = {"llama": 5.0, "bert": 5.0, "cnn": 2.0, "gpt": 5.0, "accum": 20.0}
 START_S = 20.0
 
 
@@ -77,7 +81,7 @@ def estimate(workloads: list[str], systems: list[str], rounds: int, steps: int) 
     for w in workloads:
         step = STEP_S.get(w, 1.0)
         compiled = sum(s.endswith("_compiled") for s in systems)
-        out[w] = (2 * START_S + compiled * (COMPILE_S.get(w, 50.0) + RECOMPILE_S)
+        out[w] = (2 * START_S + compiled * (COMPILE_S.get(w, 50.0) + RECOMPILE_S.get(w, 20.0))
                   + 2 * sum(rounds * steps * step * (1.0 if s == "ddp" else SLOWER)
                             for s in systems))
     return out
