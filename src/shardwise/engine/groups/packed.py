@@ -741,9 +741,15 @@ def send_bytes(params: list[Any], world: int, device: torch.device,
         changed = next(p.fqns[0] for p, a, b in zip(params, now, sizes) if a != b)
         raise ShardwiseError(f"{changed}: fsdp_pre_all_gather returned tensors of other "
                              f"sizes or dtypes than at its first gather")
-    send = torch.zeros(layout.shard_numel, dtype=torch.uint8, device=device)
+    # Only the alignment gaps are zeroed (the bytes sent stay the same on every run): a
+    # zeroed buffer would write a decoder layer's bytes twice at every gather.
+    send = torch.empty(layout.shard_numel, dtype=torch.uint8, device=device)
+    cursor = 0
     for s, t in zip(layout.slots, (t for ts in per_param for t in ts)):
+        send[cursor:s.offset].zero_()
         send[s.offset:s.offset + s.chunk_rows].copy_(_as_bytes(t))
+        cursor = s.offset + s.chunk_rows
+    send[cursor:].zero_()
     return send, layout, sizes
 
 
