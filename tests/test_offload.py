@@ -103,13 +103,14 @@ def _train(variant: str, placement, folder, mesh=None, steps: int = 3):
 
 def _check_tiers(model) -> None:
     """Where the engine says the states are: AdamW's two moments were moved into the
-    files beside the master shards, their gradients and the reduced rows waiting to be
-    published (each one shard's size); nothing stays on the device."""
+    files beside the master shards and their gradients (each one shard's size; the
+    reduced rows were written straight to the gradients' file, Note [reduced rows
+    written once]); nothing stays on the device."""
     view = sw.inspect(model)
     assert view.offload.startswith("params on disk, optimizer state on disk"), view.offload
     assert {(g.params_tier, g.optimizer_tier) for u in view.units for g in u.groups} == \
         {("disk", "disk")}
-    assert view.tier_bytes == {"device": 0, "cpu": 0, "disk": 5 * view.param_bytes}, \
+    assert view.tier_bytes == {"device": 0, "cpu": 0, "disk": 4 * view.param_bytes}, \
         (view.tier_bytes, view.param_bytes)
 
 
@@ -149,6 +150,51 @@ def _hybrid(rank, world, folder):
 
 def test_hybrid_mesh_offloaded_trains_to_the_same_bits(folder):
     run_ranks(_hybrid, 4, folder)
+
+
+def _reduced_rows_written_once(rank, world, folder):
+    """Note [reduced rows written once]: after ``zero_grad()`` a disk-offloaded group's
+    reduced rows go straight to the gradients' file, and each gradient views its slot
+    there (no file of parked rows, 4 shards' bytes on disk, not 5); backward passes
+    summed without ``no_sync`` or ``zero_grad`` park theirs and add them at the end, to
+    the same bits as in memory."""
+    from shardwise.engine.iteration.state import model_state
+
+    runs = {}
+    for placement in [(None, None), ("disk", "disk")]:
+        torch.manual_seed(0)
+        model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = list(gpt_batches(rank, 4))
+        losses = []
+        for step in range(2):
+            for x, y in batches[2 * step:2 * step + 2]:  # two synced backward passes
+                loss = model(x, y)
+                loss.backward()
+                losses.append(loss.detach())
+                if placement == ("disk", "disk") and step == 0 and len(losses) == 1:
+                    stores = [g.storage for u in model_state(model).units for g in u.groups]
+                    assert all(s._parked is None for s in stores)
+                    for g in (g for u in model_state(model).units for g in u.groups):
+                        grads = g.storage._grads
+                        for p in g.params:
+                            local = p.shard.grad.to_local()
+                            assert local.untyped_storage().data_ptr() == \
+                                grads.untyped_storage().data_ptr(), g.unit_name
+            sw.clip_grad_norm_(model, 0.5)
+            opt.step()
+            opt.zero_grad()
+        if placement == ("disk", "disk"):
+            view = sw.inspect(model)
+            # The second backward of each step parked its rows (the first's gradients
+            # were there): a file the size of the shard for each group.
+            assert view.tier_bytes["disk"] == 5 * view.param_bytes
+        runs[placement] = (torch.stack(losses), _state(model, opt))
+    _same(runs[("disk", "disk")], runs[(None, None)], "summed backward passes on disk")
+
+
+def test_reduced_rows_are_written_once_to_the_gradients_file(folder):
+    run_ranks(_reduced_rows_written_once, 2, folder)
 
 
 def test_offload_arguments_are_checked():
