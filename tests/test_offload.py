@@ -197,6 +197,56 @@ def test_reduced_rows_are_written_once_to_the_gradients_file(folder):
     run_ranks(_reduced_rows_written_once, 2, folder)
 
 
+def _evict(folder) -> None:
+    """Write this process's tier files back and drop them from the page cache (their
+    descriptors are in /proc/self/fd; the files are unlinked)."""
+    where = os.path.realpath(folder)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(where) and target.endswith(".bin (deleted)"):
+            os.fsync(int(fd))
+            os.posix_fadvise(int(fd), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _disk_reads() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def _backward_reads_only_shards(rank, world, folder):
+    """Note [writes that read nothing]: from a cold page cache, a forward and backward
+    read the master shards their gathers stage and nothing more; writing the reduced rows
+    into the gradients' file read the old gradients' pages first when it went through
+    the mapping (twice the shards' bytes)."""
+    torch.manual_seed(0)
+    model = sw.shard(GPT(GPT_CFG), offload=_offload("disk", "disk", folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = list(gpt_batches(rank, 2))
+    for x, y in batches:
+        _evict(folder)
+        before = _disk_reads()
+        model(x, y).backward()
+        read = _disk_reads() - before
+        opt.step()
+        opt.zero_grad()
+    from shardwise.engine.iteration.state import model_state
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    stores = [g.storage for u in model_state(model).units for g in u.groups]
+    shards = sum(-(-s.master.numel() * s.master.element_size() // page) * page
+                 for s in stores)
+    # A gradients' file ending inside a page: that page is read to keep its tail.
+    tails = page * sum(s._grads is not None for s in stores)
+    assert 0 < read <= shards + tails, (read, shards, tails)
+
+
+def test_a_backward_reads_from_disk_only_the_shards_it_gathers(folder):
+    run_ranks(_backward_reads_only_shards, 2, folder)
+
+
 def test_offload_arguments_are_checked():
     with pytest.raises(sw.ShardwiseError, match="'cpu'"):
         sw.Offload(params="gpu")

@@ -71,14 +71,16 @@ class GroupStorage:
         self.copy_version = -1  # the master's version the copy was taken at
         # Disk tier only, made at first use (a frozen group never has them):
         self._grads: torch.Tensor | None = None  # the gradients' home
+        self._grads_buffer: DiskBuffer | None = None  # the file _grads views
         self._parked: torch.Tensor | None = None  # reduced rows until published (park)
         self._parked_file: DiskBuffer | None = None  # the file _parked views
         self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.moved = 0  # Note [bytes moved]
 
-    def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
+    def _disk_buffer(self, dtype: torch.dtype, what: str, writes: bool = False
+                     ) -> DiskBuffer:
         assert self.placement.folder is not None, "Offload checked folder="
-        buf = self.placement.folder.buffer(self.numel, dtype, what)
+        buf = self.placement.folder.buffer(self.numel, dtype, what, writes)
         self._disk.append(buf)
         return buf
 
@@ -201,9 +203,13 @@ class GroupStorage:
             self.moved += _nbytes(out)
             return out.to("cpu", copy=True)
         if all(p.shard.grad is None for p in params):
-            home = self._grads_file()[:out.numel()]
-            with torch.no_grad():
-                home.copy_(out.reshape(-1))  # in the master's dtype: publish casts no more
+            self._grads_file()
+            assert self._grads_buffer is not None
+            # In the master's dtype (publish casts no more), written without reading the
+            # old gradients (Note [writes that read nothing] in disk.py).
+            rows = out.detach().reshape(-1).to(device="cpu", dtype=self.dtype)
+            self._grads_buffer.write(rows)
+            home = self._grads_buffer.tensor[:out.numel()]
             self.moved += _nbytes(home)
             self.release()
             return home
@@ -220,7 +226,8 @@ class GroupStorage:
     def _grads_file(self) -> torch.Tensor:
         """The gradients' home on disk, the group's layout, made at first use."""
         if self._grads is None:
-            self._grads = self._disk_buffer(self.dtype, "grads").tensor
+            self._grads_buffer = self._disk_buffer(self.dtype, "grads", writes=True)
+            self._grads = self._grads_buffer.tensor
         return self._grads
 
     def publish(self, p: Any, rows: torch.Tensor) -> None:
