@@ -17,8 +17,18 @@ peaks grow with the training state.
 
 ``--end-to-end LAYERS WIDTH STEPS`` (under torchrun) builds a GPT that wide and deep under
 ``sharded_init``, shards it with everything on disk, and prints per step the time, the
-peak RSS (``VmHWM``, the whole run) and the size of the rank's files: 34 layers 2048 wide
-have 1.73B parameters, whose fp32 training state (27.7 GB) is larger than a 24 GiB machine.
+peak RSS (``VmHWM``, the whole run), the disk I/O, the bytes moved (Note [bytes moved])
+and the size of the rank's files: 34 layers 2048 wide have 1.73B parameters, whose fp32
+training state (27.7 GB) is larger than a 24 GiB machine; 70 layers have 3.54B (56.7 GB).
+
+``--compare LAYERS WIDTH STEPS`` (under torchrun) trains the ``--end-to-end`` shape at
+fewer layers twice, in memory and all on disk, says whether the losses and final
+parameters are bit-identical, and prints the disk run's bytes per step, measured from a
+cold page cache (each step starts with the rank's files written back and dropped from
+the cache), beside the planner's figure::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/offload.py \
+        --compare 2 2048 3
 """
 
 from __future__ import annotations
@@ -127,15 +137,19 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
     if rank == 0:
+        planned = _plan(cfg, torch.distributed.get_world_size(), folder)
         print(f"{n / 1e9:.2f}B parameters: fp32 training state {16 * n / 2**30:.1f} GiB, "
               f"machine memory {total / 2**30:.1f} GiB; built in {built:.0f} s, peak RSS so "
-              f"far {status_mib('VmHWM'):.0f} MiB", flush=True)
+              f"far {status_mib('VmHWM'):.0f} MiB; planned for rank 0: files "
+              f"{planned.tiers['disk'] / 2**30:.1f} GiB, moved per step "
+              f"{planned.moved_per_step / 2**30:.1f} GiB (least possible "
+              f"{planned.moved_minimum / 2**30:.1f} GiB)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
     reset_peak()  # from here, the training's peak
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
-        io0 = _io()
+        io0, moved0 = _io(), sw.inspect(model).moved_bytes
         t0 = time.perf_counter()
         loss = model(x, torch.roll(x, -1, 1))
         loss.backward()
@@ -145,11 +159,13 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
         opt.zero_grad()
         t2 = time.perf_counter()
         io1 = _io()
-        disk = sw.inspect(model).tier_bytes["disk"]
+        view = sw.inspect(model)
+        disk, moved = view.tier_bytes["disk"], view.moved_bytes - moved0
         read, written = (io1[k] - io0[k] for k in ("read_bytes", "write_bytes"))
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, forward+backward "
               f"{t1 - t0:.1f} s, clip+step {t2 - t1:.1f} s, disk read {read / 2**30:.1f} "
-              f"GiB, written {written / 2**30:.1f} GiB (this process), training's peak RSS "
+              f"GiB, written {written / 2**30:.1f} GiB (this process), moved "
+              f"{moved / 2**30:.1f} GiB (Note [bytes moved]), training's peak RSS "
               f"{status_mib('VmHWM'):.0f} MiB, this rank's files {disk / 2**30:.1f} GiB",
               flush=True)
     torch.distributed.destroy_process_group()
