@@ -247,6 +247,42 @@ def test_a_backward_reads_from_disk_only_the_shards_it_gathers(folder):
     run_ranks(_backward_reads_only_shards, 2, folder)
 
 
+def _clip_by_one(rank, world, folder):
+    """Note [clipping by one]: a norm under ``max_norm`` leaves the gradients on disk
+    untouched (their pages neither read nor dirtied again), to the same bits as in
+    memory, where they are multiplied by 1."""
+    runs = {}
+    for placement in [(None, None), ("disk", "disk")]:
+        torch.manual_seed(0)
+        model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, written = [], []
+        for x, y in gpt_batches(rank, 2):
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+            if placement == ("disk", "disk"):
+                _evict(folder)
+                with open("/proc/self/io") as f:
+                    before = {k: int(v) for k, v in (line.split(": ") for line in f)}
+            sw.clip_grad_norm_(model, 1e9)
+            if placement == ("disk", "disk"):
+                with open("/proc/self/io") as f:
+                    after = {k: int(v) for k, v in (line.split(": ") for line in f)}
+                written.append(after["write_bytes"] - before["write_bytes"])
+            opt.step()
+            opt.zero_grad()
+        # The second clip writes nothing (the first may write a page of something lazily
+        # made, such as a module's bytecode cache: far less than the gradients' files).
+        assert written == [] or (written[1] == 0 and written[0] <= 4096), written
+        runs[placement] = (torch.stack(losses), _state(model, opt))
+    _same(runs[("disk", "disk")], runs[(None, None)], "clipped by one on disk")
+
+
+def test_clipping_by_one_leaves_gradients_on_disk_untouched(folder):
+    run_ranks(_clip_by_one, 2, folder)
+
+
 def test_offload_arguments_are_checked():
     with pytest.raises(sw.ShardwiseError, match="'cpu'"):
         sw.Offload(params="gpu")
