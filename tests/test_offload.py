@@ -161,7 +161,7 @@ def _reduced_rows_written_once(rank, world, folder):
     from shardwise.engine.iteration.state import model_state
 
     runs = {}
-    for placement in [(None, None), ("disk", "disk")]:
+    for placement in [(None, None), ("disk", "disk"), ("cpu", "cpu")]:
         torch.manual_seed(0)
         model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -172,15 +172,17 @@ def _reduced_rows_written_once(rank, world, folder):
                 loss = model(x, y)
                 loss.backward()
                 losses.append(loss.detach())
-                if placement == ("disk", "disk") and step == 0 and len(losses) == 1:
-                    stores = [g.storage for u in model_state(model).units for g in u.groups]
-                    assert all(s._parked is None for s in stores)
-                    for g in (g for u in model_state(model).units for g in u.groups):
-                        grads = g.storage._grads
-                        for p in g.params:
-                            local = p.shard.grad.to_local()
-                            assert local.untyped_storage().data_ptr() == \
-                                grads.untyped_storage().data_ptr(), g.unit_name
+                if placement != (None, None) and step == 0 and len(losses) == 1:
+                    groups = [g for u in model_state(model).units for g in u.groups]
+                    assert all(g.storage._parked is None for g in groups)
+                    for g in groups:
+                        # On disk, the gradients' file; on the CPU tier, the one host
+                        # tensor the group's rows were parked in (not a copy each).
+                        where = {p.shard.grad.to_local().untyped_storage().data_ptr()
+                                 for p in g.params}
+                        if placement == ("disk", "disk"):
+                            assert where == {g.storage._grads.untyped_storage().data_ptr()}
+                        assert len(where) == 1, g.unit_name
             sw.clip_grad_norm_(model, 0.5)
             opt.step()
             opt.zero_grad()
@@ -190,7 +192,8 @@ def _reduced_rows_written_once(rank, world, folder):
             # were there): a file the size of the shard for each group.
             assert view.tier_bytes["disk"] == 5 * view.param_bytes
         runs[placement] = (torch.stack(losses), _state(model, opt))
-    _same(runs[("disk", "disk")], runs[(None, None)], "summed backward passes on disk")
+    for placement in [("disk", "disk"), ("cpu", "cpu")]:
+        _same(runs[placement], runs[(None, None)], f"summed backward passes, {placement}")
 
 
 def test_reduced_rows_are_written_once_to_the_gradients_file(folder):

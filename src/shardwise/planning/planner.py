@@ -208,13 +208,11 @@ class _Traffic:
             return
         if ptier != otier:  # the copy refreshed after the step
             self.moved += n * size + (n * compute if ptier != "device" else 0)
-        # Parked (n), published (read and written: not on disk, where the rows were
-        # parked in the gradients' file, Note [reduced rows written once]), stepped
-        # (master, gradient and state read, master and state written).
-        published = 0 if otier == "disk" else 2 * rows * size
         if otier == "disk":  # gradients, the optimizer's state
             self.tiers["disk"] += n * size + self.per_elem * n * size
-        self.moved += n * size + published + (3 + 2 * self.per_elem) * rows * size
+        # Parked where they are published (n: Note [reduced rows written once]), stepped
+        # (master, gradient and state read, master and state written).
+        self.moved += n * size + (3 + 2 * self.per_elem) * rows * size
         self.minimum += 2 * (2 + self.per_elem) * rows * size
 
 

@@ -23,7 +23,10 @@ make), and publishing only hands each parameter the view of its slot, so the gra
 is written once per step and read once, by the optimizer. A parameter already holding a
 gradient (backward passes summed without ``no_sync``, ``zero_grad(set_to_none=False)``)
 is summed into it as before, at the end of the backward, so an aborted backward leaves
-it untouched: its group parks the rows in a file of their own, made then. What was in
+it untouched: its group parks the rows in a file of their own, made then. The CPU tier
+parks the rows in a host tensor made for them (a copy even where host and device are
+one), in the master's dtype, and publishes views of it as they are, where it copied each
+parameter's rows once more before. What was in
 the gradients' file before is overwritten at the reduction instead of at the end of the
 backward; only a tensor kept from a gradient ``zero_grad`` dropped still views it, and it
 was overwritten at the end of the backward before.
@@ -195,13 +198,17 @@ class GroupStorage:
     def park(self, out: torch.Tensor, params: list[Any]) -> torch.Tensor:
         """Reduced rows (``out``, on the device, the group's ``params``' rows at their
         slots) moved to the optimizer's tier until the backward ends and they are
-        published. For the disk tier, Note [reduced rows written once]: straight into the
-        gradients' file when no parameter of the group holds a gradient, else into a file
-        of their own (kept for the next backward); into host memory for the CPU tier."""
+        published, in the master's dtype (the cast ``finish`` would make) where they can
+        be published as they are (Note [reduced rows written once]). For the disk tier:
+        straight into the gradients' file when no parameter of the group holds a
+        gradient, else into a file of their own (kept for the next backward); for the
+        CPU tier, into a host tensor of their own (even where host and device are one)."""
         self.check_files()
+        assert out.numel() <= self.numel
         if self.placement.optimizer != "disk":
-            self.moved += _nbytes(out)
-            return out.to("cpu", copy=True)
+            parked = out.detach().to("cpu", dtype=self.dtype, copy=True)
+            self.moved += _nbytes(parked)
+            return parked
         if all(p.shard.grad is None for p in params):
             self._grads_file()
             assert self._grads_buffer is not None
@@ -238,24 +245,21 @@ class GroupStorage:
         if self.placement.optimizer == "disk":
             home = self._grads_file()[p.slot.offset:p.slot.offset + rows.numel()].view(
                 rows.shape)
-        if home is not None and rows.data_ptr() == home.data_ptr() and existing is None:
-            # Note [reduced rows written once]: already where the gradient lives.
-            p.shard.grad = p.as_dtensor(home)
+        if existing is None and (home is None or rows.data_ptr() == home.data_ptr()):
+            # Note [reduced rows written once]: already where the gradient lives (on
+            # disk), or in a host tensor park made for them alone (the CPU tier).
+            p.shard.grad = p.as_dtensor(rows)
             return
-        # Read from where they were parked (unless a dtype change made a device copy),
-        # written to the gradient's home.
-        self.moved += _nbytes(rows) * (2 if rows.dtype == self.dtype else 1)
+        # Read from where they were parked, written to the gradient's home.
+        self.moved += 2 * _nbytes(rows)
         if existing is not None:
             local = existing.to_local()
             with torch.no_grad():
                 local.add_(rows.to(local.device))
             return
-        if home is not None:
-            with torch.no_grad():
-                home.copy_(rows)
-        else:
-            # Host memory: a tensor of its own even where host and device are one.
-            home = rows.to("cpu", copy=True)
+        assert home is not None
+        with torch.no_grad():
+            home.copy_(rows)
         p.shard.grad = p.as_dtensor(home)
 
     # -- optimizer state -------------------------------------------------------------
