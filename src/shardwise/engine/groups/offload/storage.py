@@ -23,13 +23,13 @@ make), and publishing only hands each parameter the view of its slot, so the gra
 is written once per step and read once, by the optimizer. A parameter already holding a
 gradient (backward passes summed without ``no_sync``, ``zero_grad(set_to_none=False)``)
 is summed into it as before, at the end of the backward, so an aborted backward leaves
-it untouched: its group parks the rows in a file of their own, made then. The CPU tier
-parks the rows in a host tensor made for them (a copy even where host and device are
-one), in the master's dtype, and publishes views of it as they are, where it copied each
-parameter's rows once more before. What was in
+it untouched: its group parks the rows in a file of their own, made then. What was in
 the gradients' file before is overwritten at the reduction instead of at the end of the
 backward; only a tensor kept from a gradient ``zero_grad`` dropped still views it, and it
-was overwritten at the end of the backward before.
+was overwritten at the end of the backward before. The CPU tier parks the rows in a host
+tensor made for them (a copy even where host and device are one), in the master's
+dtype, and publishes views of it as they are, where it copied each parameter's rows
+once more before.
 """
 
 from __future__ import annotations
@@ -306,8 +306,8 @@ class GroupStorage:
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes this group's storage holds on each tier: the master, the parameters
         copy, and on disk the gradients, any parked rows (Note [reduced rows written
-        once]) and optimizer state (state the
-        optimizer keeps in host memory is its own)."""
+        once]) and optimizer state (state the optimizer keeps in host memory is its
+        own)."""
         out = dict.fromkeys(TIERS, 0)
         out[self.placement.optimizer] += _nbytes(self.master)
         if self.copy is not None:
