@@ -17,8 +17,18 @@ peaks grow with the training state.
 
 ``--end-to-end LAYERS WIDTH STEPS`` (under torchrun) builds a GPT that wide and deep under
 ``sharded_init``, shards it with everything on disk, and prints per step the time, the
-peak RSS (``VmHWM``, the whole run) and the size of the rank's files: 34 layers 2048 wide
-have 1.73B parameters, whose fp32 training state (27.7 GB) is larger than a 24 GiB machine.
+peak RSS (``VmHWM``, the whole run), the disk I/O, the bytes moved (Note [bytes moved])
+and the size of the rank's files: 34 layers 2048 wide have 1.73B parameters, whose fp32
+training state (27.7 GB) is larger than a 24 GiB machine; 70 layers have 3.54B (56.7 GB).
+
+``--compare LAYERS WIDTH STEPS`` (under torchrun) trains the ``--end-to-end`` shape at
+fewer layers twice, in memory and all on disk, says whether the losses and final
+parameters are bit-identical, and prints the disk run's bytes per step, measured from a
+cold page cache (each step starts with the rank's files written back and dropped from
+the cache), beside the planner's figure::
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/offload.py \
+        --compare 2 2048 3
 """
 
 from __future__ import annotations
@@ -89,6 +99,23 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
+def _evict(folder: str) -> None:
+    """Write this process's tier files back and drop them from the page cache, so that
+    the next step's ``/proc/self/io`` counts every page it reads from the disk and every
+    page it dirties: the bytes a model too large for the page cache would move. The files
+    are unlinked (Note [the disk tier]); their mappings' descriptors are in
+    ``/proc/self/fd``."""
+    where = os.path.realpath(folder)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(where) and target.endswith(".bin (deleted)"):
+            os.fsync(int(fd))
+            os.posix_fadvise(int(fd), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
     """A model whose fp32 training state (16 bytes a parameter) exceeds the machine's
     memory, built under sharded_init straight into the disk tier, trained a few steps."""
@@ -110,15 +137,19 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
     with open("/proc/meminfo") as f:
         total = int(f.readline().split()[1]) * 1024
     if rank == 0:
+        planned = _plan(cfg, torch.distributed.get_world_size(), folder)
         print(f"{n / 1e9:.2f}B parameters: fp32 training state {16 * n / 2**30:.1f} GiB, "
               f"machine memory {total / 2**30:.1f} GiB; built in {built:.0f} s, peak RSS so "
-              f"far {status_mib('VmHWM'):.0f} MiB", flush=True)
+              f"far {status_mib('VmHWM'):.0f} MiB; planned for rank 0: files "
+              f"{planned.tiers['disk'] / 2**30:.1f} GiB, moved per step "
+              f"{planned.moved_per_step / 2**30:.1f} GiB (least possible "
+              f"{planned.moved_minimum / 2**30:.1f} GiB)", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     g = torch.Generator().manual_seed(rank)
     reset_peak()  # from here, the training's peak
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
-        io0 = _io()
+        io0, moved0 = _io(), sw.inspect(model).moved_bytes
         t0 = time.perf_counter()
         loss = model(x, torch.roll(x, -1, 1))
         loss.backward()
@@ -128,14 +159,91 @@ def end_to_end(layers: int, width: int, steps: int, folder: str) -> None:
         opt.zero_grad()
         t2 = time.perf_counter()
         io1 = _io()
-        disk = sw.inspect(model).tier_bytes["disk"]
+        view = sw.inspect(model)
+        disk, moved = view.tier_bytes["disk"], view.moved_bytes - moved0
         read, written = (io1[k] - io0[k] for k in ("read_bytes", "write_bytes"))
         print(f"rank {rank} step {step}: loss {loss.item():.4f}, forward+backward "
               f"{t1 - t0:.1f} s, clip+step {t2 - t1:.1f} s, disk read {read / 2**30:.1f} "
-              f"GiB, written {written / 2**30:.1f} GiB (this process), training's peak RSS "
+              f"GiB, written {written / 2**30:.1f} GiB (this process), moved "
+              f"{moved / 2**30:.1f} GiB (Note [bytes moved]), training's peak RSS "
               f"{status_mib('VmHWM'):.0f} MiB, this rank's files {disk / 2**30:.1f} GiB",
               flush=True)
     torch.distributed.destroy_process_group()
+
+
+def _plan(cfg, world: int, folder: str):
+    """The planner's figures for this model, all on disk (Note [bytes moved])."""
+    import torch
+
+    import shardwise as sw
+    from shardwise.models import GPT
+    from shardwise.planning.planner import plan
+
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    return plan(meta, world, "adamw",
+                offload=sw.Offload(params="disk", optimizer="disk", folder=folder))
+
+
+def compare(layers: int, width: int, steps: int, folder: str) -> None:
+    """The end-to-end model's shape at fewer layers, trained in memory and with
+    everything on disk from the same initial values and batches: whether the losses and
+    the final parameters are bit-identical, and the disk run's bytes per step (the
+    engine's counter, ``/proc/self/io`` from a cold page cache, and the planner's
+    figure)."""
+    import torch
+
+    import shardwise as sw
+    from shardwise.models import GPT, GPTConfig
+
+    sw.init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cfg = GPTConfig(vocab_size=8192, seq_len=8, n_layer=layers, n_head=16, d_model=width)
+    runs = {}
+    for name in ("memory", "disk"):
+        torch.manual_seed(0)
+        with sw.sharded_init():
+            model = GPT(cfg)
+        offload = sw.Offload(params="disk", optimizer="disk", folder=folder) \
+            if name == "disk" else None
+        model = sw.shard(model, offload=offload)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        g = torch.Generator().manual_seed(rank)
+        losses, moved, io = [], [], []
+        for _ in range(steps):
+            x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=g)
+            if name == "disk":
+                _evict(folder)
+            before, io0 = sw.inspect(model).moved_bytes, _io()
+            loss = model(x, torch.roll(x, -1, 1))
+            loss.backward()
+            sw.clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+            io1 = _io()
+            losses.append(loss.detach())
+            moved.append(sw.inspect(model).moved_bytes - before)
+            io.append((io1["read_bytes"] - io0["read_bytes"],
+                       io1["write_bytes"] - io0["write_bytes"]))
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        runs[name] = (torch.stack(losses), params, moved, io)
+        del model, opt
+    (lm, pm, _, _), (ld, pd, moved, io) = runs["memory"], runs["disk"]
+    same = torch.equal(lm, ld) and all(torch.equal(a, b) for a, b in zip(pm, pd))
+    n = sum(t.numel() for t in pm)
+    print(f"rank {rank}: {layers} layers {width} wide, {steps} steps; losses in memory "
+          f"{lm.tolist()}, on disk {ld.tolist()}: "
+          f"{'bit-identical' if same else 'DIFFERENT'} (losses and {n} parameter "
+          f"elements)", flush=True)
+    expected = _plan(cfg, world, folder)
+    for step, (m, (r, w)) in enumerate(zip(moved, io)):
+        print(f"rank {rank} step {step}: moved {m / 2**20:.1f} MiB (planned for rank 0: "
+              f"{expected.moved_per_step / 2**20:.1f} MiB, least possible "
+              f"{expected.moved_minimum / 2**20:.1f} MiB), /proc/self/io read "
+              f"{r / 2**20:.1f} MiB, written {w / 2**20:.1f} MiB", flush=True)
+    torch.distributed.destroy_process_group()
+    if not same:
+        sys.exit(1)
 
 
 def main() -> None:
@@ -146,7 +254,13 @@ def main() -> None:
     ap.add_argument("--child", nargs=3, metavar=("LAYERS", "PLACEMENT", "FOLDER"))
     ap.add_argument("--end-to-end", nargs=3, type=int, metavar=("LAYERS", "WIDTH", "STEPS"),
                     help="under torchrun: train a model bigger than memory, all on disk")
+    ap.add_argument("--compare", nargs=3, type=int, metavar=("LAYERS", "WIDTH", "STEPS"),
+                    help="under torchrun: the --end-to-end shape at fewer layers, in memory "
+                         "and on disk: bit-identical?, and bytes moved per step")
     args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare, folder=args.folder or tempfile.mkdtemp())
+        return
     if args.end_to_end:
         end_to_end(*args.end_to_end, folder=args.folder or tempfile.mkdtemp())
         return

@@ -103,13 +103,14 @@ def _train(variant: str, placement, folder, mesh=None, steps: int = 3):
 
 def _check_tiers(model) -> None:
     """Where the engine says the states are: AdamW's two moments were moved into the
-    files beside the master shards, their gradients and the reduced rows waiting to be
-    published (each one shard's size); nothing stays on the device."""
+    files beside the master shards and their gradients (each one shard's size; the
+    reduced rows were written straight to the gradients' file, Note [reduced rows
+    written once]); nothing stays on the device."""
     view = sw.inspect(model)
     assert view.offload.startswith("params on disk, optimizer state on disk"), view.offload
     assert {(g.params_tier, g.optimizer_tier) for u in view.units for g in u.groups} == \
         {("disk", "disk")}
-    assert view.tier_bytes == {"device": 0, "cpu": 0, "disk": 5 * view.param_bytes}, \
+    assert view.tier_bytes == {"device": 0, "cpu": 0, "disk": 4 * view.param_bytes}, \
         (view.tier_bytes, view.param_bytes)
 
 
@@ -149,6 +150,140 @@ def _hybrid(rank, world, folder):
 
 def test_hybrid_mesh_offloaded_trains_to_the_same_bits(folder):
     run_ranks(_hybrid, 4, folder)
+
+
+def _reduced_rows_written_once(rank, world, folder):
+    """Note [reduced rows written once]: after ``zero_grad()`` a disk-offloaded group's
+    reduced rows go straight to the gradients' file, and each gradient views its slot
+    there (no file of parked rows, 4 shards' bytes on disk, not 5); backward passes
+    summed without ``no_sync`` or ``zero_grad`` park theirs and add them at the end, to
+    the same bits as in memory."""
+    from shardwise.engine.iteration.state import model_state
+
+    runs = {}
+    for placement in [(None, None), ("disk", "disk"), ("cpu", "cpu")]:
+        torch.manual_seed(0)
+        model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = list(gpt_batches(rank, 4))
+        losses = []
+        for step in range(2):
+            for x, y in batches[2 * step:2 * step + 2]:  # two synced backward passes
+                loss = model(x, y)
+                loss.backward()
+                losses.append(loss.detach())
+                if placement != (None, None) and step == 0 and len(losses) == 1:
+                    groups = [g for u in model_state(model).units for g in u.groups]
+                    assert all(g.storage._parked is None for g in groups)
+                    for g in groups:
+                        # On disk, the gradients' file; on the CPU tier, the one host
+                        # tensor the group's rows were parked in (not a copy each).
+                        where = {p.shard.grad.to_local().untyped_storage().data_ptr()
+                                 for p in g.params}
+                        if placement == ("disk", "disk"):
+                            assert where == {g.storage._grads.untyped_storage().data_ptr()}
+                        assert len(where) == 1, g.unit_name
+            sw.clip_grad_norm_(model, 0.5)
+            opt.step()
+            opt.zero_grad()
+        if placement == ("disk", "disk"):
+            view = sw.inspect(model)
+            # The second backward of each step parked its rows (the first's gradients
+            # were there): a file the size of the shard for each group.
+            assert view.tier_bytes["disk"] == 5 * view.param_bytes
+        runs[placement] = (torch.stack(losses), _state(model, opt))
+    for placement in [("disk", "disk"), ("cpu", "cpu")]:
+        _same(runs[placement], runs[(None, None)], f"summed backward passes, {placement}")
+
+
+def test_reduced_rows_are_written_once_to_the_gradients_file(folder):
+    run_ranks(_reduced_rows_written_once, 2, folder)
+
+
+def _evict(folder) -> None:
+    """Write this process's tier files back and drop them from the page cache (their
+    descriptors are in /proc/self/fd; the files are unlinked)."""
+    where = os.path.realpath(folder)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(where) and target.endswith(".bin (deleted)"):
+            os.fsync(int(fd))
+            os.posix_fadvise(int(fd), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _disk_reads() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def _backward_reads_only_shards(rank, world, folder):
+    """Note [writes that read nothing]: from a cold page cache, a forward and backward
+    read the master shards their gathers stage and nothing more; writing the reduced rows
+    into the gradients' file read the old gradients' pages first when it went through
+    the mapping (twice the shards' bytes)."""
+    torch.manual_seed(0)
+    model = sw.shard(GPT(GPT_CFG), offload=_offload("disk", "disk", folder))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = list(gpt_batches(rank, 2))
+    for x, y in batches:
+        _evict(folder)
+        before = _disk_reads()
+        model(x, y).backward()
+        read = _disk_reads() - before
+        opt.step()
+        opt.zero_grad()
+    from shardwise.engine.iteration.state import model_state
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    stores = [g.storage for u in model_state(model).units for g in u.groups]
+    shards = sum(-(-s.master.numel() * s.master.element_size() // page) * page
+                 for s in stores)
+    # A gradients' file ending inside a page: that page is read to keep its tail.
+    tails = page * sum(s._grads is not None for s in stores)
+    assert 0 < read <= shards + tails, (read, shards, tails)
+
+
+def test_a_backward_reads_from_disk_only_the_shards_it_gathers(folder):
+    run_ranks(_backward_reads_only_shards, 2, folder)
+
+
+def _clip_by_one(rank, world, folder):
+    """Note [clipping by one]: a norm under ``max_norm`` leaves the gradients on disk
+    untouched (their pages neither read nor dirtied again), to the same bits as in
+    memory, where they are multiplied by 1."""
+    runs = {}
+    for placement in [(None, None), ("disk", "disk")]:
+        torch.manual_seed(0)
+        model = sw.shard(GPT(GPT_CFG), offload=_offload(*placement, folder))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, written = [], []
+        for x, y in gpt_batches(rank, 2):
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.detach())
+            if placement == ("disk", "disk"):
+                _evict(folder)
+                with open("/proc/self/io") as f:
+                    before = {k: int(v) for k, v in (line.split(": ") for line in f)}
+            sw.clip_grad_norm_(model, 1e9)
+            if placement == ("disk", "disk"):
+                with open("/proc/self/io") as f:
+                    after = {k: int(v) for k, v in (line.split(": ") for line in f)}
+                written.append(after["write_bytes"] - before["write_bytes"])
+            opt.step()
+            opt.zero_grad()
+        # The second clip writes nothing (the first may write a page of something lazily
+        # made, such as a module's bytecode cache: far less than the gradients' files).
+        assert written == [] or (written[1] == 0 and written[0] <= 4096), written
+        runs[placement] = (torch.stack(losses), _state(model, opt))
+    _same(runs[("disk", "disk")], runs[(None, None)], "clipped by one on disk")
+
+
+def test_clipping_by_one_leaves_gradients_on_disk_untouched(folder):
+    run_ranks(_clip_by_one, 2, folder)
 
 
 def test_offload_arguments_are_checked():

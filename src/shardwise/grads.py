@@ -111,14 +111,35 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) 
     reduction = next((type(g.reduction) for g in groups), GradReduction)
     total = reduction.total_norm(comm, norms, nonempty, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Note [clipping by one]
+    by_one = any(g.page_release() is not None for g in groups) and bool(coef == 1.0) \
+        and not _flushes_denormals()
     for group in groups:
-        for p in group.params:
-            if p.shard.grad is not None:
-                grad = cast(DTensor, p.shard.grad).to_local()
-                grad.mul_(coef.to(grad.dtype))
-        group.release_pages()  # Note [the disk tier]: one unit's pages at a time
+        if not by_one:
+            for p in group.params:
+                if p.shard.grad is not None:
+                    grad = cast(DTensor, p.shard.grad).to_local()
+                    grad.mul_(coef.to(grad.dtype))
+            group.release_pages()  # Note [the disk tier]: one unit's pages at a time
         group.reduction.note_rescaled()
     return total
+
+
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU arithmetic flushes subnormal floats to zero
+    (``torch.set_flush_denormal(True)``), under which multiplying by 1 changes them."""
+    return bool((torch.tensor([1e-45]) * 1.0)[0] == 0)
+
+
+# Note [clipping by one]
+# A total norm at or under ``max_norm`` clamps the coefficient to exactly 1, and
+# multiplying a float by 1 gives back its bits (NaN stays NaN; a NaN norm makes a NaN
+# coefficient, which is applied). torch multiplies anyway, to spare a GPU a host sync.
+# Gradients on disk pay for that multiply with every page of their files: read, dirtied,
+# and written back once more, a shard's worth of reads and writes a step for nothing. So
+# where a group keeps disk pages the coefficient is read, and when it is 1 no gradient is
+# touched (the sync is nothing beside the I/O). Not when subnormals are flushed to zero
+# (``torch.set_flush_denormal(True)``), where multiplying by 1 zeroes them.
 
 
 def _norm_ranks(state: Any, groups: list) -> tuple[Comm, Callable[[Any], bool]]:

@@ -208,11 +208,11 @@ class _Traffic:
             return
         if ptier != otier:  # the copy refreshed after the step
             self.moved += n * size + (n * compute if ptier != "device" else 0)
-        if otier == "disk":  # gradients, parked rows, the optimizer's state
-            self.tiers["disk"] += n * size + n * size + self.per_elem * n * size
-        # Parked (n), published (read and written), stepped (master, gradient and state
-        # read, master and state written).
-        self.moved += n * size + 2 * rows * size + (3 + 2 * self.per_elem) * rows * size
+        if otier == "disk":  # gradients, the optimizer's state
+            self.tiers["disk"] += n * size + self.per_elem * n * size
+        # Parked where they are published (n: Note [reduced rows written once]), stepped
+        # (master, gradient and state read, master and state written).
+        self.moved += n * size + (3 + 2 * self.per_elem) * rows * size
         self.minimum += 2 * (2 + self.per_elem) * rows * size
 
 

@@ -52,7 +52,7 @@ class ShardStorage(Protocol):
 
     def received(self, into: torch.Tensor) -> None: ...
 
-    def park(self, out: torch.Tensor) -> torch.Tensor: ...
+    def park(self, out: torch.Tensor, params: list[Any]) -> torch.Tensor: ...
 
     def publish(self, p: Any, rows: torch.Tensor) -> None: ...
 
@@ -126,7 +126,7 @@ class DeviceStorage:
     def received(self, into: torch.Tensor) -> None:
         pass
 
-    def park(self, out: torch.Tensor) -> torch.Tensor:
+    def park(self, out: torch.Tensor, params: list[Any]) -> torch.Tensor:
         return out
 
     def publish(self, p: Any, rows: torch.Tensor) -> None:

@@ -236,11 +236,13 @@ class GradReduction:
 
     def _reduced(self) -> None:
         """-> REDUCED. An offloaded group's reduced rows wait on the optimizer's tier
-        (its storage parks them), so that a backward's worth of them never piles up on
-        the device (or, for the disk tier, in memory) before they are published."""
+        (its storage parks them; on disk in the gradients' file when it may, Note
+        [reduced rows written once] in engine/groups/offload/storage.py), so that a
+        backward's worth of them never piles up on the device (or, for the disk tier, in
+        memory) before they are published."""
         self._move(Reduction.REDUCED)
         if self._out is not None:
-            self._out = self.group.storage.park(self._out)
+            self._out = self.group.storage.park(self._out, self.group.params)
 
     def _replicate(self) -> None:
         g = self.group

@@ -17,6 +17,19 @@ reads from it (measured: ``zlib.crc32`` at 2.0 GB/s on the 2-core CI machine, sl
 the copies it would guard), far above the 2% of a step such a guard may cost.
 Protecting the process's descriptors is the operating system's part: a user who can
 write to ``/proc/<pid>/fd`` can also attach a debugger.
+
+Note [writes that read nothing]
+A store through a mapping into a page that is not in the page cache first reads that
+page from the disk, even when every byte of it is about to be overwritten: the kernel
+cannot know. Reduced rows overwrite their whole gradients' file (Note [reduced rows
+written once] in engine/groups/offload/storage.py), and by the time they do, a model
+larger than the page cache has long evicted last step's gradients, so writing them
+through the mapping read a shard's worth of old gradients a step for nothing (measured
+with a cold cache, benchmarks/offload.py --compare: a quarter of the step's disk reads).
+The gradients' buffer keeps its file open and is written with ``pwrite``, which
+overwrites whole pages without reading them and goes to the same page cache the mapping
+views, so the values are the same bytes either way. Only that buffer keeps a
+descriptor (one more per trainable group), closed with it.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import os
 import re
 import resource
 import threading
+import weakref
 
 import torch
 
@@ -48,11 +62,28 @@ class DiskBuffer:
     """``numel`` elements of ``dtype`` in a file of their own, viewed by ``tensor``."""
 
     def __init__(self, mapping: mmap.mmap | None, tensor: torch.Tensor, nbytes: int,
-                 what: str = "") -> None:
+                 what: str = "", fd: int | None = None) -> None:
         self._map = mapping  # None: no elements, no file
         self.tensor = tensor
         self.nbytes = nbytes
         self.what = what
+        self._fd = fd  # kept open for write() (Note [writes that read nothing])
+        if fd is not None:
+            weakref.finalize(self, os.close, fd)
+
+    def write(self, data: torch.Tensor) -> None:
+        """Put ``data`` (a CPU tensor of the buffer's dtype) at the start of the file
+        with ``pwrite``, not through the mapping (Note [writes that read nothing])."""
+        assert data.dtype == self.tensor.dtype and data.device.type == "cpu"
+        if self._fd is None or data.numel() == 0:
+            with torch.no_grad():
+                self.tensor[:data.numel()].copy_(data.reshape(-1))
+            return
+        raw = memoryview(data.detach().reshape(-1).contiguous().view(torch.uint8).numpy()
+                         .data)
+        done = 0
+        while done < len(raw):
+            done += os.pwrite(self._fd, raw[done:], done)
 
     def check(self) -> None:
         """Raise if the file under the mapping was cut shorter than the buffer (Note [tier
@@ -162,8 +193,10 @@ class DiskFolder:
                 _held[path] = cls(path)
             return _held[path]
 
-    def buffer(self, numel: int, dtype: torch.dtype, what: str) -> DiskBuffer:
-        """A new zeroed buffer, its space reserved on the disk now.
+    def buffer(self, numel: int, dtype: torch.dtype, what: str,
+               writes: bool = False) -> DiskBuffer:
+        """A new zeroed buffer, its space reserved on the disk now; ``writes``: it keeps
+        its file open for :meth:`DiskBuffer.write`.
 
         Raises:
             ShardwiseError: when the disk has no room for it, with the sizes.
@@ -187,13 +220,17 @@ class DiskFolder:
                 raise ShardwiseError(self._no_room(nbytes, what, e.errno)) from e
             mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        finally:
             os.unlink(name, dir_fd=self._dir)
+        if not writes:
+            os.close(fd)
         self.bytes += nbytes
         tensor = torch.frombuffer(mapping, dtype=dtype, count=numel) if numel else \
             torch.empty(0, dtype=dtype)
-        return DiskBuffer(mapping, tensor, nbytes, what)
+        return DiskBuffer(mapping, tensor, nbytes, what, fd if writes else None)
 
 
     def _no_room(self, nbytes: int, what: str, code: int | None) -> str:

@@ -9,6 +9,27 @@ copy, parking reduced rows, publishing gradients, and (counted from the tensors 
 stepped) the optimizer step's reads and writes of master shards, gradients and state.
 ``planning/planner.py`` predicts the same quantity per step from the layout, and a test
 holds the two equal.
+
+Note [reduced rows written once]
+A unit's reduced rows leave the device (and, for the disk tier, memory) as soon as its
+reduction is done, so that a backward's worth never piles up before the backward ends
+and they are published as ``.grad``. On disk they used to wait in a file of their own
+and were copied into the gradients' file when published: each gradient byte written
+twice and read once more, and a file the size of the shard more per group. When no
+parameter of the group holds a gradient (the step after ``zero_grad()``, the usual
+case), nothing the rows could overwrite is anyone's gradient: they are written straight
+to their slots in the gradients' file, in the master's dtype (the cast ``finish`` would
+make), and publishing only hands each parameter the view of its slot, so the gradient
+is written once per step and read once, by the optimizer. A parameter already holding a
+gradient (backward passes summed without ``no_sync``, ``zero_grad(set_to_none=False)``)
+is summed into it as before, at the end of the backward, so an aborted backward leaves
+it untouched: its group parks the rows in a file of their own, made then. What was in
+the gradients' file before is overwritten at the reduction instead of at the end of the
+backward; only a tensor kept from a gradient ``zero_grad`` dropped still views it, and it
+was overwritten at the end of the backward before. The CPU tier parks the rows in a host
+tensor made for them (a copy even where host and device are one), in the master's
+dtype, and publishes views of it as they are, where it copied each parameter's rows
+once more before.
 """
 
 from __future__ import annotations
@@ -53,14 +74,16 @@ class GroupStorage:
         self.copy_version = -1  # the master's version the copy was taken at
         # Disk tier only, made at first use (a frozen group never has them):
         self._grads: torch.Tensor | None = None  # the gradients' home
+        self._grads_buffer: DiskBuffer | None = None  # the file _grads views
         self._parked: torch.Tensor | None = None  # reduced rows until published (park)
         self._parked_file: DiskBuffer | None = None  # the file _parked views
         self._state: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self.moved = 0  # Note [bytes moved]
 
-    def _disk_buffer(self, dtype: torch.dtype, what: str) -> DiskBuffer:
+    def _disk_buffer(self, dtype: torch.dtype, what: str, writes: bool = False
+                     ) -> DiskBuffer:
         assert self.placement.folder is not None, "Offload checked folder="
-        buf = self.placement.folder.buffer(self.numel, dtype, what)
+        buf = self.placement.folder.buffer(self.numel, dtype, what, writes)
         self._disk.append(buf)
         return buf
 
@@ -172,44 +195,71 @@ class GroupStorage:
         self.release()
 
     # -- gradients -------------------------------------------------------------------
-    def park(self, out: torch.Tensor) -> torch.Tensor:
-        """Reduced rows (``out``, on the device) moved to the optimizer's tier until the
-        backward ends and they are published: into a file of their own for the disk
-        tier (kept for the next backward), into host memory for the CPU tier."""
+    def park(self, out: torch.Tensor, params: list[Any]) -> torch.Tensor:
+        """Reduced rows (``out``, on the device, the group's ``params``' rows at their
+        slots) moved to the optimizer's tier until the backward ends and they are
+        published, in the master's dtype (the cast ``finish`` would make) where they can
+        be published as they are (Note [reduced rows written once]). For the disk tier:
+        straight into the gradients' file when no parameter of the group holds a
+        gradient, else into a file of their own (kept for the next backward); for the
+        CPU tier, into a host tensor of their own (even where host and device are one)."""
         self.check_files()
-        self.moved += _nbytes(out)
-        if self.placement.optimizer == "disk":
-            if self._parked is None or self._parked.dtype != out.dtype:
-                self._parked_file = self._disk_buffer(out.dtype, "reduced")
-                self._parked = self._parked_file.tensor
-            home = self._parked[:out.numel()]
-            with torch.no_grad():
-                home.copy_(out.reshape(-1))
+        assert out.numel() <= self.numel
+        if self.placement.optimizer != "disk":
+            parked = out.detach().to("cpu", dtype=self.dtype, copy=True)
+            self.moved += _nbytes(parked)
+            return parked
+        if all(p.shard.grad is None for p in params):
+            self._grads_file()
+            assert self._grads_buffer is not None
+            # In the master's dtype (publish casts no more), written without reading the
+            # old gradients (Note [writes that read nothing] in disk.py).
+            rows = out.detach().reshape(-1).to(device="cpu", dtype=self.dtype)
+            self._grads_buffer.write(rows)
+            home = self._grads_buffer.tensor[:out.numel()]
+            self.moved += _nbytes(home)
             self.release()
             return home
-        return out.to("cpu", copy=True)
+        self.moved += _nbytes(out)
+        if self._parked is None or self._parked.dtype != out.dtype:
+            self._parked_file = self._disk_buffer(out.dtype, "reduced")
+            self._parked = self._parked_file.tensor
+        home = self._parked[:out.numel()]
+        with torch.no_grad():
+            home.copy_(out.reshape(-1))
+        self.release()
+        return home
+
+    def _grads_file(self) -> torch.Tensor:
+        """The gradients' home on disk, the group's layout, made at first use."""
+        if self._grads is None:
+            self._grads_buffer = self._disk_buffer(self.dtype, "grads", writes=True)
+            self._grads = self._grads_buffer.tensor
+        return self._grads
 
     def publish(self, p: Any, rows: torch.Tensor) -> None:
         """Hand parameter ``p`` its reduced rows (parked, in its dtype) as a gradient on
         the optimizer's tier, or add them to the one it has."""
-        # Read from where they were parked (unless a dtype change made a device copy),
-        # written to the gradient's home.
-        self.moved += _nbytes(rows) * (2 if rows.dtype == self.dtype else 1)
         existing = cast(DTensor | None, p.shard.grad)
+        home = None
+        if self.placement.optimizer == "disk":
+            home = self._grads_file()[p.slot.offset:p.slot.offset + rows.numel()].view(
+                rows.shape)
+        if existing is None and (home is None or rows.data_ptr() == home.data_ptr()):
+            # Note [reduced rows written once]: already where the gradient lives (on
+            # disk), or in a host tensor park made for them alone (the CPU tier).
+            p.shard.grad = p.as_dtensor(rows)
+            return
+        # Read from where they were parked, written to the gradient's home.
+        self.moved += 2 * _nbytes(rows)
         if existing is not None:
             local = existing.to_local()
             with torch.no_grad():
                 local.add_(rows.to(local.device))
             return
-        if self.placement.optimizer == "disk":
-            if self._grads is None:
-                self._grads = self._disk_buffer(self.dtype, "grads").tensor
-            home = self._grads[p.slot.offset:p.slot.offset + rows.numel()].view(rows.shape)
-            with torch.no_grad():
-                home.copy_(rows)
-        else:
-            # Host memory: a tensor of its own even where host and device are one.
-            home = rows.to("cpu", copy=True)
+        assert home is not None
+        with torch.no_grad():
+            home.copy_(rows)
         p.shard.grad = p.as_dtensor(home)
 
     # -- optimizer state -------------------------------------------------------------
@@ -244,7 +294,7 @@ class GroupStorage:
 
     def prefetch(self, gather: bool = False) -> None:
         """Start reading this group's disk pages ahead of use: for a gather, the master
-        shard's; for an optimizer step, every file but the parked rows' (read by then)."""
+        shard's; for an optimizer step, every file but parked rows' (read by then)."""
         if gather:
             if self._master_file is not None and self.placement.params == "disk":
                 self._master_file.prefetch()
@@ -255,8 +305,9 @@ class GroupStorage:
 
     def bytes_by_tier(self) -> dict[str, int]:
         """Bytes this group's storage holds on each tier: the master, the parameters
-        copy, and on disk the gradients, parked rows and optimizer state (state the
-        optimizer keeps in host memory is its own)."""
+        copy, and on disk the gradients, any parked rows (Note [reduced rows written
+        once]) and optimizer state (state the optimizer keeps in host memory is its
+        own)."""
         out = dict.fromkeys(TIERS, 0)
         out[self.placement.optimizer] += _nbytes(self.master)
         if self.copy is not None:
