@@ -22,15 +22,14 @@ def row_regions(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
     Returns ``(view of buf, slice of the flattened parameter)`` pairs: one block for the
     ranks holding ``chunk_rows`` rows, one row for a rank holding fewer, if any.
     """
-    if slot.numel == 0:
+    whole, n, rest = slot.regions
+    if not n:
         return []
     grid = buf.view(layout.world_size, layout.shard_numel)
-    whole = slot.rows // slot.chunk_rows
-    n = whole * slot.chunk_numel
-    out = [(grid[:whole, slot.offset:slot.offset + slot.chunk_numel], slice(0, n))]
-    if n < slot.numel:
-        out.append((grid[whole, slot.offset:slot.offset + slot.numel - n],
-                    slice(n, slot.numel)))
+    offset = slot.offset
+    out = [(grid[:whole, offset:offset + slot.chunk_numel], slice(0, n))]
+    if rest:
+        out.append((grid[whole, offset:offset + rest], slice(n, n + rest)))
     return out
 
 
@@ -66,11 +65,14 @@ def write_rank_major(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
 
 def copy_out(gathered: torch.Tensor, layout: ShardLayout, out: torch.Tensor) -> None:
     """Copy a rank-major all-gather output into a parameter-major full buffer."""
+    grid = gathered.view(layout.world_size, layout.shard_numel)
     with torch.no_grad():
-        for s in layout.slots:
-            flat = out[s.full_offset:s.full_offset + s.numel]
-            for region, sl in row_regions(gathered, layout, s):
-                flat[sl].view(region.shape).copy_(region)
+        # row_regions for every slot, from the layout's plan (Note [layouts are read
+        # per call] in engine/groups/layout.py).
+        for at, offset, chunk, whole, n, rest in layout.copy_plan:
+            out[at:at + n].view(whole, chunk).copy_(grid[:whole, offset:offset + chunk])
+            if rest:
+                out[at + n:at + n + rest].copy_(grid[whole, offset:offset + rest])
 
 
 # Note [scatter in rounds]
