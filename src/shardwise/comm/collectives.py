@@ -419,6 +419,7 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
     if not recvs:  # a world of one
         return _Pending([], comm, what)
     group = comm.group if comm.group is not None else dist.group.WORLD
+    assert group is not None, "the default process group exists while a model is used"
     channel = comm.channel
     nbytes = recvs[0][1].numel() * recvs[0][1].element_size()
     gen = None
@@ -426,17 +427,27 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
         gen = channel.post(EXCHANGE, zlib.crc32(what.encode()) & 0x7FFFFFFF, nbytes, what)
     tag = channel.data_tag(group, kind, nbytes)
     works = []
+    sent = 0
+    # As a header's messages (Note [header cost] in comm/channel.py): the group's own
+    # send and receive with ranks of the group, which is what dist.isend/irecv end in
+    # after resolving the group and the rank again, twice per exchange and peer (a fixed
+    # cost per exchange, issue 54). Complex tensors travel as their real view, as
+    # there; everything else dist.isend checks holds for a flat buffer's chunks.
     try:
         for peer, tensor in sends:
-            comm.stats.sent[kind] += tensor.numel() * tensor.element_size()
-            works.append(dist.isend(tensor, comm.global_rank(peer), group=comm.group,
-                                    tag=tag))
+            sent += tensor.numel() * tensor.element_size()
+            works.append(group.send([_real(tensor)], peer, tag))
         for peer, tensor in recvs:
-            works.append(dist.irecv(tensor, comm.global_rank(peer), group=comm.group,
-                                    tag=tag))
+            works.append(group.recv([_real(tensor)], peer, tag))
     except RuntimeError as err:
+        comm.stats.sent[kind] += sent
         raise comm.stuck(what, err) from err
+    comm.stats.sent[kind] += sent
     return _Pending(works, comm, what, point_to_point=True, channel=channel, gen=gen)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 class _Pending:
