@@ -40,6 +40,7 @@ was waiting, not in an anonymous gloo timeout.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import zlib
 from collections import Counter
@@ -185,7 +186,7 @@ class Comm:
         anything in a world of one, whose "collectives" are local copies; by the
         backend's own collectives otherwise (gloo cannot send CUDA tensors point to
         point, and NCCL's collectives beat separate sends)."""
-        if self.world_size == 1 or ("gloo" in self.backend and t.device.type == "cpu"):
+        if self.world_size == 1 or (t.is_cpu and "gloo" in self.backend):
             return EXCHANGES
         return COLLECTIVES
 
@@ -424,7 +425,7 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
     nbytes = recvs[0][1].numel() * recvs[0][1].element_size()
     gen = None
     if channel.exchange_headers and channel.checking():
-        gen = channel.post(EXCHANGE, zlib.crc32(what.encode()) & 0x7FFFFFFF, nbytes, what)
+        gen = channel.post(EXCHANGE, _ident(what), nbytes, what)
     tag = channel.data_tag(group, kind, nbytes)
     works = []
     sent = 0
@@ -444,6 +445,14 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
         raise comm.stuck(what, err) from err
     comm.stats.sent[kind] += sent
     return _Pending(works, comm, what, point_to_point=True, channel=channel, gen=gen)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ident(what: str) -> int:
+    """An exchange's description as its header's compared field: a unit's exchanges say
+    the same few things every step (Note [layouts are read per call] in
+    engine/groups/layout.py)."""
+    return zlib.crc32(what.encode()) & 0x7FFFFFFF
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
