@@ -143,14 +143,23 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
-                   what: str = "an all-gather"):
+                   what: str = "an all-gather", skip_own: bool = False):
         """Concatenate every rank's ``inp`` into ``out``.
 
         With ``async_op``, ``inp`` must stay unchanged and ``out`` unread until the
         returned work is waited for (gloo sends and receives them in the background).
+        ``skip_own`` (with ``async_op``): this rank's part of ``out`` may be left
+        unwritten, for a caller that reads ``inp`` instead; the returned work's
+        ``own_skipped`` says whether it was (Note [own rows from the shard] in
+        engine/groups/copies.py).
         """
         self.stats.add("all_gather", inp)
-        work = self.transport(inp).all_gather(self, out, inp, what)
+        transport = self.transport(inp)
+        if skip_own and transport is EXCHANGES and self.world_size > 1:
+            work = _exchange_all_gather(self, out, inp, what, own=False)
+            work.own_skipped = True
+        else:
+            work = transport.all_gather(self, out, inp, what)
         return self._finish(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
@@ -355,12 +364,7 @@ class _Exchanges(Transport):
 
     def all_gather(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
                    what: str) -> _Pending:
-        parts = out.chunk(comm.world_size)
-        peers = _peers(comm)
-        work = _exchange(comm, [(p, inp) for p, _ in peers],
-                         [(p, parts[p]) for _, p in peers], what, "all_gather")
-        parts[comm.rank].copy_(inp)
-        return work
+        return _exchange_all_gather(comm, out, inp, what, own=True)
 
     def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
                        what: str) -> _Pending:
@@ -403,6 +407,19 @@ class _Exchanges(Transport):
 
 COLLECTIVES: Transport = _Collectives()
 EXCHANGES: Transport = _Exchanges()
+
+
+def _exchange_all_gather(comm: Comm, out: torch.Tensor, inp: torch.Tensor, what: str,
+                         own: bool) -> _Pending:
+    """An all-gather by exchange; ``own``: this rank's part of ``out`` is ``inp``'s copy,
+    else left as it is (``Comm.all_gather``'s ``skip_own``)."""
+    parts = out.chunk(comm.world_size)
+    peers = _peers(comm)
+    work = _exchange(comm, [(p, inp) for p, _ in peers],
+                     [(p, parts[p]) for _, p in peers], what, "all_gather")
+    if own:
+        parts[comm.rank].copy_(inp)
+    return work
 
 
 def _peers(comm: Comm) -> list[tuple[int, int]]:
@@ -477,6 +494,7 @@ class _Pending:
         self._epoch = channel.epoch if channel is not None else 0
         self._gen = gen
         self.then: Callable[[], None] | None = None
+        self.own_skipped = False  # an all-gather's own part left unwritten (skip_own)
 
     def _abandoned(self) -> bool:
         """Whether ranks diverged since this was issued: its messages may never come."""

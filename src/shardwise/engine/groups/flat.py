@@ -357,6 +357,9 @@ class FlatGroup:
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work: Any = None
         self._sending: torch.Tensor | None = None  # read by the all-gather until waited for
+        # The shard whose rows the copy-out reads, where the all-gather skipped this
+        # rank's part of ``_gathered`` (Note [own rows from the shard]).
+        self._own_rows: torch.Tensor | None = None
         self._gathered_version = -1
         self._full_version: tuple[int, ...] = ()  # once filled: _versions (keep_edits)
         # Used by trainable groups only.
@@ -662,6 +665,7 @@ class FlatGroup:
         self._gathered_version = version
         regathered = self.secondary.start_gather(version, self.layout.gathered_numel,
                                                  self.compute_dtype, self.unit_name)
+        self._own_rows = None
         if regathered is not None:
             self._gathered, self._gather_work = regathered
             return
@@ -674,8 +678,13 @@ class FlatGroup:
         self._gathered = torch.empty(self.gather_layout.gathered_numel,
                                      dtype=self.compute_dtype, device=self.device)
         self._sending = src
+        # Note [own rows from the shard] in engine/groups/copies.py: unless the output is
+        # kept (a secondary shard is taken from it).
         self._gather_work = self.comm.all_gather(
-            self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
+            self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}",
+            skip_own=self.by_rows and not self.secondary.keeps)
+        if self._gather_work.own_skipped:
+            self._own_rows = src
 
     def _send(self, version: int) -> torch.Tensor:
         """What this rank's all-gather sends (Note [one group type]): the shard itself,
@@ -709,13 +718,15 @@ class FlatGroup:
             self._gather_work = None
         self.secondary.settled()
         self._sending = None
+        own, self._own_rows = self._own_rows, None
         if self._gathered is not None:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
                 version = self.full._version
                 self._alloc_full()
                 assert self.gather_layout is not None
-                copy_out(self._gathered, self.gather_layout, self.full)
+                copy_out(self._gathered, self.gather_layout, self.full,
+                         None if own is None else (self.comm.rank, own))
                 torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
                 self._full_version = _versions(self, version)
                 if not self.by_rows:
