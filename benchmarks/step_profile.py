@@ -62,7 +62,7 @@ PARTS = [
      [("comm/order_check.py", "unit"), ("comm/order_check.py", "backward")]),
     ("gather: issue (start_gather)", [("engine/iteration/unit.py", "start_gather")]),
     ("gather: wait + copy-out (wait_gather, incl. settle)",
-     [("engine/iteration/unit.py", "wait_gather")]),
+     [("engine/groups/flat.py", "wait_gather")]),
     ("gradients into the reduction buffer (Reduction.start)",
      [("engine/groups/reduce.py", "start")]),
     ("reshard (free full params)", [("engine/iteration/unit.py", "reshard")]),

@@ -58,6 +58,27 @@ def test_rank_major_write_then_copy_out_round_trips(world):
             assert torch.equal(got, rows)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_copy_out_reads_its_own_rows_from_the_shard(world):
+    """Note [own rows from the shard]: with ``own``, the gathered buffer's part for that
+    rank is never read (NaN here) and the full buffer gets the same bits from the shard,
+    for every rank, short chunks and empty ones included."""
+    layout = build_layout(SHAPES, world)
+    values = [torch.randn(shape) for shape in SHAPES]
+    buf = rank_major(layout, padding_gaps(layout), torch.float32, torch.device("cpu"))
+    for slot, v in zip(layout.slots, values):
+        write_rank_major(buf, layout, slot, v)
+    expect = torch.zeros(layout.full_numel)
+    copy_out(buf, layout, expect)
+    for rank in range(world):
+        shards = buf.view(world, layout.shard_numel).clone()
+        shard = shards[rank].clone()
+        shards[rank] = float("nan")
+        full = torch.zeros(layout.full_numel)
+        copy_out(shards.view(-1), layout, full, own=(rank, shard))
+        assert torch.equal(full, expect), rank
+
+
 def test_zero_dim_shapes_are_refused():
     with pytest.raises(ValueError, match="0-dim"):
         build_layout([()], 2)

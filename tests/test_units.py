@@ -293,3 +293,25 @@ def _residency(rank, world):
 
 def test_residency_is_settled_once_per_iteration_and_changed_by_entry_points():
     run_ranks(_residency, 1)
+
+
+def test_batchnorm_shares_its_block_group_unless_mixed_precision_splits_them():
+    """Note [one group per dtypes]: a conv-BatchNorm block is one flat group (one gather,
+    one reduce-scatter) in full precision; mixed precision keeps BatchNorm's parameters in
+    fp32, a group of their own."""
+    from shardwise.planning.units import discover_params, group_specs
+
+    block = BasicBlock(4)
+    records = discover_params(block, [""])
+    specs = group_specs(records, None, None, 2)
+    assert len(specs) == 1
+    assert [r.fqns for r in specs[0].records] == [["conv.weight"], ["conv.bias"],
+                                                  ["bn.weight"], ["bn.bias"]]
+    assert (specs[0].compute_dtype, specs[0].reduce_dtype) == (torch.float32, torch.float32)
+    for param_dtype, reduce_dtype in ((torch.bfloat16, None), (None, torch.bfloat16)):
+        specs = group_specs(records, param_dtype, reduce_dtype, 2)
+        assert [[r.fqns[0] for r in s.records] for s in specs] == [
+            ["conv.weight", "conv.bias"], ["bn.weight", "bn.bias"]]
+        assert (specs[1].compute_dtype, specs[1].reduce_dtype) == (torch.float32, torch.float32)
+        assert specs[0].compute_dtype == (param_dtype or torch.float32)
+        assert specs[0].reduce_dtype == (reduce_dtype or torch.float32)

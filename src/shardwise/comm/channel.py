@@ -50,6 +50,7 @@ synchronous all-reduce (``comm/order_check.py``).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -111,8 +112,9 @@ class _Posted:
 
     def arrived(self) -> bool:
         # gloo writes a message into the tensor as it arrives, before any wait: a nonzero
-        # sentinel (the last field) says the wait will return at once.
-        return bool(self._sentinels.all())
+        # sentinel (the last field) says the wait will return at once. (A list of one
+        # value per peer: a tenth of numpy's reduction on an array this small.)
+        return all(self._sentinels.tolist())
 
 
 class Channel:
@@ -180,7 +182,7 @@ class Channel:
         subgroups) sending messages of ``nbytes`` (Note [checks ride the exchanges])."""
         count = self._counters.get(group, 0)
         self._counters[group] = count + 1
-        size = zlib.crc32(nbytes.to_bytes(8, "little")) % _SIZE_PRINTS
+        size = _size_print(nbytes)
         return (_MARK | (_REDUCE if kind == "reduce_scatter" else 0)
                 | (self.epoch % _EPOCHS) << _EPOCH_SHIFT
                 | (count % _COUNTERS) << _COUNTER_SHIFT | size)
@@ -275,7 +277,8 @@ class Channel:
 
     def _compare(self, posted: _Posted) -> None:
         inbox = posted.inbox.numpy()
-        if (inbox[:, :_KEY] == posted.mine[:_KEY]).all():
+        mine = posted.mine[:_KEY].tolist()
+        if all(row == mine for row in inbox[:, :_KEY].tolist()):
             return
         texts = {self.comm.rank: posted.text}
         others = [r for r in range(self.comm.world_size) if r != self.comm.rank]
@@ -298,6 +301,14 @@ class Channel:
         for posted in self._pending:
             self.abandoned.extend(posted.recvs + posted.sends + [posted.inbox])
         self._pending.clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _size_print(nbytes: int) -> int:
+    """The fingerprint of a message size in a data tag: a model's exchanges have a few
+    sizes, each fingerprinted once (Note [layouts are read per call] in
+    engine/groups/layout.py says why per-call work counts)."""
+    return zlib.crc32(nbytes.to_bytes(8, "little")) % _SIZE_PRINTS
 
 
 def _helper_wait(works: list) -> tuple[threading.Event, list[BaseException]]:

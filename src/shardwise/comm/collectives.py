@@ -40,6 +40,7 @@ was waiting, not in an anonymous gloo timeout.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import zlib
 from collections import Counter
@@ -142,14 +143,23 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
-                   what: str = "an all-gather"):
+                   what: str = "an all-gather", skip_own: bool = False):
         """Concatenate every rank's ``inp`` into ``out``.
 
         With ``async_op``, ``inp`` must stay unchanged and ``out`` unread until the
         returned work is waited for (gloo sends and receives them in the background).
+        ``skip_own`` (with ``async_op``): this rank's part of ``out`` may be left
+        unwritten, for a caller that reads ``inp`` instead; the returned work's
+        ``own_skipped`` says whether it was (Note [own rows from the shard] in
+        engine/groups/copies.py).
         """
         self.stats.add("all_gather", inp)
-        work = self.transport(inp).all_gather(self, out, inp, what)
+        transport = self.transport(inp)
+        if skip_own and transport is EXCHANGES and self.world_size > 1:
+            work = _exchange_all_gather(self, out, inp, what, own=False)
+            work.own_skipped = True
+        else:
+            work = transport.all_gather(self, out, inp, what)
         return self._finish(work, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
@@ -185,7 +195,7 @@ class Comm:
         anything in a world of one, whose "collectives" are local copies; by the
         backend's own collectives otherwise (gloo cannot send CUDA tensors point to
         point, and NCCL's collectives beat separate sends)."""
-        if self.world_size == 1 or ("gloo" in self.backend and t.device.type == "cpu"):
+        if self.world_size == 1 or (t.is_cpu and "gloo" in self.backend):
             return EXCHANGES
         return COLLECTIVES
 
@@ -354,12 +364,7 @@ class _Exchanges(Transport):
 
     def all_gather(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
                    what: str) -> _Pending:
-        parts = out.chunk(comm.world_size)
-        peers = _peers(comm)
-        work = _exchange(comm, [(p, inp) for p, _ in peers],
-                         [(p, parts[p]) for _, p in peers], what, "all_gather")
-        parts[comm.rank].copy_(inp)
-        return work
+        return _exchange_all_gather(comm, out, inp, what, own=True)
 
     def reduce_scatter(self, comm: Comm, out: torch.Tensor, inp: torch.Tensor,
                        what: str) -> _Pending:
@@ -404,6 +409,19 @@ COLLECTIVES: Transport = _Collectives()
 EXCHANGES: Transport = _Exchanges()
 
 
+def _exchange_all_gather(comm: Comm, out: torch.Tensor, inp: torch.Tensor, what: str,
+                         own: bool) -> _Pending:
+    """An all-gather by exchange; ``own``: this rank's part of ``out`` is ``inp``'s copy,
+    else left as it is (``Comm.all_gather``'s ``skip_own``)."""
+    parts = out.chunk(comm.world_size)
+    peers = _peers(comm)
+    work = _exchange(comm, [(p, inp) for p, _ in peers],
+                     [(p, parts[p]) for _, p in peers], what, "all_gather")
+    if own:
+        parts[comm.rank].copy_(inp)
+    return work
+
+
 def _peers(comm: Comm) -> list[tuple[int, int]]:
     """(rank to send to, rank to receive from) for each of the N-1 other ranks: every
     rank sends to and receives from every other directly, k places away."""
@@ -419,24 +437,43 @@ def _exchange(comm: Comm, sends: list[tuple[int, torch.Tensor]],
     if not recvs:  # a world of one
         return _Pending([], comm, what)
     group = comm.group if comm.group is not None else dist.group.WORLD
+    assert group is not None, "the default process group exists while a model is used"
     channel = comm.channel
     nbytes = recvs[0][1].numel() * recvs[0][1].element_size()
     gen = None
     if channel.exchange_headers and channel.checking():
-        gen = channel.post(EXCHANGE, zlib.crc32(what.encode()) & 0x7FFFFFFF, nbytes, what)
+        gen = channel.post(EXCHANGE, _ident(what), nbytes, what)
     tag = channel.data_tag(group, kind, nbytes)
     works = []
+    sent = 0
+    # As a header's messages (Note [header cost] in comm/channel.py): the group's own
+    # send and receive with ranks of the group, which is what dist.isend/irecv end in
+    # after resolving the group and the rank again, twice per exchange and peer (a fixed
+    # cost per exchange, issue 54). Complex tensors travel as their real view, as
+    # there; everything else dist.isend checks holds for a flat buffer's chunks.
     try:
         for peer, tensor in sends:
-            comm.stats.sent[kind] += tensor.numel() * tensor.element_size()
-            works.append(dist.isend(tensor, comm.global_rank(peer), group=comm.group,
-                                    tag=tag))
+            sent += tensor.numel() * tensor.element_size()
+            works.append(group.send([_real(tensor)], peer, tag))
         for peer, tensor in recvs:
-            works.append(dist.irecv(tensor, comm.global_rank(peer), group=comm.group,
-                                    tag=tag))
+            works.append(group.recv([_real(tensor)], peer, tag))
     except RuntimeError as err:
+        comm.stats.sent[kind] += sent
         raise comm.stuck(what, err) from err
+    comm.stats.sent[kind] += sent
     return _Pending(works, comm, what, point_to_point=True, channel=channel, gen=gen)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ident(what: str) -> int:
+    """An exchange's description as its header's compared field: a unit's exchanges say
+    the same few things every step (Note [layouts are read per call] in
+    engine/groups/layout.py)."""
+    return zlib.crc32(what.encode()) & 0x7FFFFFFF
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 class _Pending:
@@ -457,6 +494,7 @@ class _Pending:
         self._epoch = channel.epoch if channel is not None else 0
         self._gen = gen
         self.then: Callable[[], None] | None = None
+        self.own_skipped = False  # an all-gather's own part left unwritten (skip_own)
 
     def _abandoned(self) -> bool:
         """Whether ranks diverged since this was issued: its messages may never come."""

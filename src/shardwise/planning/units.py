@@ -231,26 +231,35 @@ def assign_units(records: list[ParamRecord], unit_names: list[str]) -> list[list
 
 def group_specs(records: list[ParamRecord], param_dtype: torch.dtype | None,
                 reduce_dtype: torch.dtype | None, world_size: int) -> list[GroupSpec]:
-    """Split one unit's parameters into flat groups by (dtype, requires_grad, precision),
-    each laid out over ``world_size`` ranks (the layout the engine builds).
+    """Split one unit's parameters into flat groups by (dtype, requires_grad, the dtypes
+    it computes and reduces in; Note [one group per dtypes]), each laid out over
+    ``world_size`` ranks (the layout the engine builds).
 
     A frozen weight never shares a buffer with a trainable one (it is never reduced), and
     BatchNorm keeps full-precision parameters under mixed precision: its running
     statistics keep their dtype, and its kernel takes low-precision input only with
     full-precision weights.
     """
-    by_kind: dict[tuple[torch.dtype, bool, bool], list[ParamRecord]] = {}
+    by_kind: dict[tuple[torch.dtype, bool, torch.dtype, torch.dtype], list[ParamRecord]] = {}
     for rec in records:
+        dtype = rec.param.dtype
         full_precision = any(isinstance(m, _BatchNorm) for m, _ in rec.slots)
-        kind = (rec.param.dtype, rec.param.requires_grad, full_precision)
-        by_kind.setdefault(kind, []).append(rec)
-    specs = []
-    for (dtype, _, full_precision), recs in by_kind.items():
         floating = dtype.is_floating_point and not full_precision
         compute = (param_dtype or dtype) if floating else dtype
         # Gradients are summed across ranks in the master dtype unless asked otherwise:
         # a bf16 sum over many ranks loses the low bits that fp32 master weights keep.
         reduce = (reduce_dtype or dtype) if floating else dtype
+        # Note [one group per dtypes]
+        # Groups split by what their buffers hold and how they move (dtype, trainable,
+        # the compute and reduce dtypes), not by module kind: BatchNorm's parameters
+        # share their block's group unless mixed precision gives the two different
+        # dtypes. Each group is an all-gather in the forward, another in the backward
+        # and a reduce-scatter, a fixed cost per exchange (issue 54): a BatchNorm group
+        # of its own doubled the exchanges of a conv-BatchNorm block for nothing.
+        kind = (dtype, rec.param.requires_grad, compute, reduce)
+        by_kind.setdefault(kind, []).append(rec)
+    specs = []
+    for (_, _, compute, reduce), recs in by_kind.items():
         layout = build_layout([tuple(r.param.shape) for r in recs], world_size)
         specs.append(GroupSpec(recs, compute, reduce, layout))
     return specs

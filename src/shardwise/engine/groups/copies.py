@@ -22,15 +22,14 @@ def row_regions(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
     Returns ``(view of buf, slice of the flattened parameter)`` pairs: one block for the
     ranks holding ``chunk_rows`` rows, one row for a rank holding fewer, if any.
     """
-    if slot.numel == 0:
+    whole, n, rest = slot.regions
+    if not n:
         return []
     grid = buf.view(layout.world_size, layout.shard_numel)
-    whole = slot.rows // slot.chunk_rows
-    n = whole * slot.chunk_numel
-    out = [(grid[:whole, slot.offset:slot.offset + slot.chunk_numel], slice(0, n))]
-    if n < slot.numel:
-        out.append((grid[whole, slot.offset:slot.offset + slot.numel - n],
-                    slice(n, slot.numel)))
+    offset = slot.offset
+    out = [(grid[:whole, offset:offset + slot.chunk_numel], slice(0, n))]
+    if rest:
+        out.append((grid[whole, offset:offset + rest], slice(n, n + rest)))
     return out
 
 
@@ -64,13 +63,49 @@ def write_rank_major(buf: torch.Tensor, layout: ShardLayout, slot: Slot,
             op(dst, src)
 
 
-def copy_out(gathered: torch.Tensor, layout: ShardLayout, out: torch.Tensor) -> None:
-    """Copy a rank-major all-gather output into a parameter-major full buffer."""
+# Note [own rows from the shard]
+# An all-gather by exchange (Note [gloo exchanges] in comm/collectives.py) receives each
+# peer's shard into its part of the rank-major output; this rank's part was a copy of
+# its own shard, made only to be copied out again into the full buffer. A gather whose
+# output nothing keeps (no secondary shard, Note [secondary shards] in comm/mesh.py) and
+# is copied out (not gathered in place, Note [gathering in place] in
+# engine/groups/flat.py) skips that copy (``Comm.all_gather(skip_own=True)``) and
+# copies its own rows into the full buffer straight from the shard it sent (unchanged
+# until the exchange is waited for, as any sent tensor): one shard's copy less per
+# gather, which on the small Llama is half a megabyte to 8 MB per gather (issue 54). The
+# values are the same bits.
+def copy_out(gathered: torch.Tensor, layout: ShardLayout, out: torch.Tensor,
+             own: tuple[int, torch.Tensor] | None = None) -> None:
+    """Copy a rank-major all-gather output into a parameter-major full buffer. ``own``:
+    ``(rank, shard)``, that rank's part of ``gathered`` was not written and its rows are
+    read from ``shard`` instead (Note [own rows from the shard])."""
+    grid = gathered.view(layout.world_size, layout.shard_numel)
     with torch.no_grad():
-        for s in layout.slots:
-            flat = out[s.full_offset:s.full_offset + s.numel]
-            for region, sl in row_regions(gathered, layout, s):
-                flat[sl].view(region.shape).copy_(region)
+        # row_regions for every slot, from the layout's plan (Note [layouts are read
+        # per call] in engine/groups/layout.py).
+        if own is None:
+            for at, offset, chunk, whole, n, rest in layout.copy_plan:
+                out[at:at + n].view(whole, chunk).copy_(grid[:whole, offset:offset + chunk])
+                if rest:
+                    out[at + n:at + n + rest].copy_(grid[whole, offset:offset + rest])
+            return
+        rank, shard = own
+        for at, offset, chunk, whole, n, rest in layout.copy_plan:
+            if rank < whole:  # a whole chunk of its rows: the ranks before, it, those after
+                mine = at + rank * chunk
+                if rank:
+                    out[at:mine].view(rank, chunk).copy_(grid[:rank, offset:offset + chunk])
+                out[mine:mine + chunk].copy_(shard[offset:offset + chunk])
+                if rank + 1 < whole:
+                    out[mine + chunk:at + n].view(whole - rank - 1, chunk).copy_(
+                        grid[rank + 1:whole, offset:offset + chunk])
+                if rest:
+                    out[at + n:at + n + rest].copy_(grid[whole, offset:offset + rest])
+                continue
+            out[at:at + n].view(whole, chunk).copy_(grid[:whole, offset:offset + chunk])
+            if rest:  # the short chunk: this rank's own, or a peer's
+                source = shard if rank == whole else grid[whole]
+                out[at + n:at + n + rest].copy_(source[offset:offset + rest])
 
 
 # Note [scatter in rounds]

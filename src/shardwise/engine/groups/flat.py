@@ -379,6 +379,9 @@ class FlatGroup:
         self._gathered: torch.Tensor | None = None  # all-gather output, until copied out
         self._gather_work: Any = None
         self._sending: torch.Tensor | None = None  # read by the all-gather until waited for
+        # The shard whose rows the copy-out reads, where the all-gather skipped this
+        # rank's part of ``_gathered`` (Note [own rows from the shard]).
+        self._own_rows: torch.Tensor | None = None
         self._gathered_version = -1
         self._full_version: tuple[int, ...] = ()  # once filled: _versions (keep_edits)
         # Used by trainable groups only.
@@ -684,6 +687,7 @@ class FlatGroup:
         self._gathered_version = version
         regathered = self.secondary.start_gather(version, self.layout.gathered_numel,
                                                  self.compute_dtype, self.unit_name)
+        self._own_rows = None
         if regathered is not None:
             self._gathered, self._gather_work = regathered
             return
@@ -694,8 +698,14 @@ class FlatGroup:
             return
         self._gathered = self._gather_output()
         self._sending = src
+        # Note [own rows from the shard] in engine/groups/copies.py: unless the output is
+        # kept (a secondary shard is taken from it) or is the full buffer (Note
+        # [gathering in place]: nothing is copied out, so the exchange writes them).
         self._gather_work = self.comm.all_gather(
-            self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}")
+            self._gathered, src, async_op=True, what=f"the all-gather of unit {self.unit_name!r}",
+            skip_own=self.by_rows and not self.secondary.keeps and not self.gathers_in_place)
+        if self._gather_work.own_skipped:
+            self._own_rows = src
 
     def _gather_output(self) -> torch.Tensor:
         """Where this rank's all-gather writes: the full buffer's memory when the
@@ -742,6 +752,7 @@ class FlatGroup:
             self._gather_work = None
         self.secondary.settled()
         self._sending = None
+        own, self._own_rows = self._own_rows, None
         if self._gathered is not None:
             if fill:
                 # Note [freeing full parameters]: autograd may hold views of ``full``.
@@ -749,7 +760,8 @@ class FlatGroup:
                 if not self._gathered_into_full():
                     self._alloc_full()
                     assert self.gather_layout is not None
-                    copy_out(self._gathered, self.gather_layout, self.full)
+                    copy_out(self._gathered, self.gather_layout, self.full,
+                             None if own is None else (self.comm.rank, own))
                     torch._C._autograd._unsafe_set_version_counter((self.full,), (version,))
                 self._full_version = _versions(self, version)
                 if not self.by_rows:

@@ -25,6 +25,7 @@ vectors of 2-byte dtypes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -59,14 +60,28 @@ class Slot:
     offset: int        # start of the slot in each rank's shard
     full_offset: int   # start of the parameter in the full buffer
 
-    @property
+    # Note [layouts are read per call]
+    # A slot's and a layout's derived figures are read by every gather's copy-out and
+    # every reduction's copy-in, parameter by parameter, each micro-batch (issue 54: a
+    # fixed cost per parameter): they are computed once, at the first read, and kept
+    # (the records are frozen, so they never change).
+    @functools.cached_property
     def numel(self) -> int:
         return self.rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def chunk_numel(self) -> int:
         """Elements of one rank's slot (padded rows included)."""
         return self.chunk_rows * self.row_numel
+
+    @functools.cached_property
+    def regions(self) -> tuple[int, int, int]:
+        """Where its elements sit in a rank-major buffer (``copies.row_regions``):
+        ``(whole, n, rest)``: the first ``whole`` ranks hold ``chunk_numel`` elements
+        each, ``n`` in all, the next one the ``rest`` (0: none)."""
+        whole = self.rows // self.chunk_rows if self.chunk_rows else 0
+        n = whole * self.chunk_numel
+        return whole, n, self.numel - n
 
     def local_rows(self, rank: int) -> int:
         """How many rows ``rank`` holds (``torch.chunk`` semantics; possibly 0)."""
@@ -86,6 +101,13 @@ class ShardLayout:
     def gathered_numel(self) -> int:
         """Elements of the all-gather output (every rank's shard, rank after rank)."""
         return self.world_size * self.shard_numel
+
+    @functools.cached_property
+    def copy_plan(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
+        """Every non-empty slot's ``(full_offset, offset, chunk_numel, whole, n, rest)``
+        (``Slot.regions``), for ``copies.copy_out`` (Note [layouts are read per call])."""
+        return tuple((s.full_offset, s.offset, s.chunk_numel, *s.regions)
+                     for s in self.slots if s.numel)
 
     def piece(self, index: int, rank: int) -> Piece:
         """The part of parameter ``index`` stored on ``rank``."""

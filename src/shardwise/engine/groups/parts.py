@@ -209,6 +209,11 @@ class SecondaryShard:
     def settled(self) -> None:
         self._sending = None
 
+    @property
+    def keeps(self) -> bool:
+        """Whether a forward's gathered buffer is kept from (its part for this rank)."""
+        return self.comm is not None
+
     def keep(self, gathered: torch.Tensor, version: int) -> None:
         """Keep this rank's part of a forward's ``gathered`` buffer for its backward."""
         if self.comm is None:
