@@ -90,3 +90,69 @@ def test_gathering_in_place_gives_the_copys_bits(world, options):
         assert ours[r][2] == copied[r][2], (r, ours[r][2], copied[r][2])
     for name, value in copied[0][3].items():
         assert torch.equal(ours[0][3][name], value), name
+
+
+class _Raising(nn.Module):
+    """Four units of one 64 x 64 weight each (gathered in place), whose forward rank 1
+    leaves at the second when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        for i, b in enumerate(self.blocks):
+            if fail and i == 1:
+                raise ValueError("a bad batch")
+            x = b(x)
+        return x
+
+
+def _diverged(rank, world):
+    """Ranks diverge with in-place gathers in flight (prefetch 2): a gather left to gloo
+    is never waited for, and the full buffer it writes into must not be freed under it
+    (Note [gathering in place]). Observed around the group's own steps: the works of a
+    gather not completed when it was settled, and the storage the gather wrote into."""
+    from shardwise.engine.groups.flat import FlatGroup
+
+    freed_in_flight = []
+    wait_gather, free = FlatGroup.wait_gather, FlatGroup.free
+
+    def watched_wait(g, fill=True, keep=False):
+        work, target = g._gather_work, g._gathered
+        works = list(work._works) if work is not None else []
+        wait_gather(g, fill, keep)
+        pending = [w for w in works if not w.is_completed()]
+        if pending and target is not None:
+            g._left_to_gloo = (target.untyped_storage()._cdata, pending)
+
+    def watched_free(g, keep_grads=False):
+        left = g.__dict__.pop("_left_to_gloo", None)
+        if left is not None and any(not w.is_completed() for w in left[1]) and \
+                g.full.untyped_storage()._cdata == left[0]:
+            freed_in_flight.append(g.unit_name)
+        free(g, keep_grads)
+
+    FlatGroup.wait_gather, FlatGroup.free = watched_wait, watched_free
+    try:
+        torch.manual_seed(0)
+        model = sw.shard(_Raising(), prefetch=2)
+        assert all(g.gathers_in_place for u in model_state(model).units[1:]
+                   for g in u.groups)
+        x = torch.ones(2, 64)
+        expect = model(x)
+        expect.sum().backward()
+        if rank == 1:
+            with pytest.raises(ValueError):
+                model(x, fail=True)
+        with pytest.raises(sw.ShardwiseError, match="diverged"):
+            model(x).sum().backward()
+        with torch.no_grad():  # training goes on, from the same shards
+            assert torch.equal(model(x), expect.detach())
+        return freed_in_flight
+    finally:
+        FlatGroup.wait_gather, FlatGroup.free = wait_gather, free
+
+
+def test_a_gather_left_to_gloo_keeps_its_buffer():
+    assert run_ranks(_diverged, 2, timeout=120) == [[], []]

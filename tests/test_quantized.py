@@ -15,6 +15,7 @@ import copy
 import importlib.util
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -152,13 +153,12 @@ def _nf4_like_fsdp2(rank, world):
     decoders = []
     for linear in (ours[0], ours[2]):
         linear.register_forward_pre_hook(lambda m, a: decoders.append(
-            m.weight.__dict__.get("get_original_weight")))
+            type(m.weight).get_original_weight))
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         expect = ref(x)
         assert torch.equal(theirs(x), expect) and torch.equal(ours(x), expect)
-    assert [d is not None and d.__func__ is dequantize_by_pairs for d in decoders] \
-        == [True, True], decoders
+    assert decoders == [dequantize_by_pairs] * 2, decoders
     return type(ours[0].weight.to_local()).__name__
 
 
@@ -216,10 +216,14 @@ def test_dequantizing_by_pairs_gives_torchaos_bits(dtype, shape, block, scaler_b
     assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))  # every bit
     decode_by_pairs(t)
     assert torch.equal(t.to(torch.float32), theirs.to(torch.float32))
-    assert t.__dict__["get_original_weight"].__func__ is dequantize_by_pairs
+    assert isinstance(t, nf4.NF4Tensor) and type(t).get_original_weight is dequantize_by_pairs
+    assert "get_original_weight" not in t.__dict__  # no cycle, nothing copied along
+    gone = weakref.ref(t)
+    del t
+    assert gone() is None  # freed with its last reference, not by the collector
     odd = nf4.to_nf4(torch.randn(4, 8).to(dtype), 2, 2)  # blocks of 2: not by pairs
     decode_by_pairs(odd)
-    assert "get_original_weight" not in odd.__dict__
+    assert type(odd) is nf4.NF4Tensor
 
 
 # -- what cannot be sharded exactly is refused, by name --------------------------------

@@ -184,8 +184,10 @@ class _Saved:
         """Whether the tensor views its unit's full buffer, allocated (an enclosing
         block holds the unit, or the engine gathered it for its backward)."""
         key = self.tensor.untyped_storage()._cdata
+        # An in-place gather allocates the buffer when issued (Note [gathering in place]
+        # in engine/groups/flat.py): gathered once nothing is in flight into it.
         return any(g.full.untyped_storage()._cdata == key and g.full_is_allocated()
-                   for g in self.unit.groups)
+                   and g._gathered is None for g in self.unit.groups)
 
 
 class _Slot(NamedTuple):

@@ -504,19 +504,23 @@ class _Pending:
         self._works = []
         return True
 
-    def discard(self) -> None:
+    def discard(self) -> bool:
         """Wait without using the result (buffers must outlive the communication); an
-        exchange left behind by a divergence is left to gloo instead."""
+        exchange left behind by a divergence is left to gloo instead, and False returned:
+        gloo may still write into its buffers, which the caller must not free."""
         self.then = None
-        if not self._abandoned():
-            self.wait()
+        if self._abandoned():
+            return False
+        self.wait()
+        return True
 
-    def settle(self, use: bool) -> None:
-        """:meth:`wait` when the result is used, else :meth:`discard`."""
+    def settle(self, use: bool) -> bool:
+        """:meth:`wait` when the result is used, else :meth:`discard`; whether it ended
+        (False: left to gloo, as :meth:`discard` says)."""
         if use:
             self.wait()
-        else:
-            self.discard()
+            return True
+        return self.discard()
 
     def wait(self) -> None:
         if self._error is not None:  # a failed exchange stays failed

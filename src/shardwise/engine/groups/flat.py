@@ -314,7 +314,10 @@ def _run_shard_hooks(shard: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 # target). The all-gather writes through a tensor of its own over that storage, so that
 # gloo's bump of its output's version counter, on a worker thread, never reaches
 # ``full``'s (Note [freeing full parameters] in engine/iteration/unit.py). Memory a
-# collective still writes is never freed: ``reshard`` waits for the gather first.
+# collective still writes is never freed: ``reshard`` waits for the gather first, and a
+# gather left to gloo when ranks diverged (Note [checks ride the exchanges] in
+# comm/channel.py), which nobody waits for, keeps the buffer: the group takes a new,
+# empty one (``leave_full``), and the old one is freed with gloo's work.
 
 
 class FlatGroup:
@@ -624,32 +627,7 @@ class FlatGroup:
         of each, laid out as a group of those parameters alone would be (the same rows
         per rank: ``torch.chunk``'s split depends on the world size only). Where nothing
         is ``keep``, nothing is copied out."""
-        world = self.comm.world_size
-        wanted = self.params if params is None else params
-        if not self.by_rows:
-            send = self._send(self.shard_version())
-            layout = self.gather_layout
-        elif len(wanted) == len(self.params):
-            layout, send = self.layout, self.storage.readable()
-        else:
-            layout, send = _rows_of(self, wanted)
-        assert layout is not None
-        gathered = send
-        if world > 1 or self.by_rows:
-            gathered = torch.empty(layout.gathered_numel, dtype=self.dtype, device=self.device)
-            self.comm.all_gather(gathered, send, what=what)
-        del send
-        if not keep:
-            return {}
-        full = torch.empty(layout.full_numel, dtype=self.dtype, device=self.device)
-        copy_out(gathered, layout, full)
-        if not self.by_rows:
-            ids = {id(p) for p in wanted}
-            return {id(p): p.gather.value(p, outs)[0] for p, outs
-                    in zip(self.params, received(self.params, layout, self._sizes, full))
-                    if id(p) in ids}
-        return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
-                for p, s in zip(wanted, layout.slots)}
+        return _gather_values(self, params, keep, what)
 
     def full_value(self, p: ShardedParam, full: torch.Tensor) -> torch.Tensor:
         """Parameter ``p``'s view of a full buffer such as ``gather_full()``'s."""
@@ -748,8 +726,12 @@ class FlatGroup:
         a forward's gather, whose backward gathers again within the group of k ranks
         (Note [secondary shards])."""
         if self._gather_work is not None:
-            self._gather_work.settle(use=fill)
+            ended = self._gather_work.settle(use=fill)
             self._gather_work = None
+            if not ended and self._gathered is not None and self._gathered_into_full():
+                # Note [gathering in place]: gloo may still write into the full buffer.
+                self.leave_full()
+                self._gathered = None
         self.secondary.settled()
         self._sending = None
         own, self._own_rows = self._own_rows, None
@@ -881,6 +863,37 @@ class FlatGroup:
                 "gathered_numel": self.layout.gathered_numel,
                 "full_allocated": self.full_is_allocated(),
                 "params_tier": params_tier, "optimizer_tier": optimizer_tier}
+
+
+def _gather_values(g: FlatGroup, params: list[ShardedParam] | None, keep: bool,
+                   what: str) -> dict[int, torch.Tensor]:
+    """:meth:`FlatGroup.gather_values`."""
+    world = g.comm.world_size
+    wanted = g.params if params is None else params
+    if not g.by_rows:
+        send = g._send(g.shard_version())
+        layout = g.gather_layout
+    elif len(wanted) == len(g.params):
+        layout, send = g.layout, g.storage.readable()
+    else:
+        layout, send = _rows_of(g, wanted)
+    assert layout is not None
+    gathered = send
+    if world > 1 or g.by_rows:
+        gathered = torch.empty(layout.gathered_numel, dtype=g.dtype, device=g.device)
+        g.comm.all_gather(gathered, send, what=what)
+    del send
+    if not keep:
+        return {}
+    full = torch.empty(layout.full_numel, dtype=g.dtype, device=g.device)
+    copy_out(gathered, layout, full)
+    if not g.by_rows:
+        ids = {id(p) for p in wanted}
+        return {id(p): p.gather.value(p, outs)[0] for p, outs
+                in zip(g.params, received(g.params, layout, g._sizes, full))
+                if id(p) in ids}
+    return {id(p): full[s.full_offset:s.full_offset + s.numel].view(p.shape)
+            for p, s in zip(wanted, layout.slots)}
 
 
 def _versions(g: FlatGroup, buffer_version: int) -> tuple[int, ...]:

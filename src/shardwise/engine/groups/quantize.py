@@ -49,11 +49,10 @@ source does not hold. So:
 from __future__ import annotations
 
 import sys
-import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 import torch.nn as nn
@@ -99,11 +98,16 @@ def nf4_module() -> Any:
 # (tests/test_quantized.py compares them). 18-25 ms for that weight.
 #
 # The full weight a unit's gather builds (``SubclassBytes.after_gather`` in
-# engine/groups/packed.py, once per group, refilled in place after) is given this as its
-# own ``get_original_weight``, which torchao's linear and its ``to(dtype)`` call: only
-# weights shardwise gathers, nothing global, and the type stays torchao's. A weight whose
-# layout is not the one this knows (an odd block, codes not one byte per pair, a
-# big-endian machine) keeps torchao's own.
+# engine/groups/packed.py, once per group, refilled in place after) becomes an instance
+# of ``NF4ByPairs``, a subclass of torchao's ``NF4Tensor`` whose ``get_original_weight``
+# (which torchao's linear and its ``to(dtype)`` call) is this: only weights shardwise
+# gathers, nothing global; ``isinstance(w, NF4Tensor)`` holds, whatever torchao's ops
+# make from it is torchao's own type, and it pickles as one. Not a method set on the
+# instance: that would hold the tensor in a cycle with itself (freed only by Python's
+# collector, so a ``gathered()`` block's bytes would outlive it) and follow it into
+# copies. A weight whose layout is not the one this knows (an odd block, codes not one
+# byte per pair, a table of another dtype than the weight's, a big-endian machine)
+# keeps torchao's own.
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
@@ -135,6 +139,29 @@ def dequantize_by_pairs(t: Any) -> torch.Tensor:
     return values.view(-1, t.block_size).mul_(scalers.unsqueeze(-1)).view(t.shape)
 
 
+_BY_PAIRS: dict[type, type] = {}
+
+
+def _by_pairs(base: type) -> type:
+    """``base`` (torchao's ``NF4Tensor``) with :func:`dequantize_by_pairs` as its
+    ``get_original_weight``; pickled as ``base`` itself."""
+    cls = _BY_PAIRS.get(base)
+    if cls is None:
+        def reduce_ex(self: Any, protocol: SupportsIndex) -> Any:
+            self.__class__ = base
+            try:
+                return torch.Tensor.__reduce_ex__(self, protocol)  # as ``base``
+            finally:
+                self.__class__ = cls
+
+        cls = type("NF4ByPairs", (base,), {
+            "__module__": __name__, "__reduce_ex__": reduce_ex,
+            "__doc__": "A gathered NF4 weight (Note [NF4 dequantized by pairs]).",
+            "get_original_weight": dequantize_by_pairs})
+        _BY_PAIRS[base] = cls
+    return cls
+
+
 def decode_by_pairs(t: torch.Tensor) -> None:
     """Make gathered weight ``t`` dequantize by pairs (Note [NF4 dequantized by pairs])
     when it is an ``NF4Tensor`` of the layout that knows; anything else is left as is."""
@@ -144,10 +171,12 @@ def decode_by_pairs(t: torch.Tensor) -> None:
         return
     data = t.quantized_data  # type: ignore[attr-defined]
     block = t.block_size  # type: ignore[attr-defined]
+    table = t.nf4  # type: ignore[attr-defined]
+    # The table in the weight's dtype: the product is then taken in it, as torchao's is.
     if (data.dtype != torch.uint8 or data.numel() * 2 != t.numel() or block % 4
-            or t.numel() % block or t.nf4.numel() != 16):  # type: ignore[attr-defined]
+            or t.numel() % block or table.numel() != 16 or table.dtype != t.dtype):
         return
-    t.get_original_weight = types.MethodType(dequantize_by_pairs, t)  # type: ignore[attr-defined]
+    t.__class__ = _by_pairs(type(t))
 
 
 def is_adapter(path: str) -> bool:
