@@ -31,6 +31,7 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
+from .engine.groups.quantize import as_torchaos, decode_by_pairs
 from .engine.groups.tensor_parallel import refuse
 from .engine.iteration.buffers import named_buffers
 from .engine.iteration.residency import release
@@ -300,6 +301,9 @@ class _GatherSession:
             u.finish_gather()
         for u in self.units:
             u.pin()  # a forward inside the block must not reshard what it holds
+        for g in self.packed:  # Note [NF4 dequantized by pairs]: FSDP2's types here
+            for pp in g.params:
+                as_torchaos(pp.full)
         # Note [saved after the block]
         storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups
                     if g.by_rows}
@@ -341,6 +345,10 @@ class _GatherSession:
                     for sp, old in zip(g.params, g.leave_full()):
                         _left_behind(old, sp)
             release(u)  # Note [residency] in engine/iteration/residency.py
+        for g in self.packed:  # what the engine still holds computes by pairs again
+            for pp in g.params:
+                if not pp.full.is_meta and not any(u.pins for u in self.units):
+                    decode_by_pairs(pp.full)
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""

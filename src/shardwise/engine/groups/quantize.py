@@ -102,12 +102,14 @@ def nf4_module() -> Any:
 # of ``NF4ByPairs``, a subclass of torchao's ``NF4Tensor`` whose ``get_original_weight``
 # (which torchao's linear and its ``to(dtype)`` call) is this: only weights shardwise
 # gathers, nothing global; ``isinstance(w, NF4Tensor)`` holds, whatever torchao's ops
-# make from it is torchao's own type, and it pickles as one. Not a method set on the
-# instance: that would hold the tensor in a cycle with itself (freed only by Python's
-# collector, so a ``gathered()`` block's bytes would outlive it) and follow it into
-# copies. A weight whose layout is not the one this knows (an odd block, codes not one
-# byte per pair, a table of another dtype than the weight's, a big-endian machine)
-# keeps torchao's own.
+# make from it is torchao's own type, and it pickles as one. Inside ``sw.gathered()``,
+# and kept past its end, the weight is torchao's type itself, as FSDP2 gives it: the
+# block's code sees nothing of this (its forward dequantizes as torchao does). Not a
+# method set on the instance: that would hold the tensor in a cycle with itself (freed
+# only by Python's collector, so a ``gathered()`` block's bytes would outlive it) and
+# follow it into copies. A weight whose layout is not the one this knows (an odd block,
+# codes not one byte per pair, a table of another dtype than the weight's, a big-endian
+# machine) keeps torchao's own.
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
@@ -154,9 +156,16 @@ def _by_pairs(base: type) -> type:
             finally:
                 self.__class__ = cls
 
+        def unflatten(inner: dict, meta: Any, size: Any, stride: Any) -> Any:
+            # torch.compile rebuilds subclasses through this and checks their type
+            t = base.__tensor_unflatten__(inner, meta, size, stride)  # type: ignore[attr-defined]
+            t.__class__ = cls
+            return t
+
         cls = type("NF4ByPairs", (base,), {
             "__module__": __name__, "__reduce_ex__": reduce_ex,
             "__doc__": "A gathered NF4 weight (Note [NF4 dequantized by pairs]).",
+            "__tensor_unflatten__": staticmethod(unflatten),
             "get_original_weight": dequantize_by_pairs})
         _BY_PAIRS[base] = cls
     return cls
@@ -177,6 +186,13 @@ def decode_by_pairs(t: torch.Tensor) -> None:
             or t.numel() % block or table.numel() != 16 or table.dtype != t.dtype):
         return
     t.__class__ = _by_pairs(type(t))
+
+
+def as_torchaos(t: torch.Tensor) -> None:
+    """Give gathered weight ``t`` torchao's own type back (a ``gathered()`` block shows
+    users what FSDP2 would: Note [NF4 dequantized by pairs])."""
+    if type(t) in _BY_PAIRS.values():
+        t.__class__ = type(t).__bases__[0]
 
 
 def is_adapter(path: str) -> bool:
