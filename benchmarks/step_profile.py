@@ -17,6 +17,9 @@ time the process was not scheduled (2 ranks share 2 cores).
 
 ``--unchecked`` also profiles shardwise with ``SHARDWISE_CHECK=0`` (the collective-order
 check's share), ``--kept`` with ``reshard_after_forward=False`` (no gather in the backward).
+``--compiled`` compiles every system's model whole (``torch.compile``, inductor) after
+wrapping or sharding it, as ``workloads.py``'s ``_compiled`` systems do, and warms up
+longer (the compile); DDP is then compiled DDP, the baseline of issue 54's item 3.
 ``--functions`` runs the same steps again under ``cProfile`` instead of ``torch.profiler``
 (``--no-ops``: only that; ``--cpu``: CPU time of the process, robust to a loaded machine,
 instead of wall time) and prints, per shardwise system and per micro-batch (a step of the
@@ -109,6 +112,8 @@ def main() -> None:
                              "to a loaded machine")
     parser.add_argument("--no-ops", action="store_true",
                         help="skip the torch.profiler table (with --functions)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="compile every system's model whole (torch.compile) first")
     parser.add_argument("--micro", type=int, default=4,
                         help="accum: micro-batches under no_sync before the synced one")
     args = parser.parse_args()
@@ -133,6 +138,8 @@ def main() -> None:
         model = w.build()
         systems["kept"] = sw.shard(model, units=w.units(model), reshard_after_forward=False)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in systems.items()}
+    if args.compiled:
+        systems = {k: torch.compile(m) for k, m in systems.items()}
     g = torch.Generator().manual_seed(1 + rank)
     batch = w.batch(g)
 
@@ -145,7 +152,7 @@ def main() -> None:
         opts[name].step()
         opts[name].zero_grad()
 
-    for _ in range(3):
+    for _ in range(6 if args.compiled else 3):  # a compile's recompiles settle by then
         for name in systems:
             step(name)
     totals: dict[str, collections.Counter] = {n: collections.Counter() for n in systems}
