@@ -55,7 +55,7 @@ On optimizers:
   ``sw.clip_grad_norm_`` in the reproducible mode was given;
 - ``_shardwise_set_aside_grads``: the gradients set aside between a step run unit by
   unit and the optimizer's own call, which then finds none (Note [stepping unit by unit]
-  in engine/groups/offload/step.py);
+  in engine/groups/offload/storage.py);
 - ``_shardwise_plain_step``: the parameter groups swapped to local tensors for the step
   under way, and ``_shardwise_plain_step_hooked``, set once the optimizer's
   ``state_dict`` hooks that undo such a swap are registered (Note [plain step]).

@@ -71,8 +71,7 @@ def _offload(text: str):
     """``PARAMS,OPTIMIZER``, each ``device``, ``cpu`` or ``disk`` (any case; ``none``, as
     Python's ``Offload(None, ...)`` spells it, is the device). Refused in the command
     line's words: ``Offload``'s own messages speak of Python's ``None``."""
-    from shardwise.engine.groups.offload import Offload
-    from shardwise.engine.groups.offload.placement import TIERS
+    from shardwise.engine.groups.offload import TIERS, Offload
     from shardwise.errors import ShardwiseError
 
     usage = "each of PARAMS,OPTIMIZER is device, cpu or disk, e.g. device,cpu or disk,disk"

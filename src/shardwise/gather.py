@@ -31,7 +31,6 @@ from .comm.order_check import announce
 from .comm.peers import ACTIVITY
 from .consistency import maybe_check
 from .engine.groups.interface import BufferGroup
-from .engine.groups.quantize import as_torchaos, decode_by_pairs
 from .engine.groups.tensor_parallel import refuse
 from .engine.iteration.buffers import named_buffers
 from .engine.iteration.residency import release
@@ -249,11 +248,11 @@ class _GatherSession:
             (names.get(id(p), "?"), p) for p in self.params if sharded_param(p) is None]
         # Plain rows, whose full parameters view one buffer per group (Note [read-only
         # detection]); tensor subclasses, each with a full tensor of its own (Note
-        # [quantized parameters in gathered()]).
+        # [tensor-subclass parameters in gathered()]).
         self.groups: list[BufferGroup] = [g for u in self.units for g in u.groups
                                           if g.by_rows]
-        # Quantized parameters (Note [quantized parameters in gathered()]).
-        self.packed = [g for u in self.units for g in u.groups if not g.by_rows]
+        # Tensor-subclass parameters (Note [tensor-subclass parameters in gathered()]).
+        self.subclasses = [g for u in self.units for g in u.groups if not g.by_rows]
         self.newly: list[Unit] = []
         self.comm: Comm | None = None
         self.ended = False
@@ -301,9 +300,9 @@ class _GatherSession:
             u.finish_gather()
         for u in self.units:
             u.pin()  # a forward inside the block must not reshard what it holds
-        for g in self.packed:  # Note [NF4 dequantized by pairs]: FSDP2's types here
+        for g in self.subclasses:  # their own types here, as under FSDP2
             for pp in g.params:
-                as_torchaos(pp.full)
+                pp.gather.users_type(pp.full)
         # Note [saved after the block]
         storages = {g.full.untyped_storage()._cdata: u for u in self.units for g in u.groups
                     if g.by_rows}
@@ -318,10 +317,12 @@ class _GatherSession:
         # (DTensor writes its local tensor below autograd), as a tensor subclass does.
         self.tp_versions = [[(pp, pp.full._version) for pp in g.params
                              if isinstance(pp.full, DTensor)] for g in self.groups]
-        self.packed_versions = [(pp, _version(pp)) for g in self.packed for pp in g.params]
-        # Note [quantized parameters in gathered()]: what a write may reach of the shards.
-        self.packed_kept = [(t, t.detach().clone()) for g in self.packed for pp in g.params
-                            for t in _shared_inner(pp)]
+        self.subclass_versions = [(pp, _version(pp)) for g in self.subclasses
+                                  for pp in g.params]
+        # Note [tensor-subclass parameters in gathered()]: what a write may reach of the
+        # shards.
+        self.subclass_kept = [(t, t.detach().clone()) for g in self.subclasses
+                              for pp in g.params for t in _shared_inner(pp)]
         buffers = named_buffers(self.module) if self.module is not None else []
         self.buffer_snapshot = ([(n, b, b.detach().clone()) for n, b in buffers]
                                 if r is None else [])
@@ -345,10 +346,10 @@ class _GatherSession:
                     for sp, old in zip(g.params, g.leave_full()):
                         _left_behind(old, sp)
             release(u)  # Note [residency] in engine/iteration/residency.py
-        for g in self.packed:  # what the engine still holds computes by pairs again
+        for g in self.subclasses:  # what the engine still holds computes its own way
             for pp in g.params:
                 if not pp.full.is_meta and not any(u.pins for u in self.units):
-                    decode_by_pairs(pp.full)
+                    pp.gather.engines_type(pp.full)
 
     def exit(self) -> None:
         """Verify a read-only block or apply the modifier's edits, then release."""
@@ -367,8 +368,8 @@ class _GatherSession:
                 if self.comm.rank != self.modifier_rank:
                     # Only the modifier's edits count: another rank's write into what its
                     # shard shares with the full tensor goes (rank r's then arrive).
-                    _restore(self.packed_kept)
-                _apply_packed(self.comm, self.packed_versions,
+                    _restore(self.subclass_kept)
+                _apply_subclass_edits(self.comm, self.subclass_versions,
                               [s for s in replaced if not s.param.by_rows],
                               self.modifier_rank)
         finally:
@@ -388,7 +389,7 @@ class _GatherSession:
                  if now.get(n) is not b or not _same_bytes(b, old)]
         local += [f"parameter {n}" for n, p, v in self.plain_versions if p._version != v]
         local += [f"parameter {s.param.fqns[0]} (replaced)" for s in replaced]
-        local += [f"parameter {pp.fqns[0]}" for pp, v in self.packed_versions
+        local += [f"parameter {pp.fqns[0]}" for pp, v in self.subclass_versions
                   if _version(pp) != v]
         if not any_rank(self.comm, bool(local) or any(suspects),
                         "the agreement on writes in gathered()"):
@@ -397,10 +398,10 @@ class _GatherSession:
             for n, b, old in self.buffer_snapshot:
                 if now.get(n) is b and not _same_bytes(b, old):
                     b.copy_(old)
-            # Quantized shards, then their full values (a gather of every rank's bytes),
-            # go back to what they were on entry.
-            _restore(self.packed_kept)
-        for g in self.packed:
+            # Tensor-subclass shards, then their full values (a gather of every rank's
+            # bytes), go back to what they were on entry.
+            _restore(self.subclass_kept)
+        for g in self.subclasses:
             g.start_gather()
             g.wait_gather()
         local += _written_params(self.comm, self.groups, suspects)
@@ -496,14 +497,15 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
             comm.broadcast_tensors([p.data for _, p in plain], src)
 
 
-# Note [quantized parameters in gathered()]
-# A quantized (tensor subclass) parameter is gathered with its unit, through the extension
-# protocol (Note [packed parameters] in engine/groups/packed.py): inside the block the module
-# holds the full subclass tensor (an NF4Tensor: ``w.get_original_weight()`` dequantizes
-# it, for inference or to merge an adapter). Writes are detected by the full tensor's
-# version counter, which an in-place operation on the subclass bumps (its inner tensors'
-# counters do not move: the subclass writes them below autograd). Some of the full
-# tensor's inner tensors are the shard's own (NF4's scaler mean and lookup table come
+# Note [tensor-subclass parameters in gathered()]
+# A frozen tensor-subclass parameter (a quantized weight, in QLoRA) is gathered with its
+# unit, through the extension protocol and its gather strategy (Note [packed parameters]
+# in engine/groups/packed.py), which gathered() asks, naming no format: inside the block
+# the module holds the full subclass tensor (an NF4Tensor: ``w.get_original_weight()``
+# dequantizes it, for inference or to merge an adapter). Writes are detected by the full
+# tensor's version counter, which an in-place operation on the subclass bumps (its inner
+# tensors' counters do not move: the subclass writes them below autograd). Some of the
+# full tensor's inner tensors are the shard's own (NF4's scaler mean and lookup table come
 # from ``fsdp_pre_all_gather``'s metadata, not the all-gather), so a write reaches the
 # shard: a block keeps a copy of those (a few bytes); a read-only one restores them, then
 # gathers the full values again, so the shards are unchanged and an enclosing block sees
@@ -513,10 +515,10 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # tensor by inner tensor, and every rank keeps its share (``SubclassBytes.take_full``, the
 # rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
 # a write of theirs to a weight rank r left alone does not stay in their shard. A weight
-# divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the same full
-# subclass tensor, rebuilt around the gathered bytes: none of its inner tensors is the
-# shard's, so a read-only block's regather alone restores it, and ``take_full`` keeps
-# each rank's element ranges.
+# divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the
+# same full subclass tensor, rebuilt around the gathered bytes: none of its inner tensors
+# is the shard's, so a read-only block's regather alone restores it, and ``take_full``
+# keeps each rank's element ranges.
 def _restore(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Put back each tensor's snapshot where it changed."""
     with torch.no_grad():
@@ -539,10 +541,10 @@ def _shared_inner(pp: ShardedParam) -> list[torch.Tensor]:
             if (t := getattr(pp.full, n)).untyped_storage().data_ptr() == local]
 
 
-def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
-                  replaced: list[_Slot], src: int) -> None:
-    """Note [quantized parameters in gathered()]: rank ``src``'s written quantized
-    parameters become every rank's, each keeping its share."""
+def _apply_subclass_edits(comm: Comm, versions: list[tuple[ShardedParam, int]],
+                          replaced: list[_Slot], src: int) -> None:
+    """Note [tensor-subclass parameters in gathered()]: rank ``src``'s written
+    tensor-subclass parameters become every rank's, each keeping its share."""
     problems: list[str] = []
     written = []
     if comm.rank == src:
@@ -557,12 +559,13 @@ def _apply_packed(comm: Comm, versions: list[tuple[ShardedParam, int]],
         written = [i for i, (pp, v) in enumerate(versions) if _version(pp) != v]
         problems += [why for i in written if (why := (pp := versions[i][0]).gather.full_problem(
             pp.fqns[0], pp.shape, pp.full)) is not None]
-    everyone = comm.all_gather_object((problems, written), what="gathered()'s quantized edits")
+    everyone = comm.all_gather_object((problems, written),
+                                      what="gathered()'s tensor-subclass edits")
     problems, written = everyone[src]
     if problems or any(p for p, _ in everyone):
         detail = "; ".join(problems) if problems else f"see the error on rank {src}"
-        raise ShardwiseError(f"gathered(modifier_rank={src}) cannot keep the edits of "
-                             f"quantized parameters: {detail}")
+        # The words are the strategy's: its parameters' kind is known to the user by them.
+        raise ShardwiseError(versions[0][0].gather.edits_refusal(src, detail))
     with torch.no_grad():
         for i in written:
             pp = versions[i][0]

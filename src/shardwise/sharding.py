@@ -249,7 +249,7 @@ def shard(module: nn.Module, *, group: dist.ProcessGroup | None = None,
                                     reshard_after_forward, mp, src_rank, offload, buffers,
                                     reproducible))
     settings = Settings(reshard_after_forward, prefetch, reproducible, mp.param_dtype,
-                        src_rank, offload)
+                        src_rank)
     _agree_structure(topo.world, plan.units, _compared(settings, plan.buffers, topo.world, mp))
     build(module, plan, topo, device, settings)
     maybe_check(module)
@@ -462,7 +462,6 @@ def _compared(settings: Settings, buffers: BufferPolicy, comm: Comm, mp: MixedPr
     """Every setting that decides what ranks communicate, for :func:`_agree_structure`."""
     compared: dict[str, object] = dict(vars(settings))
     compared.pop("cast_inputs")  # mixed_precision says it
-    compared.pop("offload")  # where a rank keeps its states changes nothing it sends
     compared.update(buffers=buffers.value,
                     mixed_precision=(str(mp.param_dtype), str(mp.reduce_dtype)),
                     SHARDWISE_CHECK=order_checks_enabled(comm))

@@ -51,7 +51,7 @@ from .entry_points.step import install_step_hooks
 from .entry_points.zero_grad import guard_module_zero_grad
 from .groups.alloc import freed, trim
 from .groups.flat import flat_group, subclass_group
-from .groups.offload.placement import Placement
+from .groups.parts import Placement
 from .iteration import hooks
 from .iteration.buffers import BufferSync
 from .iteration.state import ModelState, Settings, set_model_state
@@ -69,6 +69,7 @@ def build(root: nn.Module, plan: Plan, topology: Topology, device: torch.device,
                          plan.placement)
              for i, u in enumerate(plan.units)]
     trim()  # Note [freed memory]
+    install_step_hooks(plan.placement)  # Note [the optimizer step]: its part, if any
     _materialise_buffers(root, topology.world.rank, device, settings.src_rank)
     buffers = BufferSync(root, topology.world, plan.buffers, settings.src_rank,
                          exact=settings.reproducible)

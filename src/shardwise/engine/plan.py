@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .groups.layout import ShardLayout
-from .groups.offload.placement import Placement
+from .groups.parts import Placement
 from .iteration.buffers import BufferPolicy
 
 
@@ -58,5 +58,5 @@ class Plan:
     :func:`~shardwise.engine.build.build` builds."""
 
     units: list[UnitPlan]  # the root's first, then in module order
-    placement: Placement | None  # where offloaded states live
+    placement: Placement | None  # where the states live; None: all on the device
     buffers: BufferPolicy  # how buffers are kept equal

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..engine.groups.layout import ShardLayout
-from ..engine.groups.offload.placement import TIERS, Offload
+from ..engine.groups.offload import TIERS, Offload
 from .units import (
     AUTO,
     UnitSpec,

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..._registry import PLAIN_STEP, PLAIN_STEP_HOOKED, attach_to, attached, detach_from
-from ..groups.offload.step import PER_PARAMETER
+from ..groups.parts import PER_PARAMETER
 from ..iteration.unit import sharded_param
 
 

@@ -10,21 +10,24 @@ and ``sw.clip_grad_norm_`` (grads.py) may have rescaled them. What shardwise add
 itself runs in two process-wide hooks torch calls around every optimizer's ``step``
 (``register_optimizer_step_pre_hook`` and ``..._post_hook``), which the first ``sw.shard``
 of a process installs (:func:`install_step_hooks`, from engine/build.py). For an optimizer
-holding no shards each does nothing. In order:
+holding no shards each does nothing. A placement whose tiers need a part of the step
+(``Placement.optimizer_step`` in engine/groups/parts.py) has it added by the build of the
+first model placed so; the hooks ask each part added, and name no tier. In order:
 
 1. before the step (:func:`_before_step`):
    a. the misuse checks, which raise before anything changes (``check_step`` in
       engine/entry_points/guards.py: Adafactor over shards, full parameters taken while gathered,
       plain parameters nothing synchronises; in the reproducible mode, a warning for
       gradients rescaled other than by ``sw.clip_grad_norm_``);
-   b. disk-offloaded state is stepped here, one unit at a time, and the optimizer's own
-      call is given arguments that change nothing (Note [stepping unit by unit] in
-      engine/groups/offload/step.py);
+   b. a placement's part of the step may run the step itself and give the optimizer's
+      own call arguments that change nothing (disk-offloaded state, stepped one unit at
+      a time: Note [stepping unit by unit] in engine/groups/offload/storage.py);
    c. otherwise torch's per-element optimizers are handed the shards' local tensors
       instead of the DTensors (Note [plain step] in engine/entry_points/plain_step.py);
 2. the optimizer's own ``step``: its arithmetic, on this rank's rows;
-3. after the step (:func:`_after_step`): the plain step's swap undone, the gradients set
-   aside by a unit-by-unit step given back, the host tier's traffic counted.
+3. after the step (:func:`_after_step`): the plain step's swap undone, then each
+   placement's part (the gradients set aside by a unit-by-unit step given back, the host
+   tier's traffic counted).
 
 The updated rows reach the modules at the next forward, whose gathers read the shards.
 Each optimizer that holds shards also carries ``state_dict`` and ``load_state_dict``
@@ -57,17 +60,24 @@ import torch.nn as nn
 
 from ..._registry import mark_synchronised
 from ...errors import ShardwiseError
-from ..groups.offload.step import after_step, step_by_unit
+from ..groups.parts import OptimizerStep, Placement
 from ..iteration.unit import sharded_param
 from . import plain_step
 from .guards import check_step
 
 _installed = False
+# The placements' parts of the step (Note [the optimizer step]): one per kind of
+# placement a model of this process was built with, in the order first met.
+_placement_steps: list[OptimizerStep] = []
 
 
-def install_step_hooks() -> None:
-    """Install the step hooks of Note [the optimizer step], once per process."""
+def install_step_hooks(placement: Placement | None = None) -> None:
+    """Install the step hooks of Note [the optimizer step], once per process, and add
+    ``placement``'s part of the step, once per kind."""
     global _installed
+    part = placement.optimizer_step() if placement is not None else None
+    if part is not None and all(part is not p for p in _placement_steps):
+        _placement_steps.append(part)
     if _installed:
         return
     _installed = True
@@ -85,16 +95,19 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     """Step 1 of Note [the optimizer step]; the arguments the optimizer's own call gets
     instead of its own, or None."""
     check_step(optimizer)
-    changed = step_by_unit(optimizer, args, kwargs)  # Note [stepping unit by unit]
-    if changed is None:
-        plain_step.enter(optimizer, args, kwargs)  # Note [plain step]
-    return changed
+    for part in _placement_steps:
+        changed = part.before(optimizer, args, kwargs)
+        if changed is not None:
+            return changed
+    plain_step.enter(optimizer, args, kwargs)  # Note [plain step]
+    return None
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step 3 of Note [the optimizer step]."""
     plain_step.leave(optimizer)
-    after_step(optimizer, args, kwargs)
+    for part in _placement_steps:
+        part.after(optimizer, args, kwargs)
 
 
 # Declaring parameters deliberately per rank: what lets the step's refusal of Note

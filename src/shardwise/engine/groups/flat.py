@@ -101,8 +101,6 @@ from .copies import (
 )
 from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
-from .offload.placement import Placement
-from .offload.storage import GroupStorage
 from .packed import (
     ByteStorage,
     cuts_agreed,
@@ -115,7 +113,7 @@ from .packed import (
     twin_shard,
     uses_protocol,
 )
-from .parts import DeviceStorage, Precision, SecondaryShard, ShardStorage
+from .parts import DeviceStorage, Placement, Precision, SecondaryShard, ShardStorage
 from .reduce import GradReduction, Group
 from .tensor_parallel import TpSpec
 
@@ -827,15 +825,12 @@ class FlatGroup:
     def bytes_by_tier(self) -> dict[str, int]:
         return self.storage.bytes_by_tier()
 
-    def offload_description(self) -> str | None:
-        return self.storage.describe()
-
     def may_be_held(self) -> bool:
         """Whether its full parameters may stay gathered across ``no_sync``
         micro-batches (Note [residency] in engine/iteration/residency.py): not offloaded,
         and not tensor subclasses (a quantized base would stay gathered for an adapter's
         gradients)."""
-        return self.by_rows and self.offload_description() is None
+        return self.by_rows and self.storage.describe() is None
 
     def grads_may_wait(self) -> bool:
         """Whether its gradients accumulated under ``no_sync`` may wait in the full
@@ -944,8 +939,9 @@ def flat_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
     in planning/units.py: computed once); ``regather``: the group of k ranks a non-root
     unit's backward gathers in under ``reshard_after_forward=k`` (Note [secondary
     shards] in comm/mesh.py); ``exact``: the reproducible mode's reduction (Note
-    [reproducible reduction]); ``placement``: the tiers of an offloaded model (Note [two
-    states, three tiers] in engine/groups/offload/__init__.py), ``None`` for all on ``device``.
+    [reproducible reduction]); ``placement``: where the model's states live, which makes
+    the shard's storage (``Placement`` in engine/groups/parts.py), ``None`` for all on
+    ``device``.
     """
     assert layout.world_size == topology.shard.world_size and \
         [s.shape for s in layout.slots] == [tuple(p.shape) for p in originals], \
@@ -954,7 +950,7 @@ def flat_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str]]],
     dtype = originals[0].dtype
     storage: ShardStorage = (
         DeviceStorage(layout.shard_numel, dtype, compute_dtype, device) if placement is None
-        else GroupStorage(placement, layout.shard_numel, dtype, compute_dtype))
+        else placement.storage(layout.shard_numel, dtype, compute_dtype))
     return FlatGroup(members, topology, layout, storage, Precision(compute_dtype, reduce_dtype),
                      SecondaryShard(regather), ExactReduction if exact else GradReduction)
 

@@ -62,7 +62,7 @@ from ...comm.mesh import Topology
 from ...errors import ShardwiseError
 from .layout import ShardLayout, build_layout, contiguous_stride
 from .parts import DeviceStorage
-from .quantize import decode_by_pairs
+from .quantize import as_torchaos, decode_by_pairs
 
 
 def uses_protocol(t: torch.Tensor) -> bool:
@@ -473,6 +473,25 @@ class SubclassBytes:
         self.allocated = [(t, t.untyped_storage().nbytes()) for t in allocated
                           if not _shares(t, gathered)]
         return param
+
+    @staticmethod
+    def users_type(full: torch.Tensor) -> None:
+        """Give the gathered ``full`` the subclass's own type while users hold it (a
+        ``gathered()`` block shows what FSDP2 would: Note [NF4 dequantized by pairs])."""
+        as_torchaos(full)
+
+    @staticmethod
+    def engines_type(full: torch.Tensor) -> None:
+        """Give the gathered ``full`` back the type the engine computes with (Note [NF4
+        dequantized by pairs]; :meth:`after_gather` gives it at the first gather)."""
+        decode_by_pairs(full)
+
+    @staticmethod
+    def edits_refusal(src: int, detail: str) -> str:
+        """Why ``gathered(modifier_rank=src)`` cannot keep rank ``src``'s edits of
+        these parameters (Note [tensor-subclass parameters in gathered()] in gather.py)."""
+        return (f"gathered(modifier_rank={src}) cannot keep the edits of quantized "
+                f"parameters: {detail}")
 
     def views(self) -> list[torch.Tensor]:
         """Every tensor of it viewing the group's bytes: the chunk's inner tensors, the

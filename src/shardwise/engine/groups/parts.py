@@ -2,8 +2,8 @@
 
 A :class:`~shardwise.engine.groups.flat.FlatGroup` branches on no mode (Note [one interface for
 a group] in engine/groups/interface.py). Mixed precision is a :class:`Precision`; the shard's home
-is a :class:`ShardStorage`: :class:`DeviceStorage` here, or an offloaded group's
-:class:`~shardwise.engine.groups.offload.storage.GroupStorage`, which answers the same calls;
+is a :class:`ShardStorage`: :class:`DeviceStorage` here, or the storage a :class:`Placement`
+makes for its tiers, which answers the same calls;
 ``reshard_after_forward=k`` is a :class:`SecondaryShard` over the group of k ranks, which
 without one keeps nothing; the reduction is the class the group is given
 (engine/groups/reduce.py's, or the reproducible mode's in engine/groups/exact_reduction.py).
@@ -83,6 +83,51 @@ class ShardStorage(Protocol):
     def like(self) -> ShardStorage: ...
 
     def recast(self, dtype: torch.dtype, compute: torch.dtype) -> None: ...
+
+
+# torch.optim optimizers whose update of a parameter reads only that parameter, its
+# gradient, its own state and the group's hyperparameters: what Note [plain step] in
+# engine/entry_points/plain_step.py and a tier stepping part of an optimizer's parameters
+# at a time (Note [stepping unit by unit] in engine/groups/offload/storage.py) rely on.
+PER_PARAMETER = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD",
+                           "NAdam", "RAdam", "RMSprop", "Rprop"})
+
+
+class OptimizerStep(Protocol):
+    """A placement's own part of every optimizer step (Note [the optimizer step] in
+    engine/entry_points/step.py): what its tiers need before the optimizer's own call and
+    after it. One object per kind of placement, the same for all its instances."""
+
+    def before(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
+               ) -> tuple[tuple, dict] | None:
+        """Run what the step needs first; the arguments that make the optimizer's own
+        call change nothing when this step did its work, else ``None``."""
+
+    def after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None: ...
+
+
+class Placement(Protocol):
+    """Where one rank keeps a model's two states, its parameter shards and its optimizer
+    state, each on a tier (``"device"`` the nearest): what ``shard`` resolved its
+    arguments to (Note [two states, three tiers] in engine/groups/offload/__init__.py).
+    ``None`` in its place is every state on the device, in a :class:`DeviceStorage`. The
+    engine asks it for a group's storage and for its part of the optimizer step, and
+    names no tier."""
+
+    @property
+    def params(self) -> str:
+        """The tier the parameter shards that gathers read live on."""
+
+    @property
+    def optimizer(self) -> str:
+        """The tier of the master shards, their gradients and the optimizer's state."""
+
+    def storage(self, numel: int, dtype: torch.dtype, compute_dtype: torch.dtype
+                ) -> ShardStorage:
+        """The home of a flat group's shard of ``numel`` elements on these tiers."""
+
+    def optimizer_step(self) -> OptimizerStep | None:
+        """Its part of every optimizer step, or ``None``."""
 
 
 class DeviceStorage:

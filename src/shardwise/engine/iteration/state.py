@@ -239,7 +239,6 @@ class Settings:
     reproducible: bool  # Note [reproducible reduction] in exact/reduce.py
     cast_inputs: torch.dtype | None  # MixedPrecision.param_dtype
     src_rank: int
-    offload: Any = None  # an engine/groups/offload Offload, or None: every state on the device
 
 
 class CommSchedule:
