@@ -695,3 +695,17 @@ def _moves_and_casts(rank, world):
 
 def test_moves_that_change_nothing_keep_quantized_shards_and_casts_are_refused():
     assert run_ranks(_moves_and_casts, 2) == [True, True]
+
+
+def test_the_pairs_table_reads_no_value_on_the_host_off_the_cpu():
+    """Note [NF4 dequantized by pairs]: off the CPU the 65536 x 4 table is made on the
+    device, never keyed by its values read to the host (a stall at every dequantization
+    on a GPU). The meta device stands for one here: a host read of a meta tensor raises."""
+    from shardwise.engine.groups.quantize import _quads
+
+    table = nf4_module().to_nf4(torch.randn(64, 64).to(torch.bfloat16), 64, 64).nf4
+    quads = _quads(table.to("meta"))
+    assert quads.device.type == "meta" and quads.shape == (65536, 4)
+    assert quads.dtype == table.dtype
+    on_cpu = _quads(table)
+    assert torch.equal(on_cpu[0x21], table[[2, 1, 0, 0]])  # low byte first, high nibble first

@@ -117,15 +117,23 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _quads(table: torch.Tensor) -> torch.Tensor:
-    """The 65536 x 4 table of the values of every two bytes of codes (cached: NF4's
-    16 values are the same for every weight)."""
-    key = (table.dtype, table.device, tuple(table.tolist()))
+    """The 65536 x 4 table of the values of every two bytes of codes. Cached by the 16
+    values on the host (NF4's are the same for every weight); on an accelerator made
+    anew at each call, for reading the values there would stall the host until the
+    device caught up, at every dequantization, and making it is a few small kernels."""
+    if table.device.type != "cpu":
+        return _make_quads(table)
+    key = (table.dtype, tuple(table.tolist()))
     if key not in _TABLES:
-        byte = torch.arange(256, device=table.device)
-        pairs = torch.stack([table[byte >> 4], table[byte & 0b1111]], dim=-1)
-        two = torch.arange(65536, device=table.device)
-        _TABLES[key] = torch.cat([pairs[two & 0xFF], pairs[two >> 8]], dim=-1).contiguous()
+        _TABLES[key] = _make_quads(table)
     return _TABLES[key]
+
+
+def _make_quads(table: torch.Tensor) -> torch.Tensor:
+    byte = torch.arange(256, device=table.device)
+    pairs = torch.stack([table[byte >> 4], table[byte & 0b1111]], dim=-1)
+    two = torch.arange(65536, device=table.device)
+    return torch.cat([pairs[two & 0xFF], pairs[two >> 8]], dim=-1).contiguous()
 
 
 def dequantize_by_pairs(t: Any) -> torch.Tensor:
