@@ -5,7 +5,7 @@ reference), ``load_state_dict`` and ``load_pretrained`` into an already quantize
 model, or is refused by name. Two tiny Llamas: one whose shapes split evenly at 2 and 3
 ranks (96 and 192 rows into NF4 blocks of 32 and scale blocks of 8), and, at 3 ranks,
 tests/test_quantized_uneven.py's, whose 64-row projections are divided by bytes (Note
-[uneven packed parameters] in engine/groups/packed.py)."""
+[uneven packed parameters] in engine/groups/subclass.py)."""
 
 from __future__ import annotations
 

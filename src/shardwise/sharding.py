@@ -36,7 +36,7 @@ from .consistency import maybe_check
 from .engine.build import build
 from .engine.groups.flat import gathers_bytes, refusal
 from .engine.groups.offload import Offload
-from .engine.groups.packed import cut, shard_mesh
+from .engine.groups.subclass import cut, shard_mesh
 from .engine.groups.tensor_parallel import refusal as tp_refusal
 from .engine.iteration.buffers import BufferPolicy, buffer_policy
 from .engine.iteration.state import Settings, model_state
@@ -515,11 +515,11 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     packed = [r for r in records if gathers_bytes(r.param)]
     for r in packed:
         # Refuses what cannot be divided among the ranks, before any change (Note
-        # [uneven packed parameters] in engine/groups/packed.py).
+        # [uneven packed parameters] in engine/groups/subclass.py).
         cut(r.fqns[0], r.param, shards, compute_dtype)
     if packed and offload is not None and offload.param_tier != "device" \
             and device.type != "cpu":
-        # Note [packed bytes offloaded] in engine/groups/packed.py: optimizer tiers take only
+        # Note [packed bytes offloaded] in engine/groups/subclass.py: optimizer tiers take only
         # the trainable groups (adapters), which are flat; the packed bytes are frozen
         # and have no optimizer state.
         raise ShardwiseError(f"Offload(params={offload.params!r}) does not take quantized "
