@@ -5,7 +5,7 @@ has one block of scales, and torchao stores its ``quantization_factor`` as a one
 view of stride 256; a weight divided by bytes may give a rank a piece of one element or
 none. ``sw.shard`` used to raise torch's "self.stride(-1) must be 1 to view Float as Byte"
 on them (a Llama 128 wide at 2 and 3 ranks), both after ``quantize_nf4`` and when
-quantizing while loading (``_as_bytes`` in engine/groups/packed.py).
+quantizing while loading (``_as_bytes`` in engine/groups/subclass.py).
 
 The sweep: Llamas of one decoder layer, hidden sizes 64 to 512, at 1 to 4 ranks (one
 group per world size, every size in it). Their linear weights hold 1 to 16 blocks of

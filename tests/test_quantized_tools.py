@@ -5,7 +5,7 @@ reference), ``load_state_dict`` and ``load_pretrained`` into an already quantize
 model, or is refused by name. Two tiny Llamas: one whose shapes split evenly at 2 and 3
 ranks (96 and 192 rows into NF4 blocks of 32 and scale blocks of 8), and, at 3 ranks,
 tests/test_quantized_uneven.py's, whose 64-row projections are divided by bytes (Note
-[uneven packed parameters] in engine/groups/packed.py)."""
+[uneven packed parameters] in engine/groups/subclass.py)."""
 
 from __future__ import annotations
 
@@ -421,8 +421,9 @@ def test_offloading_nf4_bytes_on_a_gpu_is_refused_by_name():
     for params in ("cpu", "disk"):
         offload = sw.Offload(params=params, optimizer="disk", folder="/nonexistent")
         with pytest.raises(sw.ShardwiseError, match=rf"Offload\(params='{params}'\) does "
-                                                    rf"not take quantized .* on a cuda "
-                                                    rf"device yet \(0\.weight, \.\.\.\)"):
+                                                    rf"not take frozen tensor-subclass parameters "
+                                                    rf".* on a cuda device yet "
+                                                    rf"\(0\.weight, \.\.\.\)"):
             sharding._check_params(records, 0, 0, offload, 2, None, torch.device("cuda", 0))
     sharding._check_params(records, 0, 0, offload, 2, None, torch.device("cpu"))  # taken
     assert type(m[0].weight) is nf4_module().NF4Tensor  # nothing changed

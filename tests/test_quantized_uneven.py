@@ -1,6 +1,6 @@
 """Quantized weights at any world size (issue 43, part 4): an NF4 weight whose rows and
 blocks do not split into N equal shards is divided by bytes of its full inner tensors
-(Note [uneven packed parameters] in engine/groups/packed.py), and gives the bits it gives at 1
+(Note [uneven packed parameters] in engine/groups/subclass.py), and gives the bits it gives at 1
 and 2 ranks.
 
 The model: a tiny Llama whose 64-row projections (q, k, v, o, down) split evenly at 2
@@ -23,7 +23,7 @@ import shardwise as sw
 
 if importlib.util.find_spec("torchao") is None:  # not importorskip: torchao's import is noisy
     pytest.skip("torchao is not installed (shardwise[quant])", allow_module_level=True)
-from shardwise.engine.groups.packed import ByteShard  # noqa: E402
+from shardwise.engine.groups.subclass import ByteShard  # noqa: E402
 from shardwise.integrations.quant import NF4, nf4_module, quantize_nf4  # noqa: E402
 
 BLOCKS = NF4(block_size=32, scaler_block_size=8)  # 256 elements: whole in every weight

@@ -500,7 +500,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # Note [tensor-subclass parameters in gathered()]
 # A frozen tensor-subclass parameter (a quantized weight, in QLoRA) is gathered with its
 # unit, through the extension protocol and its gather strategy (Note [packed parameters]
-# in engine/groups/packed.py), which gathered() asks, naming no format: inside the block
+# in engine/groups/subclass.py), which gathered() asks, naming no format: inside the block
 # the module holds the full subclass tensor (an NF4Tensor: ``w.get_original_weight()``
 # dequantizes it, for inference or to merge an adapter). Writes are detected by the full
 # tensor's version counter, which an in-place operation on the subclass bumps (its inner
@@ -515,7 +515,7 @@ def _apply_modifications(comm: Comm, groups: list[BufferGroup], replaced: list[_
 # tensor by inner tensor, and every rank keeps its share (``SubclassBytes.take_full``, the
 # rule of Note [packed checkpoints]); the other ranks first restore their copies, so that
 # a write of theirs to a weight rank r left alone does not stay in their shard. A weight
-# divided by bytes (Note [uneven packed parameters] in engine/groups/packed.py) is the
+# divided by bytes (Note [uneven packed parameters] in engine/groups/subclass.py) is the
 # same full subclass tensor, rebuilt around the gathered bytes: none of its inner tensors
 # is the shard's, so a read-only block's regather alone restores it, and ``take_full``
 # keeps each rank's element ranges.

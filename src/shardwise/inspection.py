@@ -104,7 +104,7 @@ class GroupView:
 class PackedView:
     """A unit's frozen tensor-subclass parameters (quantized weights such as torchao's
     ``NF4Tensor``), gathered through FSDP2's extension protocol in one all-gather of bytes
-    (Note [packed parameters] in engine/groups/packed.py)."""
+    (Note [packed parameters] in engine/groups/subclass.py)."""
 
     names: tuple[str, ...]       # the first qualified name of each parameter
     types: tuple[str, ...]       # each one's class name

@@ -36,7 +36,7 @@ from .consistency import maybe_check
 from .engine.build import build
 from .engine.groups.flat import gathers_bytes, refusal
 from .engine.groups.offload import Offload
-from .engine.groups.packed import cut, shard_mesh
+from .engine.groups.subclass import cut, shard_mesh
 from .engine.groups.tensor_parallel import refusal as tp_refusal
 from .engine.iteration.buffers import BufferPolicy, buffer_policy
 from .engine.iteration.state import Settings, model_state
@@ -512,23 +512,24 @@ def _check_params(records: list[ParamRecord], rank: int, src_rank: int,
     if refused:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise ShardwiseError(refused[0] + more)
-    packed = [r for r in records if gathers_bytes(r.param)]
-    for r in packed:
+    subclasses = [r for r in records if gathers_bytes(r.param)]
+    for r in subclasses:
         # Refuses what cannot be divided among the ranks, before any change (Note
-        # [uneven packed parameters] in engine/groups/packed.py).
+        # [uneven packed parameters] in engine/groups/subclass.py).
         cut(r.fqns[0], r.param, shards, compute_dtype)
-    if packed and offload is not None and offload.param_tier != "device" \
+    if subclasses and offload is not None and offload.param_tier != "device" \
             and device.type != "cpu":
-        # Note [packed bytes offloaded] in engine/groups/packed.py: optimizer tiers take only
-        # the trainable groups (adapters), which are flat; the packed bytes are frozen
-        # and have no optimizer state.
-        raise ShardwiseError(f"Offload(params={offload.params!r}) does not take quantized "
-                             f"(tensor subclass) parameters on a {device.type} device yet "
-                             f"({packed[0].fqns[0]}, ...): their packed bytes would have to "
-                             f"be staged on the device for every gather. Offload the "
-                             f"adapters' master shards and optimizer state with "
-                             f"Offload(optimizer={offload.optimizer!r}) (params on the "
-                             f"device); the quantized bytes are already a quarter of their "
+        # Note [packed bytes offloaded] in engine/groups/subclass.py: optimizer tiers take
+        # only the trainable groups (adapters), which are flat; the subclasses' bytes are
+        # frozen and have no optimizer state.
+        raise ShardwiseError(f"Offload(params={offload.params!r}) does not take frozen "
+                             f"tensor-subclass parameters (a QLoRA base's weights) on a "
+                             f"{device.type} device yet ({subclasses[0].fqns[0]}, ...): "
+                             f"their bytes would have to be staged on the device for "
+                             f"every gather. Offload the adapters' master shards and "
+                             f"optimizer state with Offload(optimizer="
+                             f"{offload.optimizer!r}) (params on the device); a QLoRA "
+                             f"base's 4-bit weights are already a quarter of their "
                              f"full-precision size or less")
     _refuse_scalars([r.fqns[0] for r in records if r.param.dim() == 0])
     if rank == src_rank:

@@ -9,7 +9,7 @@ Each rank's data file holds, under these keys (docs/checkpoints.md):
   parameter, flat; or, in rank 0's file, a state tensor of another shape, whole;
 - ``packed/<name>/<inner>``: its piece of an inner tensor of a parameter gathered as its
   inner tensors' bytes, a tensor subclass (a quantized weight: Note [packed checkpoints]
-  in engine/groups/packed.py);
+  in engine/groups/subclass.py);
 - ``rng/torch`` and ``rng/cuda``: its RNG states (checkpoint/_rng.py).
 
 The metadata lists parameters held as inner tensors in their own section,
@@ -44,7 +44,7 @@ def optim_key(main: str, state: str) -> str:
 
 def inner_key(main: str, inner: str) -> str:
     """The data-file key of the inner tensor ``inner`` of a parameter held as a tensor
-    subclass's inner tensors (Note [packed checkpoints] in engine/groups/packed.py)."""
+    subclass's inner tensors (Note [packed checkpoints] in engine/groups/subclass.py)."""
     return f"{SUBCLASSES}/{main}/{inner}"
 
 

@@ -170,7 +170,7 @@ def _params(c: _Checker, meta: dict, world: int,
 
 def _subclasses(c: _Checker, meta: dict, world: int, seen: set[str]) -> None:
     """Parameters held as a tensor subclass's inner tensors (Note [packed checkpoints] in
-    engine/groups/packed.py): each inner tensor's pieces tile its full shape, as a
+    engine/groups/subclass.py): each inner tensor's pieces tile its full shape, as a
     parameter's do."""
     for main, e in c.dict_(meta.get(SUBCLASSES), SUBCLASSES).items():
         f = f"{SUBCLASSES}.{main}"

@@ -3,7 +3,7 @@
 A parameter's target is one kind of object whatever its gather strategy (Note [one group
 type] in engine/groups/flat.py): a checkpoint asks it for its :class:`Part` s, the flat
 tensors it holds of it (the parameter itself, or each of a tensor subclass's inner
-tensors: Note [packed checkpoints] in engine/groups/packed.py), and saves, reads and
+tensors: Note [packed checkpoints] in engine/groups/subclass.py), and saves, reads and
 writes each the same way.
 """
 

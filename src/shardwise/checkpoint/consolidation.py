@@ -21,7 +21,7 @@ def _entries(ck: VerifiedCheckpoint) -> list[tuple[str, torch.dtype, tuple[int, 
     """(output name, dtype, shape, kind, source key) for every tensor, tied names included."""
     if ck.meta.get(SUBCLASSES):
         raise ShardwiseError(
-            f"{ck.path} holds quantized (tensor subclass) weights "
+            f"{ck.path} holds tensor-subclass weights, such as a QLoRA base's "
             f"({', '.join(list(ck.meta[SUBCLASSES])[:3])}, ...), which plain safetensors "
             f"cannot represent: load it with sw.load_checkpoint, or export the trainable "
             f"weights with sw.full_state_dict (docs/qlora.md)")

@@ -211,7 +211,7 @@ def _nf4_shares(t: ParamTarget, src: Source, key: str,
                 casts: Counter[tuple[torch.dtype, torch.dtype]],
                 allow_nonfinite: bool) -> list[torch.Tensor]:
     """Source weight ``key`` quantized as ``t`` was (its block sizes), then divided as
-    ``sw.shard`` divides it (Note [uneven packed parameters] in engine/groups/packed.py): what
+    ``sw.shard`` divides it (Note [uneven packed parameters] in engine/groups/subclass.py): what
     each rank stores, as one byte row each, its slots one after another.
 
     Raises:

@@ -198,7 +198,7 @@ def _drop_piece(p: torch.Tensor) -> int:
 def _build_subclasses(records: list[ParamRecord], topology: Topology, device: torch.device,
                       settings: Settings, placement: Placement | None) -> FlatGroup:
     """A unit's frozen tensor subclasses (Note [packed parameters] in
-    engine/groups/packed.py): their bytes from ``src_rank``, registered in place of the
+    engine/groups/subclass.py): their bytes from ``src_rank``, registered in place of the
     originals, which are released."""
     g = subclass_group([r.fqns for r in records], [r.slots for r in records],
                        [r.param for r in records], topology, device, settings.cast_inputs,

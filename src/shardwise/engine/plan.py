@@ -43,7 +43,7 @@ class GroupSpec:
 @dataclass
 class UnitPlan:
     """One unit as planned: its flat groups, and the parameters gathered through FSDP2's
-    extension protocol instead (Note [packed parameters] in engine/groups/packed.py)."""
+    extension protocol instead (Note [packed parameters] in engine/groups/subclass.py)."""
 
     name: str
     module: nn.Module

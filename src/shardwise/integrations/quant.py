@@ -2,7 +2,7 @@
 
 ``quantize_nf4(model)`` replaces the weights of a model's linear layers by frozen
 ``NF4Tensor`` s before ``sw.shard``; shardwise then shards, gathers and releases them as
-packed bytes (Note [packed parameters] in engine/groups/packed.py). torchao is imported quietly:
+packed bytes (Note [packed parameters] in engine/groups/subclass.py). torchao is imported quietly:
 on a machine without CUDA its CUDA-only extension libraries are not loaded at all
 (``TORCHAO_FORCE_SKIP_LOADING_SO_FILES``), so they print no "Failed to load" warnings,
 and nothing NF4 needs lives in them.

@@ -245,7 +245,7 @@ def _take_rows(module: nn.Module, state_dict: dict[str, Any], prefix: str,
 def _load_subclasses(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                      *args: Any) -> None:
     """A tensor subclass's value is loaded when its gather strategy takes it (Note
-    [packed checkpoints] in engine/groups/packed.py): its full value (the same subclass
+    [packed checkpoints] in engine/groups/subclass.py): its full value (the same subclass
     with the same settings: what ``sw.full_state_dict`` gives), of which this rank keeps
     its share, or this rank's chunk in a DTensor (what ``model.state_dict()`` gives at
     the same world size); anything else, a full-precision weight first, is refused by

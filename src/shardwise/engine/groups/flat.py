@@ -18,7 +18,7 @@ path and the extension protocol for each parameter:
   That buffer is what the all-gather sends (cast to the compute dtype under mixed
   precision); the full parameter views the gathered buffer, copied out parameter after
   parameter; its gradient is reduce-scattered back into rows of the same layout.
-- ``SubclassBytes`` (engine/groups/packed.py), a frozen tensor subclass implementing
+- ``SubclassBytes`` (engine/groups/subclass.py), a frozen tensor subclass implementing
   FSDP2's extension protocol (a QLoRA base's ``NF4Tensor``, Note [packed parameters]):
   its shard is its inner tensors' bytes; ``fsdp_pre_all_gather`` says what it sends,
   which travels as bytes, and ``fsdp_post_all_gather`` builds the full tensor from what
@@ -62,7 +62,7 @@ It would need:
   values again; nothing float8 is ever stepped or saved (a checkpoint holds the rows).
 
 What keeps that door open today is a refusal at ``shard``, before anything changes:
-``subclass_refusal()`` in engine/groups/packed.py (through :func:`refusal`, which
+``subclass_refusal()`` in engine/groups/subclass.py (through :func:`refusal`, which
 ``shard`` asks of every parameter) refuses a tensor subclass that requires grad,
 naming it ("shardwise gathers tensor subclasses through the extension protocol for
 frozen weights only"), rather than gathering it as frozen bytes whose gradient would be
@@ -101,9 +101,12 @@ from .copies import (
 )
 from .exact_reduction import ExactReduction
 from .layout import Piece, ShardLayout, Slot, build_layout, contiguous_stride
-from .packed import (
+from .parts import DeviceStorage, Placement, Precision, SecondaryShard, ShardStorage
+from .reduce import GradReduction, Group
+from .subclass import (
     ByteStorage,
     cuts_agreed,
+    group_view,
     not_gathered,
     received,
     send_bytes,
@@ -113,8 +116,6 @@ from .packed import (
     twin_shard,
     uses_protocol,
 )
-from .parts import DeviceStorage, Placement, Precision, SecondaryShard, ShardStorage
-from .reduce import GradReduction, Group
 from .tensor_parallel import TpSpec
 
 
@@ -188,10 +189,10 @@ class ShardedParam:
     shard: nn.Parameter   # what the module and the optimizer hold while sharded
     # The full parameter while gathered; a tensor subclass's is built at its first gather
     # (until then, and again after ``leave_full``, an empty one on the meta device:
-    # ``not_gathered`` in engine/groups/packed.py).
+    # ``not_gathered`` in engine/groups/subclass.py).
     full: nn.Parameter
     # Its gather strategy: :class:`Rows`, or a tensor subclass's ``SubclassBytes``
-    # (engine/groups/packed.py).
+    # (engine/groups/subclass.py).
     gather: Any
     unit: Any = None  # its Unit (engine/iteration/unit.py, which imports this module)
     group: Any = None  # the group holding it
@@ -846,11 +847,8 @@ class FlatGroup:
         """Plain values for ``sw.inspect``'s ``GroupView`` (its parameters are read
         there, one by one), or, for tensor subclasses, its ``PackedView``."""
         if not self.by_rows:
-            return {"kind": "packed", "names": tuple(p.fqns[0] for p in self.params),
-                    "types": tuple(p.gather.kind.__name__ for p in self.params),
-                    "numel": sum(p.numel for p in self.params),
-                    "shard_bytes": self.shard_bytes, "full_bytes": self.full_bytes,
-                    "full_allocated": self.full_is_allocated()}
+            return group_view(self.params, self.shard_bytes, self.full_bytes,
+                              self.full_is_allocated())
         params_tier, optimizer_tier = self.storage.tiers()
         return {"kind": "flat", "dtype": self.dtype, "compute_dtype": self.compute_dtype,
                 "reduce_dtype": self.reduce_dtype, "requires_grad": self.requires_grad,
@@ -969,7 +967,7 @@ def gathers_bytes(p: torch.Tensor) -> bool:
 def refusal(name: str, p: torch.Tensor) -> str | None:
     """Why parameter ``name`` cannot be sharded, or ``None``: a plain parameter is
     gathered by rows; anything else must be a frozen tensor subclass implementing the
-    extension protocol (``subclass_refusal`` in engine/groups/packed.py says why not)."""
+    extension protocol (``subclass_refusal`` in engine/groups/subclass.py says why not)."""
     return None if _plain(p) else subclass_refusal(name, p)
 
 
@@ -978,7 +976,7 @@ def subclass_group(names: list[list[str]], slots: list[list[tuple[nn.Module, str
                    compute_dtype: torch.dtype | None, src_rank: int, exact: bool = False,
                    placement: Placement | None = None) -> FlatGroup:
     """A :class:`FlatGroup` of frozen tensor subclasses (Note [packed parameters] in
-    engine/groups/packed.py), each gathered as bytes by its ``SubclassBytes``, holding
+    engine/groups/subclass.py), each gathered as bytes by its ``SubclassBytes``, holding
     ``src_rank``'s values: the one place such a group is made. ``compute_dtype``:
     MixedPrecision's ``param_dtype``, for the protocol; ``exact``: the model's reduction
     (the same kind in every group, though this one reduces nothing); ``placement``: the

@@ -15,7 +15,7 @@ QLoRA exists for bases whose full-precision weights do not fit, so under
   views of one zero (no memory); one the rule leaves out becomes an ordinary partitioned
   parameter holding zeros. Both are marked *awaiting load*.
 - ``sw.shard`` shards a placeholder like any NF4 weight (torch.chunk on dim 0, or by bytes
-  when that is uneven: Note [uneven packed parameters] in engine/groups/packed.py; one byte
+  when that is uneven: Note [uneven packed parameters] in engine/groups/subclass.py; one byte
   buffer per unit), so each rank's NF4 share is allocated once, at its final size.
 - ``sw.load_pretrained`` fills the shares weight by weight, in rounds of N: in a round,
   rank r reads the r-th weight whole, quantizes it as ``quantize_nf4`` would and scatters
@@ -101,7 +101,7 @@ def nf4_module() -> Any:
 # (3.3 against 15.6 ms for the codes of that weight, one core), the same bits.
 #
 # The full weight a unit's gather builds (``SubclassBytes.after_gather`` in
-# engine/groups/packed.py, once per group, refilled in place after) becomes an instance
+# engine/groups/subclass.py, once per group, refilled in place after) becomes an instance
 # of ``NF4ByPairs``, a subclass of torchao's ``NF4Tensor`` whose ``get_original_weight``
 # (which torchao's linear and its ``to(dtype)`` call) is this: only weights shardwise
 # gathers, nothing global; ``isinstance(w, NF4Tensor)`` holds, whatever torchao's ops

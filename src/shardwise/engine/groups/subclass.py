@@ -229,7 +229,7 @@ def cut(name: str, p: torch.Tensor, n: int, compute_dtype: torch.dtype | None = 
                              f"dim 0, and {type(p).__qualname__}.__tensor_unflatten__ "
                              f"failed to rebuild it from its own inner tensors ({err}), "
                              f"so it cannot be divided by bytes either "
-                             f"(Note [uneven packed parameters] in engine/groups/packed.py)"
+                             f"(Note [uneven packed parameters] in engine/groups/subclass.py)"
                              ) from err
     if type(rebuilt) is not type(p) or (rebuilt.shape, rebuilt.dtype) != (p.shape, p.dtype):
         raise ShardwiseError(f"{name} ({kind}): __tensor_unflatten__ rebuilt a "
@@ -239,7 +239,7 @@ def cut(name: str, p: torch.Tensor, n: int, compute_dtype: torch.dtype | None = 
         raise ShardwiseError(
             f"{name} ({kind}, {p.dtype}) does not split into {n} equal shards, so it is "
             f"divided by bytes and rebuilt whole, as it was quantized "
-            f"(Note [uneven packed parameters] in engine/groups/packed.py); "
+            f"(Note [uneven packed parameters] in engine/groups/subclass.py); "
             f"MixedPrecision(param_dtype={compute_dtype}) cannot apply to it. Build the "
             f"model in {compute_dtype} before quantizing, or shard without param_dtype, or "
             f"choose a world size over which its rows and blocks divide")
@@ -601,7 +601,7 @@ class SubclassBytes:
         if mine is None:
             return (f"{name} is a DTensor holding a {type(local).__qualname__} chunk, but at "
                     f"this world size the weight is divided by bytes, not into chunks (Note "
-                    f"[uneven packed parameters] in engine/groups/packed.py): load its full "
+                    f"[uneven packed parameters] in engine/groups/subclass.py): load its full "
                     f"value (sw.full_state_dict)")
         same = (type(local) is type(mine) and tuple(value.shape) == tuple(shape)
                 and tuple(local.shape) == tuple(mine.shape)
@@ -657,6 +657,18 @@ def cuts_agreed(names: list[str], originals: list[torch.Tensor], topology: Topol
     return cuts
 
 
+def group_view(params: list[Any], shard_bytes: int, full_bytes: int,
+               full_allocated: bool) -> dict[str, Any]:
+    """Plain values for ``sw.inspect`` of a group of subclass parameters, each gathered
+    by its ``SubclassBytes``: a ``PackedView``, of the kind that ``UnitView.packed`` (the
+    API's name) lists apart from flat groups."""
+    return {"kind": "packed", "names": tuple(p.fqns[0] for p in params),
+            "types": tuple(p.gather.kind.__name__ for p in params),
+            "numel": sum(p.numel for p in params),
+            "shard_bytes": shard_bytes, "full_bytes": full_bytes,
+            "full_allocated": full_allocated}
+
+
 def store_layout(cuts: list[Cut]) -> ShardLayout:
     """Where each inner tensor's slot lies in every rank's bytes (the same on each)."""
     return build_layout([(b,) for c in cuts for b in c.slot_bytes()], 1)
@@ -687,7 +699,7 @@ def subclass_shard(fqns: list[str], orig: torch.Tensor, c: Cut, local: torch.Ten
         about = (f"{fqns[0]} is a quantized weight ({type(orig).__qualname__} "
                  f"{tuple(orig.shape)}) divided among {world} ranks by bytes, its rows "
                  f"and blocks not splitting into {world} equal shards "
-                 f"(Note [uneven packed parameters] in engine/groups/packed.py)")
+                 f"(Note [uneven packed parameters] in engine/groups/subclass.py)")
         shard = nn.Parameter(ByteShard(orig.shape, orig.dtype, device, about),
                              requires_grad=False)
         copy_user_attributes(orig, shard, besides=fresh)
