@@ -151,19 +151,60 @@ def test_no_engine_folder_holds_more_than_twelve_modules():
     assert not big, f"engine folders over {MAX_MODULES_PER_FOLDER} modules: {big}"
 
 
+OFFLOAD = "shardwise.engine.groups.offload"
+# What the offload package may take from the engine: the allocator, and from the groups'
+# parts the interfaces it implements and the one fact its step shares with the plain step.
+OFFLOAD_TAKES = {"shardwise.engine.groups.alloc": None,  # anything
+                 "shardwise.engine.groups.parts": {"Placement", "ShardStorage",
+                                                   "OptimizerStep", "PER_PARAMETER"}}
+
+
+def names_taken(name: str, path: pathlib.Path, target: str) -> set[str]:
+    """The names ``name``'s ``from ... import`` statements take from module ``target``."""
+    here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    taken: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            mod = (".".join(here[: len(here) - (node.level - 1)]
+                            + ([node.module] if node.module else []))
+                   if node.level else node.module or "")
+            if mod == target:
+                taken.update(a.name for a in node.names)
+    return taken
+
+
 def test_offload_sits_below_the_groups():
     """Inside the engine, the offload package is a part the groups are given
-    (engine/groups/parts.py): it imports nothing of the engine but the allocator and the
-    parts' interfaces it implements (``Placement``, ``ShardStorage``), never the units
-    or groups that use it (issue 42, item 7)."""
+    (engine/groups/parts.py): it imports nothing of the engine but the allocator and, of
+    the parts, the interfaces it implements (``Placement``, ``ShardStorage``,
+    ``OptimizerStep``) and ``PER_PARAMETER``; never the units or groups that use it
+    (issue 42, item 7)."""
     known = modules()
-    allowed = {"shardwise.engine.groups.alloc", "shardwise.engine.groups.parts"}
-    upward = [f"{m} imports {t}" for m, path in known.items()
-              if m.startswith("shardwise.engine.groups.offload")
-              for t in sorted(imports(m, path, known))
-              if t.startswith("shardwise.engine.") and t not in allowed
-              and not t.startswith("shardwise.engine.groups.offload")]
+    upward = []
+    for m, path in known.items():
+        if not m.startswith(OFFLOAD):
+            continue
+        for t in sorted(imports(m, path, known)):
+            if not t.startswith("shardwise.engine.") or t.startswith(OFFLOAD):
+                continue
+            if t not in OFFLOAD_TAKES:
+                upward.append(f"{m} imports {t}")
+                continue
+            extra = names_taken(m, path, t) - (OFFLOAD_TAKES[t] or names_taken(m, path, t))
+            if extra:
+                upward.append(f"{m} takes {sorted(extra)} from {t}")
     assert not upward, "offload reaches up into the engine:\n" + "\n".join(upward)
+
+
+def test_the_engine_asks_a_placement_and_names_no_tier():
+    """Issue 52: outside the offload package the engine imports nothing of it; it asks a
+    ``Placement`` (engine/groups/parts.py) for a group's storage and its part of the step.
+    Only the layers above it (``sharding``, the planner, the public names) import it."""
+    known = modules()
+    inside = [f"{m} imports {t}" for m, path in known.items()
+              if m.startswith("shardwise.engine.") and not m.startswith(OFFLOAD)
+              for t in sorted(imports(m, path, known)) if t.startswith(OFFLOAD)]
+    assert not inside, "engine modules importing offload:\n" + "\n".join(inside)
 
 
 # Issue 42, item 3: the operations on a sharded model ask a unit's groups through their
@@ -171,7 +212,7 @@ def test_offload_sits_below_the_groups():
 # internals: a group's offload storage, a tier's placement, the unit's state enum, or
 # which kind of group it is.
 GROUP_INTERNALS = {"store", "UnitState", "FlatGroup", "PackedGroup", "GroupStorage",
-                   "placement", "Placement"}
+                   "placement", "Placement", "Tiers", "OptimizerStep"}
 THROUGH_THE_INTERFACE = ["shardwise.checkpoint", "shardwise.inspection", "shardwise.grads",
                          "shardwise.gather", "shardwise.consistency"]
 

@@ -709,3 +709,20 @@ def test_the_pairs_table_reads_no_value_on_the_host_off_the_cpu():
     assert quads.dtype == table.dtype
     on_cpu = _quads(table)
     assert torch.equal(on_cpu[0x21], table[[2, 1, 0, 0]])  # low byte first, high nibble first
+
+
+def test_the_pairs_table_is_cached_by_bits():
+    """A table holding -0.0 is not the one holding 0.0 (they compare equal), and one
+    holding NaN is found again (NaN equals nothing): the cache keys on bits."""
+    from shardwise.engine.groups.quantize import _TABLES, _quads
+
+    plus = torch.linspace(-1, 1, 16).to(torch.bfloat16)
+    plus[7] = 0.0
+    minus = plus.clone()
+    minus[7] = -0.0
+    assert torch.equal(_quads(plus)[0x7777].view(torch.int16), plus[[7] * 4].view(torch.int16))
+    assert torch.equal(_quads(minus)[0x7777].view(torch.int16), minus[[7] * 4].view(torch.int16))
+    nan = plus.clone()
+    nan[3] = float("nan")
+    before = len(_TABLES)
+    assert _quads(nan) is _quads(nan) and len(_TABLES) == before + 1

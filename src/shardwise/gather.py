@@ -370,8 +370,8 @@ class _GatherSession:
                     # shard shares with the full tensor goes (rank r's then arrive).
                     _restore(self.subclass_kept)
                 _apply_subclass_edits(self.comm, self.subclass_versions,
-                              [s for s in replaced if not s.param.by_rows],
-                              self.modifier_rank)
+                                      [s for s in replaced if not s.param.by_rows],
+                                      self.modifier_rank)
         finally:
             for slot in replaced:
                 slot.module._parameters[slot.attr] = slot.param.full

@@ -67,7 +67,8 @@ from .guards import check_step
 
 _installed = False
 # The placements' parts of the step (Note [the optimizer step]): one per kind of
-# placement a model of this process was built with, in the order first met.
+# placement a model of this process was built with, in the order first met. Builds run
+# on the main thread (``sw.shard`` is a collective), so the check below needs no lock.
 _placement_steps: list[OptimizerStep] = []
 
 

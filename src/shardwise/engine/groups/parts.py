@@ -96,7 +96,11 @@ PER_PARAMETER = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adama
 class OptimizerStep(Protocol):
     """A placement's own part of every optimizer step (Note [the optimizer step] in
     engine/entry_points/step.py): what its tiers need before the optimizer's own call and
-    after it. One object per kind of placement, the same for all its instances."""
+    after it. One object per kind of placement, the same for all its instances. Every
+    part's ``after`` runs after every step, whatever its ``before`` returned, so an
+    ``after`` must do nothing for a step its ``before`` did not touch; and at most one
+    part may take a step over (the first ``before`` that returns arguments ends the
+    round: the offload package's is the only part today)."""
 
     def before(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict
                ) -> tuple[tuple, dict] | None:
@@ -121,6 +125,11 @@ class Placement(Protocol):
     @property
     def optimizer(self) -> str:
         """The tier of the master shards, their gradients and the optimizer's state."""
+
+    @property
+    def folder(self) -> Any:
+        """Where a tier on disk keeps this rank's files (an object whose ``buffer``
+        makes one), or ``None`` when no state is on disk."""
 
     def storage(self, numel: int, dtype: torch.dtype, compute_dtype: torch.dtype
                 ) -> ShardStorage:

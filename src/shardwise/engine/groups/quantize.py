@@ -95,10 +95,12 @@ def nf4_module() -> Any:
 # are stored little-endian) decodes them in one embedding lookup that writes the values
 # already interleaved; each block is then scaled by its dequantized scaler, the same
 # product of the same two numbers torchao takes, so every bit is torchao's
-# (tests/test_quantized.py compares them). 18-25 ms for that weight. In bf16 or fp16 a
+# (tests/test_quantized.py compares them): 18-25 ms for that weight. In bf16 or fp16 a
 # row of four values is one 8-byte word, and the table is read as 65536 words: torch's
-# index_select of words is 4-5x faster on CPU than the embedding's copy of 4-value rows
-# (3.3 against 15.6 ms for the codes of that weight, one core), the same bits.
+# index_select of words is 3-5x faster on CPU than the embedding's copy of 4-value rows
+# (for the codes of that weight on one core, 3.3 against 15.6 ms with nothing else
+# running, 2.3 against 7.3 under load), the same bits; about 7 ms for the weight in all,
+# its scales included.
 #
 # The full weight a unit's gather builds (``SubclassBytes.after_gather`` in
 # engine/groups/subclass.py, once per group, refilled in place after) becomes an instance
@@ -118,12 +120,14 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 
 def _quads(table: torch.Tensor) -> torch.Tensor:
     """The 65536 x 4 table of the values of every two bytes of codes. Cached by the 16
-    values on the host (NF4's are the same for every weight); on an accelerator made
-    anew at each call, for reading the values there would stall the host until the
-    device caught up, at every dequantization, and making it is a few small kernels."""
+    values' bits on the host (NF4's are the same for every weight; by bits, for -0.0 is
+    not 0.0 and a NaN equals nothing); on an accelerator made anew at each call, for
+    reading the values there would stall the host until the device caught up, at every
+    dequantization, and making it is a few small kernels."""
     if table.device.type != "cpu":
         return _make_quads(table)
-    key = (table.dtype, tuple(table.tolist()))
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[table.element_size()]
+    key = (table.dtype, tuple(table.contiguous().view(bits).tolist()))
     if key not in _TABLES:
         _TABLES[key] = _make_quads(table)
     return _TABLES[key]

@@ -828,9 +828,9 @@ class ByteStorage(DeviceStorage):
         return False  # frozen: nothing for an optimizer to step (Note [plain step])
 
     def place(self, placement: Any, views: list[torch.Tensor]) -> None:
-        """Move the bytes to ``placement``'s parameter tier (an
-        ``engine.groups.offload.Placement``), re-pointing ``views`` (every tensor viewing
-        them, once each) at their new home."""
+        """Move the bytes to ``placement``'s parameter tier (a ``Placement``,
+        engine/groups/parts.py, such as offload's ``Tiers``), re-pointing ``views`` (every
+        tensor viewing them, once each) at their new home."""
         tier = placement.params
         if tier == "device" or self.device.type != "cpu":
             return

@@ -382,7 +382,6 @@ def _storage(p: torch.Tensor) -> tuple[Any, GroupStorage | None]:
     return sp, storage if isinstance(storage, GroupStorage) else None
 
 
-
 def _buckets(optimizer: torch.optim.Optimizer
              ) -> tuple[list[tuple[list[GroupStorage], set[int]]], set[int]]:
     """The optimizer's parameters by disk-offloaded unit, in unit order, and the rest."""
