@@ -198,7 +198,9 @@ def child(folder: str, steps: int, seq: int) -> None:
     adam = 2 * sum(gv.shard_bytes for u in view.units for gv in u.groups if gv.requires_grad)
     mib = 2**20
     target = constant + (view.packed_bytes + 2 * layer_numel + plain + adam) / mib
-    print(json.dumps({
+    # One write of the whole line: ranks share the pipe, and print's two writes (the text,
+    # then the newline) of two ranks can interleave into one unparsable line.
+    sys.stdout.write(json.dumps({
         "rank": rank, "world": view.world_size, "layers": config.num_hidden_layers,
         "params_b": round(sum(math.prod(s) for _, s in _shapes(config)) / 1e9, 3),
         "peak_mib": round(status_mib("VmHWM")), "load_peak_mib": round(load_peak),
@@ -208,7 +210,8 @@ def child(folder: str, steps: int, seq: int) -> None:
         "plain_share_mib": round(plain / mib), "adam_mib": round(adam / mib),
         "target_mib": round(target), "build_s": round(build_s, 1),
         "shard_s": round(shard_s, 1), "load_s": round(load_s, 1),
-        "step_s": [round(s, 3) for s in step_s], "losses": losses}), flush=True)
+        "step_s": [round(s, 3) for s in step_s], "losses": losses}) + "\n")
+    sys.stdout.flush()
 
 
 def train(model, vocab: int, steps: int, seq: int, seed: int,

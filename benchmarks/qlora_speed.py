@@ -55,7 +55,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in shardwise's ranks only (repeatable), e.g. "
+                         "MALLOC_MMAP_THRESHOLD_=33554432 (docs/qlora.md, speed)")
     args = ap.parse_args()
+    if any("=" not in e for e in args.env):
+        ap.error("--env takes NAME=VALUE")
+    env = dict(e.split("=", 1) for e in args.env)
     if args.steps < 2:
         ap.error("--steps must be at least 2: the first step is warm-up")
     systems = ["peft+bitsandbytes, 1 process"] + [f"shardwise, {w} ranks" for w in args.world]
@@ -65,15 +71,16 @@ def main() -> None:
         medians[systems[0]].append(statistics.median(
             run_bnb(args.bnb_python, args.folder, args.steps, args.seq)[1:]))
         for w, name in zip(args.world, systems[1:]):
-            rows = run_shardwise(args.folder, w, args.steps, args.seq)
+            rows = run_shardwise(args.folder, w, args.steps, args.seq, env=env)
             # A step ends when the slowest rank's does: each step's largest time.
             per_step = [max(r["step_s"][i] for r in rows) for i in range(1, args.steps)]
             medians[name].append(statistics.median(per_step))
         print("round medians (s): " + ", ".join(f"{s} {m[-1]:.3f}" for s, m in medians.items()),
               flush=True)
     base = args.seq / statistics.median(medians[systems[0]])
+    extra = "".join(f" --env {e}" for e in args.env)
     print(f"\n`qlora_speed.py {args.folder} --world {' '.join(map(str, args.world))} "
-          f"--rounds {args.rounds} --steps {args.steps} --seq {args.seq}`\n")
+          f"--rounds {args.rounds} --steps {args.steps} --seq {args.seq}{extra}`\n")
     print("| system | step s (median of rounds) | rounds | tokens/s per core | "
           "against bitsandbytes |")
     print("|---|---|---|---|---|")
