@@ -410,12 +410,19 @@ def misplaced_notes(files: dict[str, str], mentioned_in: list[str]) -> list[str]
     """The mentions "Note [x] in path" in ``mentioned_in`` whose path (relative to the
     package, or to the repository) names no such Note; ``files`` maps paths to texts."""
     wrong = []
+    # The package's own top-level names (its folders and modules): a path starting with
+    # one is the package's, and a file of it that does not exist is a stale mention (a
+    # moved or deleted module), not a file outside the package.
+    ours = {p.split("/")[2] for p in files if p.startswith("src/shardwise/")}
     for text in mentioned_in:
         for m in _NOTE_WHERE.finditer(re.sub(r"(?m)^\s*#", " ", text)):
             name, where = " ".join(m.group(1).split()), m.group(2)
             candidates = [t for p, t in files.items()
                           if p == where or p.endswith("/" + where)]
             if not candidates:
+                inside = where.removeprefix("src/shardwise/").split("/")[0] in ours
+                if inside and "/" in where.removeprefix("src/shardwise/"):
+                    wrong.append(f"Note [{name}] in {where} (no such file)")
                 continue  # a file outside the package (torch's, a test's): not checked
             named = {" ".join(n.group(1).split()) for t in candidates
                      for n in _NOTE_NAMED.finditer(t)}
@@ -442,3 +449,7 @@ def test_the_note_place_test_sees_a_moved_note():
     assert misplaced_notes(files, ["see Note [one] in engine/a.py"]) == []
     assert misplaced_notes(files, ["see Note [one] in b.py, and Note [one]\n# (engine/a.py)"]) \
         == ["Note [one] in b.py"]
+    # A module that moved or was deleted leaves its mentions behind: they are caught.
+    assert misplaced_notes(files, ["see Note [one] in engine/gone.py"]) \
+        == ["Note [one] in engine/gone.py (no such file)"]
+    assert misplaced_notes(files, ["torch's Note [one] in torch/x/y.py"]) == []
