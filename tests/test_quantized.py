@@ -203,7 +203,8 @@ def test_nf4_forward_matches_unsharded_and_fsdp2():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape,block,scaler_block", [((96, 64), 64, 8), ((40, 96), 32, 4),
-                                                      ((8, 2048), 64, 256)])
+                                                      ((8, 2048), 64, 256),
+                                                      ((576, 512), 64, 256)])  # 2.25 slices
 def test_dequantizing_by_pairs_gives_torchaos_bits(dtype, shape, block, scaler_block):
     """Note [NF4 dequantized by pairs]: every bit of torchao's own dequantization, at
     several dtypes, block sizes and shapes; a layout it does not know keeps torchao's."""
