@@ -163,7 +163,7 @@ def dequantize_by_pairs(t: Any) -> torch.Tensor:
         # mapped fresh and faulted in at each call under a bounded heap (Note [a fixed
         # mmap threshold] in engine/groups/alloc.py): a quarter of the lookup's time.
         words = quads.view(torch.int64).view(-1)
-        values = torch.empty(pairs.numel(), dtype=torch.int64)
+        values = torch.empty(pairs.numel(), dtype=torch.int64, device=pairs.device)
         for i in range(0, pairs.numel(), _PAIRS_PER_SLICE):
             torch.index_select(words, 0, pairs[i:i + _PAIRS_PER_SLICE].to(torch.int32),
                                out=values[i:i + _PAIRS_PER_SLICE])
