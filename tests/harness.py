@@ -25,6 +25,7 @@ So every fork from pytest's process goes through :func:`forking`, which
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import logging
 import multiprocessing as mp
@@ -130,6 +131,15 @@ def forking() -> Iterator[None]:
 
 def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) -> None:
     code = 0
+    # Note [a rank's last words]: this rank's standard error goes to a file the parent
+    # reads back, and a fatal signal's Python stacks (faulthandler) with it.
+    err = os.open(os.path.join(workdir, f"rank{rank}.err"),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(err, 2)
+    os.close(err)
+    # Python's writes too (pytest pointed sys.stderr at its own capture), in order.
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's
+    faulthandler.enable(file=2, all_threads=True)
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -153,6 +163,31 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) 
             pickle.dump(result, f)
     finally:
         os._exit(code)  # skip pytest's atexit handlers inherited through fork
+
+
+# Note [a rank's last words]
+# A rank killed by a signal (an abort in gloo's or torch's C++ code, a corrupted heap)
+# writes no result; its only trace is what it printed on standard error: a C++ message
+# ("terminate called after ...") and faulthandler's stacks of every thread. Under
+# pytest those went to the terminal between progress dots, and CI keeps only the end of
+# its log, so a rank that died once in CI left "exit code -6" and nothing else. Each
+# rank's standard error therefore goes to a file; the parent writes it back to its own
+# standard error (pytest shows it with the test, as before) and puts its last lines in
+# the failure.
+LAST_WORDS = 60
+
+
+def _relay(workdir: str, rank: int) -> str:
+    """Write what ``rank`` printed on standard error to this process's, and return it."""
+    try:
+        with open(os.path.join(workdir, f"rank{rank}.err"), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:  # the rank died before it opened the file
+        return ""
+    view = memoryview(data)
+    while view:  # a pipe may take less than the whole at once
+        view = view[os.write(2, view):]
+    return data.decode(errors="replace")
 
 
 # Seconds the other ranks get to finish after one fails or dies. 10 s was enough on a quiet
@@ -190,13 +225,16 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
             if p.is_alive():
                 p.kill()
             p.join()
+        said = [_relay(workdir, r) for r in range(world_size)]
         results, errors = [], []
         for r in range(world_size):
             path = os.path.join(workdir, f"rank{r}.pkl")
             if not os.path.exists(path):
                 results.append(None)
                 if r not in hung and not deaths_expected:
-                    errors.append(f"--- rank {r} died (exit code {procs[r].exitcode}) ---")
+                    last = "\n".join(said[r].splitlines()[-LAST_WORDS:])
+                    errors.append(f"--- rank {r} died (exit code {procs[r].exitcode}); "
+                                  f"the end of its standard error: ---\n{last}")
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 
 import pytest
 import torch.distributed as dist
-from harness import ForkHazard, c10d_threads, forking, other_threads, run_ranks
+from harness import ForkHazard, RankFailure, c10d_threads, forking, other_threads, run_ranks
 
 
 def _collects(rank, world):
@@ -118,3 +119,23 @@ def test_a_process_group_in_pytests_process_is_refused_before_forking():
     finally:
         dist.destroy_process_group()
     assert c10d_threads() == []
+
+
+def _aborts(rank, world):
+    dist.barrier()
+    if rank == 0:
+        print("about to abort", file=sys.stderr, flush=True)
+        os.abort()  # as a C++ assertion or a corrupted heap ends a rank
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_last_words_in_the_failure(capfd):
+    # Note [a rank's last words]: before, CI's log ended in "rank 0 died (exit code -6)".
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_aborts, 2, timeout=60)
+    said = str(info.value)
+    assert "rank 0 died (exit code -6)" in said
+    assert "about to abort" in said
+    # faulthandler's stack names the line that aborted
+    assert "Fatal Python error: Aborted" in said and "in _aborts" in said
+    assert "about to abort" in capfd.readouterr().err  # still shown with the test
