@@ -27,13 +27,16 @@ every parameter, the frozen ones included.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import importlib.util
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from harness import run_ranks
 from torch.distributed.tensor import DTensor
@@ -591,38 +594,74 @@ def _reference(row: str, s: System) -> list[float]:
 def _run(rank: int, world: int, mode: str, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for row, program in ROWS.items():
-        prepare = getattr(program, "prepare", None)
-        if (row, mode) in REFUSED:  # the refusal is the outcome: no reference needed
-            try:
-                program(System("sw", mode, rank, tmp, prepare), True)
-                out[row] = ("trained", 0.0, None)
-            except ShardwiseError as e:
-                out[row] = ("refused", str(e))
-            except Exception as e:  # noqa: BLE001 - reported by the test, row by row
-                out[row] = ("crashed", f"{type(e).__name__}: {e}")
-            continue
-        ref = System("ddp", mode, rank, tmp, prepare)
-        try:
-            ref_losses = _reference(row, ref)
-        except Exception as e:  # noqa: BLE001 - reported by the test, row by row
-            out[row] = ("DDP crashed", f"{type(e).__name__}: {e}")
-            continue
-        ours = System("sw", mode, rank, tmp, prepare)
-        try:
-            losses = program(ours, True)
-        except ShardwiseError as e:
-            out[row] = ("refused", str(e))
-            continue
-        except Exception as e:  # noqa: BLE001 - reported by the test, row by row
-            out[row] = ("crashed", f"{type(e).__name__}: {e}")
-            continue
-        effect = None
-        if mode == "mixed":  # how far the entry point moves DDP's result (see _check)
-            off = System("ddp", mode, rank, tmp, prepare)
-            effect = _distance(ROWS[row](off, False), ref_losses, off.state(), ref.state())
-        out[row] = ("trained", _distance(losses, ref_losses, ours.state(), ref.state()),
-                    effect)
+        out[row] = _row(row, program, mode, rank, tmp)
+        _agree(row, out[row], rank, world)
     return out
+
+
+def _row(row: str, program: Callable[[System, bool], list[float]], mode: str, rank: int,
+         tmp: str) -> tuple:
+    """One row's outcome on this rank: ("trained", distance from DDP, effect), or
+    ("refused" | "crashed" | "DDP crashed", the error)."""
+    prepare = getattr(program, "prepare", None)
+    if (row, mode) in REFUSED:  # the refusal is the outcome: no reference needed
+        try:
+            program(System("sw", mode, rank, tmp, prepare), True)
+            return ("trained", 0.0, None)
+        except ShardwiseError as e:
+            return ("refused", str(e))
+        except Exception as e:  # noqa: BLE001 - reported by the test, row by row
+            return _crashed("crashed", e)
+    ref = System("ddp", mode, rank, tmp, prepare)
+    try:
+        ref_losses = _reference(row, ref)
+    except Exception as e:  # noqa: BLE001 - reported by the test, row by row
+        return _crashed("DDP crashed", e)
+    ours = System("sw", mode, rank, tmp, prepare)
+    try:
+        losses = program(ours, True)
+    except ShardwiseError as e:
+        return ("refused", str(e))
+    except Exception as e:  # noqa: BLE001 - reported by the test, row by row
+        return _crashed("crashed", e)
+    effect = None
+    if mode == "mixed":  # how far the entry point moves DDP's result (see _check)
+        off = System("ddp", mode, rank, tmp, prepare)
+        effect = _distance(ROWS[row](off, False), ref_losses, off.state(), ref.state())
+    return ("trained", _distance(losses, ref_losses, ours.state(), ref.state()), effect)
+
+
+def _crashed(kind: str, e: Exception) -> tuple[str, str]:
+    traceback.print_exc()  # the whole traceback, on this rank's standard error
+    return (kind, f"{type(e).__name__}: {e}")
+
+
+# Note [rows end alike on every rank]
+# A row that raised on one rank only leaves the ranks at different collectives: the
+# next row's first collectives then pair messages of different sizes, and gloo aborts
+# the process. This test once failed so in CI: rank 0 died with SIGABRT, rank 1 failed
+# in the all-gather of its state dict, and which row raised, and what, was lost. So
+# each rank says how its row ended through the process group's store (no collective)
+# and waits for its peers' word before any collective of the next row: where they
+# differ, every rank fails here, naming the outcomes; a peer that never ends the row
+# (it waits in a collective this rank left) is reported after PEER_WAIT seconds.
+PEER_WAIT = 120.0
+
+
+def _agree(row: str, outcome: tuple, rank: int, world: int) -> None:
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"entry-points/{row}/{r}" for r in range(world)]
+    store.set(keys[rank], outcome[0])
+    try:
+        store.wait(keys, datetime.timedelta(seconds=PEER_WAIT))
+    except Exception as e:  # noqa: BLE001 - a timeout, said with the row and outcome
+        raise AssertionError(
+            f"rank {rank}: row {row!r} ended here in {outcome[:2]}, and a peer did not "
+            f"end it within {PEER_WAIT:g} s ({e})") from e
+    kinds = [store.get(k).decode() for k in keys]
+    if len(set(kinds)) > 1:
+        raise AssertionError(f"row {row!r} ended differently on the ranks ({kinds}); on "
+                             f"rank {rank}: {outcome[:2]}")
 
 
 def _distance(losses: list[float], ref_losses: list[float],
