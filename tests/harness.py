@@ -31,6 +31,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import threading
@@ -140,6 +141,7 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) 
     # Python's writes too (pytest pointed sys.stderr at its own capture), in order.
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's
     faulthandler.enable(file=2, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)  # a hung rank's stacks
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -173,7 +175,8 @@ def _child(fn: Callable, rank: int, world_size: int, args: tuple, workdir: str) 
 # its log, so a rank that died once in CI left "exit code -6" and nothing else. Each
 # rank's standard error therefore goes to a file; the parent writes it back to its own
 # standard error (pytest shows it with the test, as before) and puts its last lines in
-# the failure.
+# the failure. A rank still running at the deadline is first asked for its stacks
+# (SIGUSR1, which faulthandler answers), so a hang says where each rank waited.
 LAST_WORDS = 60
 
 
@@ -221,6 +224,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
                 break
             time.sleep(0.02)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for r in hung:  # where each hung rank waits, on its standard error, then kill it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[r].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)  # faulthandler writes from its signal handler at once
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -245,6 +253,10 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240,
             errors.append(f"--- ranks {hung} still running after "
                           f"{'a failure elsewhere' if first_failure else f'{timeout}s'}: "
                           f"killed ---")
+            for r in hung:
+                last = "\n".join(said[r].splitlines()[-LAST_WORDS:])
+                errors.append(f"--- where rank {r} was, the end of its standard error: "
+                              f"---\n{last}")
         if errors:
             raise RankFailure("\n".join(errors))
         return results

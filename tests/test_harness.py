@@ -14,6 +14,7 @@ import datetime
 import gc
 import os
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -139,3 +140,18 @@ def test_a_rank_killed_by_a_signal_leaves_its_last_words_in_the_failure(capfd):
     # faulthandler's stack names the line that aborted
     assert "Fatal Python error: Aborted" in said and "in _aborts" in said
     assert "about to abort" in capfd.readouterr().err  # still shown with the test
+
+
+def _one_sleeps(rank, world):
+    if rank == 1:
+        time.sleep(600)  # a rank that never comes back, as one stuck in a collective
+    return rank
+
+
+def test_a_hung_rank_is_reported_with_where_it_waited():
+    # Note [a rank's last words]: before, "ranks [1] still running after 3s: killed".
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_one_sleeps, 2, timeout=3)
+    said = str(info.value)
+    assert "ranks [1] still running after 3s: killed" in said
+    assert "where rank 1 was" in said and "in _one_sleeps" in said
